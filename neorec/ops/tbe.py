@@ -1,0 +1,369 @@
+"""Table-batched embedding (TBE): pooled lookups of many tables in one call, backward fused with
+the row optimizer.
+
+All tables of a module live in one flat float32 ``weights`` tensor (table ``t`` occupies
+``weights[elem_offsets[t]:elem_offsets[t+1]]`` as a row-major [rows_t, dim_t] block). A batch is
+feature-major (see ``neorec.sparse``): feature ``f`` looks up table ``feature_table[f]``; its
+pooled output occupies columns ``out_offsets[f]:out_offsets[f+1]`` of the [B, sum(dims)] output.
+
+Backward never materializes a gradient for the weights: the backend receives the gradient of the
+pooled output, sums the gradients of each distinct row of each table in a fixed order (feature
+order, then position in the batch), and applies ``row_optim`` to those rows in place.
+
+Backends (same interface, same semantics):
+- ``reference``: plain PyTorch ops; the oracle for tests.
+- ``cpu``: a C kernel compiled on first use (OpenMP, AVX-512 where present); see ``ops/cpu.py``.
+- ``cuda``: PyTorch ops on the GPU with deterministic sort-based reductions; see ``ops/cuda.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from neorec.ops.row_optim import RowOptimizer, apply_rows
+
+__all__ = [
+    "PoolingMode",
+    "TBELayout",
+    "TBEBackend",
+    "ReferenceBackend",
+    "get_backend",
+    "available_backends",
+    "tbe_lookup",
+]
+
+
+class PoolingMode(str, Enum):
+    """How the rows of a bag are combined."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+
+@dataclass(frozen=True)
+class TBELayout:
+    """Static shape of a table batch: tables (rows, dim) and which table each feature reads."""
+
+    rows: tuple[int, ...]
+    dims: tuple[int, ...]
+    feature_table: tuple[int, ...]
+    elem_offsets: tuple[int, ...] = field(init=False)
+    row_offsets: tuple[int, ...] = field(init=False)
+    out_offsets: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.dims):
+            raise ValueError(f"{len(self.rows)} row counts for {len(self.dims)} dims")
+        for t, (r, d) in enumerate(zip(self.rows, self.dims)):
+            if r < 0 or d <= 0:
+                raise ValueError(f"table {t}: rows must be >= 0 and dim > 0, got rows={r} dim={d}")
+        for f, t in enumerate(self.feature_table):
+            if not 0 <= t < len(self.rows):
+                raise ValueError(f"feature {f} maps to table {t}, but there are {len(self.rows)}")
+        elem, row, out = [0], [0], [0]
+        for r, d in zip(self.rows, self.dims):
+            elem.append(elem[-1] + r * d)
+            row.append(row[-1] + r)
+        for t in self.feature_table:
+            out.append(out[-1] + self.dims[t])
+        object.__setattr__(self, "elem_offsets", tuple(elem))
+        object.__setattr__(self, "row_offsets", tuple(row))
+        object.__setattr__(self, "out_offsets", tuple(out))
+
+    @property
+    def num_tables(self) -> int:
+        """T."""
+        return len(self.rows)
+
+    @property
+    def num_features(self) -> int:
+        """F."""
+        return len(self.feature_table)
+
+    @property
+    def total_dim(self) -> int:
+        """Columns of the pooled output."""
+        return self.out_offsets[-1]
+
+    @property
+    def total_rows(self) -> int:
+        """Rows over all tables."""
+        return self.row_offsets[-1]
+
+    @property
+    def total_elems(self) -> int:
+        """Elements of the flat weights."""
+        return self.elem_offsets[-1]
+
+    def table(self, weights: Tensor, t: int) -> Tensor:
+        """View of table ``t`` as [rows, dim]."""
+        lo, hi = self.elem_offsets[t], self.elem_offsets[t + 1]
+        return weights[lo:hi].view(self.rows[t], self.dims[t])
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - layouts are few and immutable
+    def meta(self, device: torch.device) -> dict[str, Tensor]:
+        """The offsets as int64 tensors on ``device`` (for kernels)."""
+        mk = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        return {
+            "rows": mk(self.rows),
+            "dims": mk(self.dims),
+            "feature_table": mk(self.feature_table),
+            "elem_offsets": mk(self.elem_offsets),
+            "row_offsets": mk(self.row_offsets),
+            "out_offsets": mk(self.out_offsets),
+        }
+
+
+class TBEBackend(Protocol):
+    """A kernel implementation of the TBE forward and fused backward-update."""
+
+    name: str
+
+    def forward(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+    ) -> Tensor:
+        """Pooled output [B, layout.total_dim]; ``offsets`` has F*B+1 entries."""
+        ...
+
+    def backward_update(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        state: dict[str, Tensor],
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+        opt: RowOptimizer,
+        step: int,
+    ) -> None:
+        """Apply ``opt`` in place to the rows the batch touched, from d(loss)/d(output)."""
+        ...
+
+
+def _bag_ids(offsets: Tensor, n: int) -> Tensor:
+    """For each of the ``n`` ids, the index of the bag (segment of ``offsets``) holding it."""
+    lengths = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)[
+        :n
+    ]
+
+
+class ReferenceBackend:
+    """Plain PyTorch; the test oracle. Readable, not fast."""
+
+    name = "reference"
+
+    def forward(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+    ) -> Tensor:
+        """Pooled output [B, total_dim]."""
+        nf = layout.num_features
+        b = (offsets.numel() - 1) // nf
+        out = torch.zeros(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
+        for f, t in enumerate(layout.feature_table):
+            lo, hi = int(offsets[f * b]), int(offsets[(f + 1) * b])
+            seg = offsets[f * b : (f + 1) * b + 1] - lo
+            ids = indices[lo:hi]
+            rows = layout.table(weights, t)[ids]  # [n, D]
+            if per_sample_weights is not None:
+                rows = rows * per_sample_weights[lo:hi].unsqueeze(1).to(rows.dtype)
+            pooled = torch.zeros(b, layout.dims[t], dtype=weights.dtype, device=weights.device)
+            pooled.index_add_(0, _bag_ids(seg, hi - lo), rows)
+            if pooling == PoolingMode.MEAN:
+                lens = (seg[1:] - seg[:-1]).clamp(min=1).to(pooled.dtype)
+                pooled = pooled / lens.unsqueeze(1)
+            out[:, layout.out_offsets[f] : layout.out_offsets[f + 1]] = pooled
+        return out
+
+    def row_grads(
+        self,
+        layout: TBELayout,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D])."""
+        nf = layout.num_features
+        b = (offsets.numel() - 1) // nf
+        ids_by_table: list[list[Tensor]] = [[] for _ in range(layout.num_tables)]
+        grads_by_table: list[list[Tensor]] = [[] for _ in range(layout.num_tables)]
+        for f, t in enumerate(layout.feature_table):
+            lo, hi = int(offsets[f * b]), int(offsets[(f + 1) * b])
+            seg = offsets[f * b : (f + 1) * b + 1] - lo
+            bag = _bag_ids(seg, hi - lo)
+            g = grad_output[:, layout.out_offsets[f] : layout.out_offsets[f + 1]][bag]  # [n, D]
+            if pooling == PoolingMode.MEAN:
+                lens = (seg[1:] - seg[:-1]).clamp(min=1).to(g.dtype)
+                g = g / lens[bag].unsqueeze(1)
+            if per_sample_weights is not None:
+                g = g * per_sample_weights[lo:hi].unsqueeze(1).to(g.dtype)
+            ids_by_table[t].append(indices[lo:hi])
+            grads_by_table[t].append(g)
+        out = []
+        for t in range(layout.num_tables):
+            if not ids_by_table[t]:
+                continue
+            ids = torch.cat(ids_by_table[t])
+            g = torch.cat(grads_by_table[t])
+            uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+            # index_add_ on CPU accumulates sequentially in occurrence order: deterministic.
+            summed = torch.zeros(uniq.numel(), g.shape[1], dtype=g.dtype, device=g.device)
+            summed.index_add_(0, inv, g)
+            out.append((t, uniq, summed))
+        return out
+
+    def backward_update(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        state: dict[str, Tensor],
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+        opt: RowOptimizer,
+        step: int,
+    ) -> None:
+        """Sum each distinct row's gradients, then apply the optimizer to those rows."""
+        grads = self.row_grads(layout, indices, offsets, per_sample_weights, pooling, grad_output)
+        for t, uniq, g in grads:
+            w_t = layout.table(weights, t)
+            w = w_t[uniq]
+            st = _gather_state(layout, state, t, uniq)
+            apply_rows(opt, w, g.to(w.dtype), st, step)
+            w_t[uniq] = w
+            _scatter_state(layout, state, t, uniq, st)
+
+
+def _gather_state(layout: TBELayout, state: dict[str, Tensor], t: int, uniq: Tensor) -> dict:
+    out = {}
+    for k, s in state.items():
+        if k == "momentum1":
+            out[k] = s[layout.row_offsets[t] + uniq]
+        else:
+            out[k] = layout.table(s, t)[uniq]
+    return out
+
+
+def _scatter_state(
+    layout: TBELayout, state: dict[str, Tensor], t: int, uniq: Tensor, st: dict[str, Tensor]
+) -> None:
+    for k, s in state.items():
+        if k == "momentum1":
+            s[layout.row_offsets[t] + uniq] = st[k]
+        else:
+            layout.table(s, t)[uniq] = st[k]
+
+
+_BACKENDS: dict[str, Callable[[], Any]] = {"reference": ReferenceBackend}
+
+
+def _load_cpu() -> Any:
+    from neorec.ops.cpu import CpuBackend
+
+    return CpuBackend()
+
+
+def _load_cuda() -> Any:
+    from neorec.ops.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+_BACKENDS["cpu"] = _load_cpu
+_BACKENDS["cuda"] = _load_cuda
+
+
+def available_backends() -> Sequence[str]:
+    """Backend names that can be asked for."""
+    return tuple(_BACKENDS)
+
+
+@functools.lru_cache(maxsize=None)
+def _make(name: str) -> Any:
+    return _BACKENDS[name]()
+
+
+def get_backend(name: str, device: torch.device | str = "cpu") -> TBEBackend:
+    """Backend by name; ``auto`` picks ``cuda`` for CUDA weights, else ``cpu``."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "cpu"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown TBE backend '{name}', expected auto or one of {list(_BACKENDS)}")
+    if name == "cuda" and device.type != "cuda":
+        raise ValueError("TBE backend 'cuda' needs weights on a CUDA device")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"TBE backend 'cpu' needs weights on the CPU, not {device}")
+    return _make(name)
+
+
+class _TBEFunction(torch.autograd.Function):
+    """Forward: pooled lookup. Backward: hands d(out) to ``update``; no weight gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, anchor: Tensor, run: Callable[[], Tensor], update: Callable[[Tensor], None]
+    ) -> Tensor:
+        ctx.update = update
+        return run()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        ctx.update(grad_output.contiguous())
+        return None, None, None
+
+
+def tbe_lookup(
+    anchor: Tensor,
+    backend: TBEBackend,
+    layout: TBELayout,
+    weights: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Tensor | None,
+    pooling: PoolingMode,
+    update: Callable[[Tensor], None],
+) -> Tensor:
+    """Pooled lookup [B, total_dim] whose backward calls ``update(grad_output)``.
+
+    ``anchor`` is a zero-element tensor with ``requires_grad=True``: it puts the op in the autograd
+    graph so that backward runs, while the weights themselves never receive a ``.grad``.
+    """
+    expected = layout.num_features
+    if (offsets.numel() - 1) % max(expected, 1) != 0:
+        raise ValueError(
+            f"offsets has {offsets.numel()} entries; expected F*B+1 for F={expected} features"
+        )
+
+    def run() -> Tensor:
+        return backend.forward(layout, weights, indices, offsets, per_sample_weights, pooling)
+
+    if not (torch.is_grad_enabled() and anchor.requires_grad):
+        return run()
+    out: Tensor = _TBEFunction.apply(anchor, run, update)
+    return out
