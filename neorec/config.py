@@ -149,15 +149,13 @@ class DataConfig:
     path: str = ""
     """Criteo: a file or directory of TSV (optionally .gz) files."""
     eval_path: str = ""
-    """Criteo: held-out file(s); empty = the last ``eval_fraction`` of ``path``."""
+    """Criteo: held-out file(s); empty = the last file of ``path``."""
     batch_size: int = 512
     """Global batch size."""
     train_samples: int = 200_000
     """Synthetic: samples in the train split."""
     eval_samples: int = 50_000
     """Synthetic: samples in the eval split."""
-    eval_fraction: float = 0.1
-    """Criteo without eval_path: share of lines held out."""
     id_distribution: str = "locality"
     """Synthetic ids: ``locality`` (calibrated to production reuse), ``zipf``, ``uniform``."""
     zipf_alpha: float = 1.05
@@ -220,7 +218,9 @@ class TrainConfig:
                 f"train.dense_optimizer must be sgd, adagrad or adam, got '{self.dense_optimizer}'"
             )
         if self.steps < 0 or self.epochs <= 0:
-            raise ConfigError(f"train.steps >= 0 and train.epochs > 0 required")
+            raise ConfigError(
+                f"train.steps must be >= 0 and train.epochs > 0, got {self.steps}, {self.epochs}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -148,6 +148,32 @@ class SparseFeatures:
             torch.cat(wts) if self.weights is not None else None,
         )
 
+    def reorder(self, keys: Sequence[str]) -> SparseFeatures:
+        """The same batch with features in ``keys`` order (error if the key sets differ)."""
+        keys = list(keys)
+        if keys == self.keys:
+            return self
+        missing = sorted(set(keys) - set(self.keys))
+        extra = sorted(set(self.keys) - set(keys))
+        if missing or extra:
+            raise SparseFeatureError(
+                f"batch features do not match the tables: missing {missing}, unexpected {extra}"
+            )
+        return self.select(keys)
+
+    def select(self, keys: Sequence[str]) -> SparseFeatures:
+        """A batch of only the features ``keys``, in that order."""
+        keys = list(keys)
+        if keys == self.keys:
+            return self
+        parts = [self.feature(k) for k in keys]
+        weights = None
+        if self.weights is not None:
+            weights = torch.cat([p[2] for p in parts if p[2] is not None])
+        return SparseFeatures(
+            keys, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), weights
+        )
+
     # ---- validation ------------------------------------------------------------------------
     def validate(
         self,

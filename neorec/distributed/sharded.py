@@ -1,0 +1,533 @@
+"""ShardedEmbeddingBagCollection: an EmbeddingBagCollection executed under a ShardingPlan.
+
+One forward, as three awaitable steps (so a pipeline can overlap them)::
+
+    local batch (b samples) --input_dist--> every shard owner gets the bags of all W*b samples
+      that touch its shard (all-to-all of lengths, then ids and weights)
+    --compute--> one fused TBE call over all model-parallel shards on this rank -> [W*b, D_local]
+    --output_dist--> pooled vectors back to the rank owning each sample (all-to-all);
+      row-wise partial sums are added, column slices placed side by side -> [b, sum(dims)]
+
+Data-parallel tables are a full replica on every rank, looked up locally; their row gradients are
+summed over ranks in rank order (deterministic) before the fused optimizer runs, so replicas stay
+bitwise identical.
+
+Global-batch semantics: the loss on each rank is the mean over its b samples, as under DDP, so the
+gradients of pooled outputs are scaled by 1/W; W ranks with b samples each train the same model as
+one process with W*b samples (up to float reassociation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from neorec.config import TableConfig
+from neorec.distributed.comm import (
+    AllToAllPooled,
+    Awaitable,
+    CommStats,
+    Done,
+    ScaleGrad,
+    all_to_all,
+    ordered_all_reduce,
+)
+from neorec.modules.embedding import init_rows
+from neorec.ops.row_optim import RowOptimizer, apply_rows, zeros_state
+from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBELayout, get_backend, tbe_lookup
+from neorec.sharding.types import Shard, ShardingPlan, ShardingType
+from neorec.sparse import SparseFeatureError, SparseFeatures
+
+__all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
+
+_ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One (feature, shard) lookup: the bags of ``feature`` restricted to ``shard``."""
+
+    feature: int  # index in the global feature order
+    table: int  # index in the table list
+    shard: Shard
+    out_col: int  # first output column of this unit's slice
+    row_split: bool  # ids are filtered to the shard's rows (RW, TWRW)
+
+    @property
+    def dim(self) -> int:
+        return self.shard.cols
+
+
+@dataclass
+class LocalInput:
+    """What input_dist delivers to this rank: bags of all W*b samples for its local units."""
+
+    indices: Tensor
+    offsets: Tensor
+    weights: Tensor | None
+    dp_indices: Tensor
+    dp_offsets: Tensor
+    dp_weights: Tensor | None
+    inv_lengths: Tensor | None  # [b, F] 1/len for mean pooling
+    batch_size: int  # local b
+
+
+class _Replicas:
+    """Full copies of the data-parallel tables, kept identical across ranks."""
+
+    def __init__(self, tables: list[TableConfig], features: list[int], seed: int, scale: float):
+        self.tables = tables
+        self.layout = TBELayout(
+            rows=tuple(t.rows for t in tables),
+            dims=tuple(t.dim for t in tables),
+            feature_table=tuple(i for i, t in enumerate(tables) for _ in t.features),
+        )
+        self.features = features  # global feature indices, in layout feature order
+        self.weights = torch.empty(self.layout.total_elems)
+        for i, t in enumerate(tables):
+            init_rows(t, seed, 0, t.rows, scale, out=self.layout.table(self.weights, i))
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        optimizer: RowOptimizer | None = None,
+        pooling: str = "sum",
+        backend: str = "auto",
+        seed: int = 0,
+        init_scale: float = 0.0,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        validate_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.optimizer = optimizer or RowOptimizer()
+        self.pooling = PoolingMode(pooling)
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if plan.world_size != self.world:
+            raise ValueError(f"plan is for {plan.world_size} ranks, running on {self.world}")
+        plan.validate()
+        self.plan = plan
+        self.stats = stats if stats is not None else CommStats()
+        self.validate_ids = validate_ids
+        self.backend = get_backend(backend, "cpu")
+        self.feature_names = [f for t in self.tables for f in t.features]
+        self.feature_dims = [t.dim for t in self.tables for _ in t.features]
+        self.total_dim = sum(self.feature_dims)
+        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
+        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._build_units()
+        self._build_local(seed, init_scale)
+        self._build_cw_groups()
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._dp_anchor = torch.empty(0, requires_grad=True)
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _build_units(self) -> None:
+        plans = {t.name: t for t in self.plan.tables}
+        missing = [t.name for t in self.tables if t.name not in plans]
+        if missing:
+            raise ValueError(f"sharding plan has no entry for table(s) {missing}")
+        for t in self.tables:
+            p = plans[t.name]
+            if (p.rows, p.dim) != (t.rows, t.dim):
+                raise ValueError(
+                    f"table '{t.name}': plan says {p.rows}x{p.dim}, config says {t.rows}x{t.dim}"
+                )
+        col0 = [0]
+        for d in self.feature_dims:
+            col0.append(col0[-1] + d)
+        self.units_by_owner: list[list[_Unit]] = [[] for _ in range(self.world)]
+        dp_tables, dp_features = [], []
+        f = 0
+        for ti, t in enumerate(self.tables):
+            p = plans[t.name]
+            if p.sharding_type is ShardingType.DATA_PARALLEL:
+                dp_tables.append(t)
+                dp_features.extend(range(f, f + len(t.features)))
+                f += len(t.features)
+                continue
+            for _ in t.features:
+                for s in p.shards:
+                    unit = _Unit(f, ti, s, col0[f] + s.col_start, p.sharding_type in _ROW_SPLIT)
+                    self.units_by_owner[s.rank].append(unit)
+                f += 1
+        self.local_units = self.units_by_owner[self.rank]
+        self.dims_by_owner = [sum(u.dim for u in us) for us in self.units_by_owner]
+        cols = [c for us in self.units_by_owner for u in us for c in range(u.out_col, u.out_col + u.dim)]
+        self.register_buffer("_out_cols", torch.tensor(cols, dtype=torch.int64), persistent=False)
+        self._dp_spec = (dp_tables, dp_features)
+        dp_cols = []
+        for fi in dp_features:
+            dp_cols.extend(range(col0[fi], col0[fi + 1]))
+        self.register_buffer("_dp_cols", torch.tensor(dp_cols, dtype=torch.int64), persistent=False)
+
+    def _build_local(self, seed: int, init_scale: float) -> None:
+        # Local TBE tables: distinct (table, shard) pairs among this rank's units.
+        keys: list[tuple[int, Shard]] = []
+        feature_table = []
+        for u in self.local_units:
+            key = (u.table, u.shard)
+            if key not in keys:
+                keys.append(key)
+            feature_table.append(keys.index(key))
+        self.local_tables = keys
+        self.layout = TBELayout(
+            rows=tuple(s.rows for _, s in keys),
+            dims=tuple(s.cols for _, s in keys),
+            feature_table=tuple(feature_table),
+        )
+        self.register_buffer("weights", torch.empty(self.layout.total_elems))
+        for i, (ti, s) in enumerate(keys):
+            rows = init_rows(self.tables[ti], seed, s.row_start, s.row_end, init_scale)
+            self.layout.table(self.weights, i).copy_(rows[:, s.col_start : s.col_end])
+        for k, v in zeros_state(
+            self.optimizer.kind, self.layout.total_rows, self.layout.total_elems, torch.device("cpu")
+        ).items():
+            self.register_buffer(k, v)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.dp: _Replicas | None = None
+        if self._dp_spec[0]:
+            self.dp = _Replicas(*self._dp_spec, seed, init_scale)
+            self.register_buffer("dp_weights", self.dp.weights)
+            self.register_buffer("dp_step", torch.zeros((), dtype=torch.int64))
+            for k, v in zeros_state(
+                self.optimizer.kind,
+                self.dp.layout.total_rows,
+                self.dp.layout.total_elems,
+                torch.device("cpu"),
+            ).items():
+                self.register_buffer(f"dp_{k}", v)
+
+    def _build_cw_groups(self) -> None:
+        """Subgroups of the owners of each column-wise table, for exact row-wise Adagrad.
+
+        Row-wise Adagrad needs mean(g^2) over the whole row, but a column slice sees only its
+        columns: slice owners add their partial sums of squares (same distinct rows on every slice,
+        since every slice receives every bag of the table).
+        """
+        self._cw_groups: dict[int, dist.ProcessGroup | None] = {}
+        if self.optimizer.kind != "rowwise_adagrad":
+            return
+        for ti, t in enumerate(self.tables):
+            p = self.plan.table(t.name)
+            if p.sharding_type is not ShardingType.COLUMN_WISE:
+                continue
+            ranks = sorted(set(p.ranks()))
+            group = None
+            if len(ranks) > 1 and dist.is_initialized():
+                # new_group is collective over the world: every rank calls it, in table order.
+                group = dist.new_group(ranks=ranks, backend=dist.get_backend(self.group))
+            if self.rank in ranks:
+                self._cw_groups[ti] = group
+
+    def _state(self, prefix: str = "") -> dict[str, Tensor]:
+        names = ("momentum1", "exp_avg", "exp_avg_sq")
+        return {k: getattr(self, prefix + k) for k in names if hasattr(self, prefix + k)}
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [b, sum of dims] for this rank's samples, in feature order."""
+        local = self.input_dist(sparse).wait()
+        pooled = self.compute(local)
+        return self.output_dist(pooled, local).wait()
+
+    def input_dist(self, sparse: SparseFeatures) -> Awaitable[LocalInput]:
+        """Start sending this rank's bags to the shard owners."""
+        sparse = sparse.reorder(self.feature_names)
+        if self.validate_ids:
+            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        b = sparse.batch_size
+        per_unit = self._split_by_unit(sparse)
+        lengths, values, weights = [], [], []
+        for us in self.units_by_owner:
+            for u in us:
+                lens, vals, wts = per_unit[u]
+                lengths.append(lens)
+                values.append(vals)
+                if wts is not None:
+                    weights.append(wts)
+        send_len = torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64)
+        len_splits = [len(us) * b for us in self.units_by_owner]
+        recv_len_splits = [len(self.local_units) * b] * self.world
+        a_len = all_to_all(send_len, len_splits, recv_len_splits, self.group, self.stats, "lengths")
+        val_counts = [0] * self.world
+        pos = 0
+        for q, n in enumerate(len_splits):
+            val_counts[q] = int(send_len[pos : pos + n].sum())
+            pos += n
+        send_val = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        send_w = torch.cat(weights) if weights else None
+        dp = self._dp_input(sparse)
+        inv = self._inv_lengths(sparse) if self.pooling == PoolingMode.MEAN else None
+
+        def finish() -> LocalInput:
+            recv_len = a_len.wait()
+            blocks = recv_len.view(self.world, len(self.local_units), b)
+            recv_counts = blocks.sum(dim=(1, 2)).tolist()
+            a_val = all_to_all(send_val, val_counts, recv_counts, self.group, self.stats, "ids")
+            a_w = None
+            if send_w is not None:
+                a_w = all_to_all(send_w, val_counts, recv_counts, self.group, self.stats, "weights")
+            recv_val = a_val.wait()
+            recv_w = a_w.wait() if a_w is not None else None
+            idx, off, wts = _source_major_to_unit_major(blocks, recv_val, recv_w)
+            return LocalInput(idx, off, wts, *dp, inv, b)
+
+        return Awaitable(finish)
+
+    def _split_by_unit(
+        self, sparse: SparseFeatures
+    ) -> dict[_Unit, tuple[Tensor, Tensor, Tensor | None]]:
+        """For each unit: (lengths [b], ids local to its shard, weights) of this rank's bags."""
+        b = sparse.batch_size
+        offs = sparse.offsets()
+        out: dict[_Unit, tuple[Tensor, Tensor, Tensor | None]] = {}
+        by_feature: dict[int, list[_Unit]] = {}
+        for us in self.units_by_owner:
+            for u in us:
+                by_feature.setdefault(u.feature, []).append(u)
+        for f, units in by_feature.items():
+            lo, hi = int(offs[f * b]), int(offs[(f + 1) * b])
+            vals = sparse.values[lo:hi].to(torch.int64)
+            lens = sparse.lengths[f * b : (f + 1) * b].to(torch.int64)
+            wts = sparse.weights[lo:hi] if sparse.weights is not None else None
+            if not units[0].row_split:
+                for u in units:
+                    out[u] = (lens, vals, wts)
+                continue
+            starts = torch.tensor([u.shard.row_start for u in units])
+            order = torch.argsort(starts)
+            sorted_starts = starts[order]
+            bucket = torch.bucketize(vals, sorted_starts[1:], right=True)
+            bag = torch.repeat_interleave(torch.arange(b), lens)
+            counts = torch.bincount(bucket * b + bag, minlength=len(units) * b).view(len(units), b)
+            perm = torch.argsort(bucket, stable=True)
+            sizes = counts.sum(1).tolist()
+            pieces = torch.split(vals[perm], sizes)
+            wpieces = torch.split(wts[perm], sizes) if wts is not None else None
+            for k, j in enumerate(order.tolist()):
+                u = units[j]
+                w = wpieces[k] if wpieces is not None else None
+                out[u] = (counts[k], pieces[k] - u.shard.row_start, w)
+        return out
+
+    def _dp_input(self, sparse: SparseFeatures) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self.dp is None:
+            e = torch.empty(0, dtype=torch.int64)
+            return e, torch.zeros(1, dtype=torch.int64), None
+        sub = sparse.select([self.feature_names[f] for f in self.dp.features])
+        return sub.values.to(torch.int64), sub.offsets(), sub.weights
+
+    def _inv_lengths(self, sparse: SparseFeatures) -> Tensor:
+        lens = sparse.lengths.view(len(self.feature_names), -1).t().to(torch.float32)  # [b, F]
+        return torch.where(lens > 0, 1.0 / lens.clamp(min=1), torch.zeros_like(lens))
+
+    def compute(self, local: LocalInput) -> Tensor:
+        """One fused TBE call over all local model-parallel shards -> [W*b, D_local]."""
+
+        def update(grad: Tensor) -> None:
+            self.step += 1
+            if self._cw_groups:
+                self._update_with_cw_rowwise(local, grad)
+                return
+            self.backend.backward_update(
+                self.layout,
+                self.weights,
+                self._state(),
+                local.indices,
+                local.offsets,
+                local.weights,
+                PoolingMode.SUM,
+                grad,
+                self.optimizer,
+                int(self.step),
+            )
+
+        if self.layout.num_features == 0:
+            # Still in the autograd graph: every rank must join the backward all-to-all.
+            empty = torch.zeros(local.batch_size * self.world, 0)
+            return empty + self._anchor.sum() if torch.is_grad_enabled() else empty
+        return tbe_lookup(
+            self._anchor,
+            self.backend,
+            self.layout,
+            self.weights,
+            local.indices,
+            local.offsets,
+            local.weights,
+            PoolingMode.SUM,
+            update,
+        )
+
+    def output_dist(self, pooled: Tensor, local: LocalInput) -> Awaitable[Tensor]:
+        """Send pooled rows back to their samples' ranks; combine into [b, sum(dims)]."""
+        b = local.batch_size
+        pooled = ScaleGrad.apply(pooled, 1.0 / self.world)
+        send_splits = [b * self.layout.total_dim] * self.world
+        recv_splits = [b * d for d in self.dims_by_owner]
+        recv = AllToAllPooled.apply(pooled, send_splits, recv_splits, self.group, self.stats)
+        out = torch.zeros(b, self.total_dim)
+        blocks = [
+            blk.view(b, d) for blk, d in zip(torch.split(recv, recv_splits), self.dims_by_owner)
+        ]
+        # index_add on CPU adds in column order: row-wise partial sums combine deterministically.
+        out = out.index_add(1, self._out_cols, torch.cat(blocks, dim=1))
+        if self.dp is not None:
+            dp = self._dp_lookup(local)
+            out = out.index_add(1, self._dp_cols, ScaleGrad.apply(dp, 1.0 / self.world))
+        if local.inv_lengths is not None:
+            scale = local.inv_lengths.repeat_interleave(torch.tensor(self.feature_dims), dim=1)
+            out = out * scale
+        return Done(out)
+
+    def _update_with_cw_rowwise(self, local: LocalInput, grad: Tensor) -> None:
+        """Unfused update whose column-wise tables use full-row mean(g^2) (see _build_cw_groups)."""
+        lay, opt, state = self.layout, self.optimizer, self._state()
+        grads = ReferenceBackend().row_grads(
+            lay, local.indices, local.offsets, local.weights, PoolingMode.SUM, grad
+        )
+        eff: dict[int, tuple[Tensor, Tensor]] = {}
+        for lt, ids, g in grads:
+            w = lay.table(self.weights, lt)[ids]
+            eff[lt] = (ids, g + opt.weight_decay * w if opt.weight_decay else g)
+        mean_sq: dict[int, Tensor] = {}
+        for ti, group in self._cw_groups.items():
+            mine = [lt for lt, (t, _) in enumerate(self.local_tables) if t == ti and lt in eff]
+            part = sum((eff[lt][1] ** 2).sum(1) for lt in mine)
+            if not isinstance(part, Tensor):
+                part = torch.zeros(0)
+            total = ordered_all_reduce(part, group, self.stats) if group is not None else part
+            mean_sq[ti] = total / self.tables[ti].dim
+        s_all = state["momentum1"]
+        for lt, (ids, g) in eff.items():
+            ti = self.local_tables[lt][0]
+            w_t = lay.table(self.weights, lt)
+            rows = lay.row_offsets[lt] + ids
+            if ti in mean_sq:
+                s = s_all[rows] + mean_sq[ti]
+                w_t[ids] = w_t[ids] - opt.lr * g / (s.sqrt() + opt.eps).unsqueeze(1)
+                s_all[rows] = s
+            else:
+                w = w_t[ids]
+                st = {"momentum1": s_all[rows]}
+                apply_rows(replace(opt, weight_decay=0.0), w, g, st, int(self.step))
+                w_t[ids] = w
+                s_all[rows] = st["momentum1"]
+
+    # ---- data-parallel replicas ------------------------------------------------------------
+    def _dp_lookup(self, local: LocalInput) -> Tensor:
+        assert self.dp is not None
+        dp = self.dp
+
+        def update(grad: Tensor) -> None:
+            self._dp_update(local, grad)
+
+        return tbe_lookup(
+            self._dp_anchor,
+            self.backend,
+            dp.layout,
+            self.dp_weights,
+            local.dp_indices,
+            local.dp_offsets,
+            local.dp_weights,
+            PoolingMode.SUM,
+            update,
+        )
+
+    def _dp_update(self, local: LocalInput, grad: Tensor) -> None:
+        """Sum row gradients over ranks (rank order), then the fused optimizer on touched rows."""
+        assert self.dp is not None
+        lay = self.dp.layout
+        ref = ReferenceBackend()
+        grads = ref.row_grads(
+            lay, local.dp_indices, local.dp_offsets, local.dp_weights, PoolingMode.SUM, grad
+        )
+        # Dense per-table buffers: DP is for small tables, where this is cheaper than sparse merges.
+        dense = torch.zeros(lay.total_elems + lay.total_rows)
+        g_all, touched = dense[: lay.total_elems], dense[lay.total_elems :]
+        for t, ids, g in grads:
+            lay.table(g_all, t)[ids] = g
+            touched[lay.row_offsets[t] + ids] = 1.0
+        total = ordered_all_reduce(dense, self.group, self.stats)
+        g_all, touched = total[: lay.total_elems], total[lay.total_elems :]
+        self.dp_step += 1
+        step = int(self.dp_step)
+        state = self._state("dp_")
+        for t in range(lay.num_tables):
+            ids = touched[lay.row_offsets[t] : lay.row_offsets[t + 1]].nonzero().flatten()
+            if ids.numel() == 0:
+                continue
+            w_t = lay.table(self.dp_weights, t)
+            w = w_t[ids]
+            st = {
+                k: (v[lay.row_offsets[t] + ids] if k == "momentum1" else lay.table(v, t)[ids])
+                for k, v in state.items()
+            }
+            apply_rows(self.optimizer, w, lay.table(g_all, t)[ids], st, step)
+            w_t[ids] = w
+            for k, v in state.items():
+                if k == "momentum1":
+                    v[lay.row_offsets[t] + ids] = st[k]
+                else:
+                    lay.table(v, t)[ids] = st[k]
+
+    # ---- inspection ------------------------------------------------------------------------
+    def gather_table(self, name: str) -> Tensor:
+        """The full table [rows, dim] assembled from every rank's shards (a collective)."""
+        ti = next(i for i, t in enumerate(self.tables) if t.name == name)
+        spec = self.tables[ti]
+        if self.dp is not None and spec in self.dp.tables:
+            return self.dp.layout.table(self.dp_weights, self.dp.tables.index(spec)).clone()
+        mine = [
+            (s, self.layout.table(self.weights, i).clone())
+            for i, (t, s) in enumerate(self.local_tables)
+            if t == ti
+        ]
+        parts: list[list[tuple[Shard, Tensor]]] = [[] for _ in range(self.world)]
+        if self.world > 1:
+            dist.all_gather_object(parts, mine, group=self.group)
+        else:
+            parts = [mine]
+        full = torch.empty(spec.rows, spec.dim)
+        for shard_list in parts:
+            for s, w in shard_list:
+                full[s.row_start : s.row_end, s.col_start : s.col_end] = w
+        return full
+
+
+def _source_major_to_unit_major(
+    blocks: Tensor, values: Tensor, weights: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Reorder received bags from [source rank][unit][sample] to [unit][source rank][sample].
+
+    Returns (indices, offsets, weights) of a feature-major batch with W*b samples per unit.
+    """
+    world, units, b = blocks.shape
+    sizes = blocks.sum(2)  # [W, U] ids per (source, unit) block
+    src_start = torch.zeros(world * units, dtype=torch.int64)
+    src_start[1:] = torch.cumsum(sizes.flatten(), 0)[:-1]
+    src_start = src_start.view(world, units).t().flatten()  # in target (unit, source) order
+    tgt_sizes = sizes.t().flatten()
+    tgt_start = torch.zeros_like(tgt_sizes)
+    tgt_start[1:] = torch.cumsum(tgt_sizes, 0)[:-1]
+    n = int(tgt_sizes.sum())
+    gather = torch.repeat_interleave(src_start - tgt_start, tgt_sizes) + torch.arange(n)
+    lengths = blocks.permute(1, 0, 2).reshape(-1)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    if values.numel() != n:
+        raise SparseFeatureError(f"received {values.numel()} ids, lengths say {n}")
+    w = weights[gather] if weights is not None else None
+    return values[gather], offsets, w

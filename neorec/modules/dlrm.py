@@ -1,0 +1,157 @@
+"""DLRM: bottom MLP, embedding bags, an interaction (dot or DCNv2 cross), top MLP."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from neorec.config import Config, ModelConfig, TableConfig
+from neorec.modules.embedding import EmbeddingBagCollection
+from neorec.ops.row_optim import RowOptimizer
+from neorec.sparse import SparseFeatures
+
+__all__ = ["MLP", "DotInteraction", "CrossNet", "DenseArch", "DLRM", "build_dlrm"]
+
+
+class MLP(nn.Sequential):
+    """Linear + ReLU layers; the last layer has no activation when ``last_activation`` is False."""
+
+    def __init__(self, in_dim: int, widths: Sequence[int], last_activation: bool = True) -> None:
+        layers: list[nn.Module] = []
+        for i, w in enumerate(widths):
+            lin = nn.Linear(in_dim, w)
+            # Init of the reference DLRM (facebookresearch/dlrm): Glorot-normal weights.
+            nn.init.normal_(lin.weight, 0.0, math.sqrt(2.0 / (in_dim + w)))
+            nn.init.normal_(lin.bias, 0.0, math.sqrt(1.0 / w))
+            layers.append(lin)
+            if i < len(widths) - 1 or last_activation:
+                layers.append(nn.ReLU())
+            in_dim = w
+        super().__init__(*layers)
+        self.out_dim = in_dim
+
+
+class DotInteraction(nn.Module):
+    """DLRM interaction: dense vector + pairwise dot products of [dense, embeddings]."""
+
+    def __init__(self, num_features: int, dim: int, self_interaction: bool = False) -> None:
+        super().__init__()
+        n = num_features + 1
+        offset = 0 if self_interaction else -1
+        rows, cols = torch.tril_indices(n, n, offset=offset)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+        self.out_dim = dim + rows.numel()
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """``dense`` [B, D], ``pooled`` [B, F, D] -> [B, D + pairs]."""
+        t = torch.cat([dense.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
+        z = torch.bmm(t, t.transpose(1, 2))  # [B, F+1, F+1]
+        return torch.cat([dense, z[:, self.rows, self.cols]], dim=1)
+
+
+class CrossNet(nn.Module):
+    """DCNv2 cross network (as in MLPerf DLRMv2): x_{l+1} = x0 * (W_l x_l + b_l) + x_l."""
+
+    def __init__(self, in_dim: int, layers: int, low_rank: int = 0) -> None:
+        super().__init__()
+        self.low_rank = low_rank
+        if low_rank > 0:
+            self.v = nn.ModuleList(nn.Linear(in_dim, low_rank, bias=False) for _ in range(layers))
+            self.u = nn.ModuleList(nn.Linear(low_rank, in_dim) for _ in range(layers))
+        else:
+            self.w = nn.ModuleList(nn.Linear(in_dim, in_dim) for _ in range(layers))
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_normal_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        self.num_layers = layers
+        self.out_dim = in_dim
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """``dense`` [B, D0], ``pooled`` [B, F, D] -> [B, D0 + F*D]."""
+        x0 = torch.cat([dense, pooled.flatten(1)], dim=1)
+        x = x0
+        for i in range(self.num_layers):
+            xw = self.u[i](self.v[i](x)) if self.low_rank > 0 else self.w[i](x)
+            x = x0 * xw + x
+        return x
+
+
+class DenseArch(nn.Module):
+    """Everything but the embeddings: bottom MLP, interaction, top MLP (data-parallel part)."""
+
+    def __init__(self, model: ModelConfig, num_features: int, emb_dim: int) -> None:
+        super().__init__()
+        self.bottom = MLP(model.num_dense, model.bottom_mlp)
+        self.num_features = num_features
+        self.emb_dim = emb_dim
+        self.interaction: nn.Module
+        if model.interaction == "dot":
+            self.interaction = DotInteraction(num_features, emb_dim, model.dot_self)
+        else:
+            in_dim = self.bottom.out_dim + num_features * emb_dim
+            self.interaction = CrossNet(in_dim, model.dcn_layers, model.dcn_low_rank)
+        self.top = MLP(self.interaction.out_dim, model.top_mlp, last_activation=False)
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """``dense`` [B, num_dense], ``pooled`` [B, F*D] -> logits [B]."""
+        x = self.bottom(dense)  # [B, D]
+        emb = pooled.view(pooled.shape[0], self.num_features, self.emb_dim)  # [B, F, D]
+        z = self.interaction(x, emb.to(x.dtype))
+        return self.top(z).squeeze(1)
+
+
+class DLRM(nn.Module):
+    """The unsharded model: the specification every distributed form must equal."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        tables: Sequence[TableConfig],
+        optimizer: RowOptimizer | None = None,
+        pooling: str = "sum",
+        backend: str = "auto",
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        init_scale: float = 0.0,
+    ) -> None:
+        super().__init__()
+        dims = {t.dim for t in tables}
+        if len(dims) != 1:
+            raise ValueError(f"DLRM needs one embedding dim for all tables, got {sorted(dims)}")
+        torch.manual_seed(seed)
+        self.ebc = EmbeddingBagCollection(
+            tables, optimizer, pooling, backend, device, init_scale=init_scale, seed=seed
+        )
+        self.dense_arch = DenseArch(model, len(self.ebc.feature_names), dims.pop()).to(device)
+
+    def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
+        """Logits [B] for a batch."""
+        return self.dense_arch(dense, self.ebc(sparse))
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters trained by the dense (torch.optim) optimizer."""
+        return self.dense_arch.parameters()
+
+
+def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
+    """The DLRM a config describes."""
+    emb = cfg.embedding
+    opt = RowOptimizer(
+        kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay
+    )
+    return DLRM(
+        cfg.model,
+        emb.tables,
+        opt,
+        pooling=emb.pooling,
+        backend=emb.backend,
+        device=device,
+        seed=cfg.train.seed,
+        init_scale=emb.init_scale,
+    )

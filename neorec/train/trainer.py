@@ -1,0 +1,338 @@
+"""Train / eval loop: progress line, NaN guard, metrics.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neorec.config import Config, ConfigError
+from neorec.data.batch import Batch
+from neorec.modules.dlrm import build_dlrm
+from neorec.sparse import SparseFeatures
+from neorec.train.metrics import MetricState
+
+__all__ = [
+    "TrainingDiverged",
+    "DataSource",
+    "make_source",
+    "make_dense_optimizer",
+    "train_step",
+    "evaluate",
+    "Trainer",
+    "train",
+]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+class RecModel(Protocol):
+    """What the trainer needs of a model (unsharded DLRM or its distributed form)."""
+
+    def __call__(self, dense: Tensor, sparse: SparseFeatures) -> Tensor: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]: ...
+
+
+class DataSource(Protocol):
+    """Global batches for training and eval."""
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Train batches (one epoch), starting at batch ``start``."""
+        ...
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """The held-out split."""
+        ...
+
+    def num_train_batches(self) -> int | None:
+        """Batches in one epoch, if known."""
+        ...
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """Best achievable eval metrics (synthetic teacher), if known."""
+        ...
+
+
+class SyntheticSource:
+    """Synthetic click data with a hidden teacher."""
+
+    def __init__(self, cfg: Config) -> None:
+        from neorec.data.synthetic import SyntheticClickData
+
+        self.bs = cfg.data.batch_size
+        self.data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Train split, from batch ``start``."""
+        for i in range(start, self.data.num_batches("train", self.bs)):
+            yield self.data.batch("train", i, self.bs)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """Eval split."""
+        return self.data.batches("eval", self.bs)
+
+    def num_train_batches(self) -> int | None:
+        """Batches per epoch."""
+        return int(self.data.num_batches("train", self.bs))
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """The teacher's metrics on the eval split."""
+        return dict(self.data.teacher_metrics("eval", self.bs))
+
+
+class CriteoSource:
+    """Criteo Kaggle/Terabyte TSV files."""
+
+    def __init__(self, cfg: Config) -> None:
+        from neorec.data.criteo import CriteoTSVDataset, list_files
+
+        if not cfg.data.path:
+            raise ConfigError("data.source = 'criteo' needs data.path (a TSV file or directory)")
+        files = list_files(cfg.data.path)
+        if cfg.data.eval_path:
+            train_files, eval_files = files, list_files(cfg.data.eval_path)
+        elif len(files) > 1:
+            train_files, eval_files = files[:-1], files[-1:]
+        else:
+            raise ConfigError(
+                f"data.path has one file ({files[0]}); set data.eval_path for the held-out split"
+            )
+        self.cfg = cfg
+
+        def make(paths: list[str]) -> Any:
+            return CriteoTSVDataset(
+                paths, cfg.embedding.tables, cfg.data.batch_size, bad_lines=cfg.data.bad_lines
+            )
+
+        self.train_set, self.eval_set = make(train_files), make(eval_files)
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Train files in order, skipping ``start`` batches."""
+        for i, b in enumerate(self.train_set):
+            if i >= start:
+                yield b
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """Eval files."""
+        return iter(self.eval_set)
+
+    def num_train_batches(self) -> int | None:
+        """Unknown without a pass over the files."""
+        return None
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """Not known for real data."""
+        return None
+
+
+def make_source(cfg: Config) -> DataSource:
+    """The data source a config names."""
+    if cfg.data.source == "synthetic":
+        return SyntheticSource(cfg)
+    return CriteoSource(cfg)
+
+
+def make_dense_optimizer(cfg: Config, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch.optim optimizer for dense parameters."""
+    lr = cfg.train.dense_lr
+    kind = cfg.train.dense_optimizer
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def train_step(
+    model: RecModel, opt: torch.optim.Optimizer, batch: Batch, step: int, bf16: bool = False
+) -> Tensor:
+    """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step."""
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    with ctx:
+        logits = model(batch.dense, batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+    value = loss.detach()
+    # note: a host sync; refusing a non-finite loss before backward keeps the tables clean.
+    if not math.isfinite(float(value)):
+        raise TrainingDiverged(
+            f"loss became {float(value)} at step {step}; lower the learning rates "
+            f"(embedding.lr, train.dense_lr) or check the input data"
+        )
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return value
+
+
+@torch.no_grad()
+def evaluate(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> dict[str, float]:
+    """Metrics of the model's predictions over ``batches``."""
+    model.train(False)
+    state = MetricState()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    for batch in batches:
+        with ctx:
+            logits = model(batch.dense, batch.sparse)
+        state.update(torch.sigmoid(logits.float()), batch.labels)
+    model.train(True)
+    return state.compute()
+
+
+@dataclass
+class Progress:
+    """Prints a progress line with samples/s."""
+
+    total: int | None
+    every: int
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    enabled: bool = True
+    start: float = field(default_factory=time.perf_counter)
+    samples: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def update(self, step: int, batch_size: int, loss: Tensor) -> None:
+        """Record a step; print every ``every`` steps."""
+        self.samples += batch_size
+        self.losses.append(float(loss))
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        elapsed = time.perf_counter() - self.start
+        rate = self.samples / max(elapsed, 1e-9)
+        recent = self.losses[-self.every :]
+        total = f"/{self.total}" if self.total else ""
+        print(
+            f"step {step}{total}  loss {sum(recent) / len(recent):.4f}  "
+            f"{rate:,.0f} samples/s  {elapsed:.1f}s",
+            file=self.out,
+            flush=True,
+        )
+
+
+class Trainer:
+    """Runs training and evaluation for a config and writes metrics.json."""
+
+    def __init__(self, cfg: Config, model: RecModel | None = None, out: TextIO | None = None):
+        self.cfg = cfg
+        self.out = out or sys.stdout
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.model = model if model is not None else build_dlrm(cfg)
+        self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
+        self.source = make_source(cfg)
+        self.step = 0
+
+    def total_steps(self) -> int | None:
+        """Steps this run will take (None if the data length is unknown)."""
+        if self.cfg.train.steps:
+            return self.cfg.train.steps
+        n = self.source.num_train_batches()
+        return None if n is None else n * self.cfg.train.epochs
+
+    def batches(self) -> Iterator[Batch]:
+        """Train batches over epochs, stopping at train.steps if set."""
+        limit = self.cfg.train.steps
+        epoch = 0
+        while limit or epoch < self.cfg.train.epochs:
+            produced = 0
+            for b in self.source.train_batches():
+                if limit and self.step >= limit:
+                    return
+                produced += 1
+                yield b
+            if produced == 0:
+                raise ConfigError("the train split produced no batches (too few samples?)")
+            epoch += 1
+            if limit and self.step >= limit:
+                return
+
+    def fit(self) -> dict[str, Any]:
+        """Train, evaluate, write metrics.json; return the metrics."""
+        cfg = self.cfg
+        progress = Progress(self.total_steps(), max(1, cfg.train.log_every), self.out, cfg.train.progress)
+        evals = []
+        t0 = time.perf_counter()
+        for batch in self.batches():
+            self.step += 1
+            loss = train_step(self.model, self.opt, batch, self.step, cfg.train.bf16_dense)
+            progress.update(self.step, batch.size, loss)
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                evals.append({"step": self.step, **self.evaluate()})
+        train_s = time.perf_counter() - t0
+        final = self.evaluate()
+        return self.summarize(final, evals, progress, train_s)
+
+    def evaluate(self) -> dict[str, float]:
+        """Eval metrics now."""
+        return evaluate(self.model, self.source.eval_batches(), self.cfg.train.bf16_dense)
+
+    def summarize(
+        self, final: dict[str, float], evals: list[dict], progress: Progress, train_s: float
+    ) -> dict[str, Any]:
+        """Build, print and write the run summary."""
+        teacher = self.source.reference_metrics()
+        result: dict[str, Any] = {
+            "train": {
+                "steps": self.step,
+                "samples": progress.samples,
+                "seconds": round(train_s, 3),
+                "samples_per_s": round(progress.samples / max(train_s, 1e-9), 1),
+                "final_loss": sum(progress.losses[-50:]) / max(1, len(progress.losses[-50:])),
+            },
+            "eval": final,
+            "evals": evals,
+            "teacher": teacher,
+            "config": self.cfg.to_dict(),
+        }
+        if teacher:
+            result["eval_ne_gap_vs_teacher"] = final["ne"] / teacher["ne"] - 1.0
+        self.write(result)
+        self.print_summary(result)
+        return result
+
+    def write(self, result: dict[str, Any]) -> None:
+        """metrics.json in the run directory (atomic replace)."""
+        run_dir = Path(self.cfg.train.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "metrics.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=float))
+        os.replace(tmp, run_dir / "metrics.json")
+
+    def print_summary(self, r: dict[str, Any]) -> None:
+        """Human-readable summary."""
+        tr, ev, te = r["train"], r["eval"], r["teacher"]
+        lines = [
+            "",
+            f"trained {tr['steps']} steps, {tr['samples']:,} samples in {tr['seconds']:.1f}s "
+            f"({tr['samples_per_s']:,.0f} samples/s)",
+            f"{'':10}{'auc':>8}{'logloss':>10}{'ne':>8}{'calib':>8}",
+            f"{'eval':10}{ev['auc']:8.4f}{ev['logloss']:10.4f}{ev['ne']:8.4f}{ev['calibration']:8.3f}",
+        ]
+        if te:
+            lines.append(
+                f"{'teacher':10}{te['auc']:8.4f}{te['logloss']:10.4f}{te['ne']:8.4f}"
+                f"{te.get('calibration', 1.0):8.3f}"
+            )
+            lines.append(f"eval NE is {100 * r['eval_ne_gap_vs_teacher']:+.2f}% vs the teacher")
+        lines.append(f"metrics written to {Path(self.cfg.train.run_dir) / 'metrics.json'}")
+        print("\n".join(lines), file=self.out, flush=True)
+
+
+def train(cfg: Config, out: TextIO | None = None) -> dict[str, Any]:
+    """Train and evaluate a config (single process)."""
+    return Trainer(cfg, out=out).fit()

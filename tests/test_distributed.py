@@ -1,0 +1,104 @@
+"""Sharded training equals single-process training (spawned gloo ranks on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_util import run_ranks
+from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
+from neorec.data.batch import Batch
+from neorec.distributed.model_parallel import DistributedModel
+from neorec.modules.dlrm import build_dlrm
+from neorec.sharding.types import ShardingPlan, plan_by_type
+from neorec.sparse import SparseFeatures
+from neorec.train.trainer import make_dense_optimizer, train_step
+
+# Uneven row splits (37, 50 rows), a table with fewer rows than ranks (3), a shared table.
+TABLES = [
+    TableConfig(name="a", rows=37, dim=8),
+    TableConfig(name="b", rows=3, dim=8, features=["b", "b2"]),
+    TableConfig(name="c", rows=50, dim=8),
+    TableConfig(name="d", rows=10, dim=8),
+]
+B = 16
+
+
+def make_cfg(opt: str, pooling: str = "sum") -> Config:
+    return Config(
+        model=ModelConfig(num_dense=5, bottom_mlp=[8, 8], top_mlp=[8, 1]),
+        embedding=EmbeddingConfig(
+            tables=[TableConfig(**vars(t)) for t in TABLES],
+            optimizer=opt,
+            lr=0.1,
+            pooling=pooling,
+        ),
+        data=DataConfig(batch_size=B),
+        train=TrainConfig(dense_optimizer="sgd", dense_lr=0.1, seed=7),
+    )
+
+
+def global_batch(seed: int, weighted: bool) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    values, lengths = [], []
+    for t in TABLES:
+        for _ in t.features:
+            lens = torch.randint(0, 5, (B,), generator=g)
+            lengths.append(lens)
+            values.append(torch.randint(0, t.rows, (int(lens.sum()),), generator=g))
+    v = torch.cat(values)
+    w = torch.rand(v.numel(), generator=g) if weighted else None
+    feats = [f for t in TABLES for f in t.features]
+    sparse = SparseFeatures(feats, v, torch.cat(lengths), w)
+    return Batch(torch.randn(B, 5, generator=g), sparse, (torch.rand(B, generator=g) < 0.4).float())
+
+
+def plans(world: int) -> dict[str, ShardingPlan]:
+    rph = 2 if world >= 4 else world
+    out = {
+        name: plan_by_type(TABLES, world, rph, name)
+        for name in ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
+    }
+    mixed = {"a": "row_wise", "b": "data_parallel", "c": "column_wise", "d": "table_row_wise"}
+    out["mixed"] = plan_by_type(TABLES, world, rph, "table_wise", mixed)
+    return out
+
+
+def check_equal(rank: int, world: int, plan: ShardingPlan, cfg: Config, weighted: bool) -> None:
+    ref = build_dlrm(cfg)
+    dm = DistributedModel(cfg, plan)
+    opt_ref = make_dense_optimizer(cfg, ref.dense_parameters())
+    opt_dm = make_dense_optimizer(cfg, dm.dense_parameters())
+    b = B // world
+    lo, hi = rank * b, (rank + 1) * b
+    for step in range(1, 4):
+        batch = global_batch(100 + step, weighted)
+        train_step(ref, opt_ref, batch, step)
+        train_step(dm, opt_dm, batch.slice(lo, hi), step)
+    test = global_batch(999, weighted)
+    with torch.no_grad():
+        expected = ref(test.dense, test.sparse)[lo:hi]
+        got = dm(test.dense[lo:hi], test.sparse.select_samples(lo, hi))
+    where = f"plan {plan.meta} opt {cfg.embedding.optimizer} rank {rank}/{world}"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+    for t in TABLES:
+        full = dm.ebc.gather_table(t.name)
+        torch.testing.assert_close(
+            full, ref.ebc.table_weight(t.name), rtol=1e-5, atol=1e-6,
+            msg=lambda m, n=t.name: f"{where} table {n}: {m}",
+        )
+
+
+def all_plans(rank: int, world: int) -> None:
+    for name, plan in plans(world).items():
+        plan.meta = {"name": name}
+        for opt in ("sgd", "rowwise_adagrad"):
+            check_equal(rank, world, plan, make_cfg(opt), weighted=False)
+    plan = plans(world)["mixed"]
+    plan.meta = {"name": "mixed-mean-weighted-adam"}
+    check_equal(rank, world, plan, make_cfg("adam", pooling="mean"), weighted=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_sharding_type_equals_single_process(world):
+    run_ranks(all_plans, world)
