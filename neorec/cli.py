@@ -1,9 +1,11 @@
-"""Command line: ``neorec train | plan | bench``."""
+"""Command line: ``neorec train | plan | bench | data | ckpt``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 
 __all__ = ["main"]
@@ -13,15 +15,62 @@ BENCHES = {
     "step": "neorec.bench.step",
     "planner": "neorec.bench.planner",
     "locality": "neorec.bench.locality",
+    "dist": "neorec.bench.dist",
+    "cache": "neorec.bench.cache",
+    "ckpt": "neorec.bench.ckpt",
+    "data": "neorec.bench.data",
 }
 
 
 def _train(args: argparse.Namespace) -> int:
     from neorec.config import load_config
+
+    if args.resume:  # as an override, so that --nproc passes it on to every rank
+        args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args)
+    cfg = load_config(args.config, args.set)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _train_distributed(cfg)
     from neorec.train.trainer import train
 
-    cfg = load_config(args.config, args.set)
     train(cfg)
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Start ``--nproc`` local ranks through PyTorch's launcher (torch.distributed.run)."""
+    from torch.distributed.run import main as torchrun
+
+    rest = ["train"]
+    if args.config:
+        rest += ["--config", args.config]
+    for s in args.set:
+        rest += ["--set", s]
+    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "neorec", *rest]
+    try:
+        torchrun(argv)
+    except Exception as e:  # ChildFailedError: a rank failed; the launcher stopped the others
+        print(f"neorec: distributed training failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train_distributed(cfg) -> int:
+    """One rank of a torchrun-launched job: gloo on CPU, NCCL on GPU."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from neorec.train.trainer import train
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    try:
+        train(cfg)
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
@@ -29,6 +78,12 @@ def _plan(args: argparse.Namespace) -> int:
     from neorec.sharding.commands import run_plan
 
     return int(run_plan(args))
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    from neorec.checkpoint.inspect import run_ckpt_command
+
+    return run_ckpt_command(args.action, args.path, args.verify)
 
 
 def _bench(name: str, argv: list[str]) -> int:
@@ -50,7 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="override a config value (repeatable), e.g. --set train.steps=100",
     )
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="local ranks to start (torch.distributed.run); for several machines use "
+        "torchrun --nnodes ... -m neorec train",
+    )
+    t.add_argument(
+        "--resume",
+        metavar="PATH|latest",
+        help="continue from a checkpoint directory, or the latest one under checkpoint.dir",
+    )
     t.set_defaults(func=_train)
+
+    ck = sub.add_parser("ckpt", help="list or inspect Check-N-Run checkpoints")
+    ck.add_argument("action", choices=["ls", "inspect"])
+    ck.add_argument("path", help="checkpoint root (ls) or a checkpoint / 'ROOT' for its latest")
+    ck.add_argument("--verify", action="store_true", help="inspect: read and checksum every file")
+    ck.set_defaults(func=_ckpt)
 
     pl = sub.add_parser("plan", help="plan how tables are sharded over ranks")
     try:
@@ -64,7 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (print a table and a JSON line)")
     b.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+    d = sub.add_parser("data", help="data tools: preprocess Criteo TSV into columnar shards")
+    d.add_argument("action", choices=["preprocess"])
+    d.add_argument("rest", nargs=argparse.REMAINDER, help="the action's own flags (--help)")
+    d.set_defaults(func=lambda a: _data(a.action, a.rest))
     return p
+
+
+def _data(action: str, argv: list[str]) -> int:
+    from neorec.data.preprocess import main as preprocess_main
+
+    return int(preprocess_main(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
         return _bench(argv[1], argv[2:])
+    if argv[:2] == ["data", "preprocess"]:  # its flags (--input ...) go to it unparsed
+        return _data(argv[1], argv[2:])
     args = build_parser().parse_args(argv)
     from neorec.config import ConfigError
 

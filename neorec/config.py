@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "TableConfig",
@@ -16,6 +21,10 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "ShardingConfig",
+    "PlannerConfig",
+    "CheckpointConfig",
+    "StorageConfig",
+    "CommConfig",
     "Config",
     "ConfigError",
     "load_config",
@@ -41,8 +50,31 @@ class TableConfig:
     """Mean ids per sample of each feature reading this table (synthetic data, planner)."""
     features: list[str] = field(default_factory=list)
     """Features that read this table; default: one feature named like the table."""
+    storage: str = "memory"
+    """Where rows live: ``memory`` (all in the fast tier), or ``dram`` / ``ssd`` behind a row cache."""
+    cache_rows: int = 0
+    """Rows of the row cache (dram/ssd storage); 0 = use cache_fraction."""
+    cache_fraction: float = 0.0
+    """Cache size as a share of rows (dram/ssd storage); 0 with cache_rows 0 = 10%."""
+    cache_policy: str = "lru"
+    """Row cache eviction policy: ``lru`` or ``lfu``."""
 
     def __post_init__(self) -> None:
+        if self.storage not in ("memory", "dram", "ssd"):
+            raise ConfigError(
+                f"table '{self.name}': storage must be memory, dram or ssd, got '{self.storage}'"
+            )
+        if self.cache_rows < 0 or not 0.0 <= self.cache_fraction <= 1.0:
+            raise ConfigError(
+                f"table '{self.name}': cache_rows must be >= 0 and cache_fraction in [0, 1], "
+                f"got {self.cache_rows}, {self.cache_fraction}"
+            )
+        if self.cache_rows and self.cache_fraction:
+            raise ConfigError(f"table '{self.name}': set cache_rows or cache_fraction, not both")
+        if self.cache_policy not in ("lru", "lfu"):
+            raise ConfigError(
+                f"table '{self.name}': cache_policy must be lru or lfu, got '{self.cache_policy}'"
+            )
         if self.rows <= 0:
             raise ConfigError(f"table '{self.name}': rows must be > 0, got {self.rows}")
         if self.dim <= 0:
@@ -145,14 +177,14 @@ class DataConfig:
     """Where batches come from."""
 
     source: str = "synthetic"
-    """``synthetic`` or ``criteo`` (TSV files)."""
+    """``synthetic`` or ``criteo`` (TSV files, or a directory from ``neorec data preprocess``)."""
     path: str = ""
-    """Criteo: a file or directory of TSV (optionally .gz) files."""
+    """Criteo: a file or directory of TSV (optionally .gz) files, or a preprocessed directory."""
     eval_path: str = ""
     """Criteo: held-out file(s); empty = the last file of ``path``."""
     batch_size: int = 512
     """Global batch size."""
-    train_samples: int = 200_000
+    train_samples: int = 1_000_000
     """Synthetic: samples in the train split."""
     eval_samples: int = 50_000
     """Synthetic: samples in the eval split."""
@@ -170,8 +202,21 @@ class DataConfig:
     """Criteo malformed lines: ``fail`` (error with file:line) or ``skip`` (counted)."""
     seed: int = 1234
     """Data seed (synthetic generation, shuffling)."""
+    shuffle: bool = True
+    """Criteo preprocessed: shuffle shard order and samples within ``shuffle_buffer`` per epoch."""
+    shuffle_buffer: int = 262_144
+    """Criteo preprocessed: samples shuffled together (a window of the epoch's shard stream)."""
+    workers: int = 1
+    """Criteo preprocessed: reader worker processes per rank (0 = read in the training process)."""
+    prefetch: int = 4
+    """Criteo preprocessed: batches each reader worker prepares ahead."""
 
     def __post_init__(self) -> None:
+        if self.shuffle_buffer <= 0 or self.workers < 0 or self.prefetch <= 0:
+            raise ConfigError(
+                f"data.shuffle_buffer > 0, data.workers >= 0 and data.prefetch > 0 needed, got "
+                f"{self.shuffle_buffer}, {self.workers}, {self.prefetch}"
+            )
         if self.source not in ("synthetic", "criteo"):
             raise ConfigError(f"data.source must be 'synthetic' or 'criteo', got '{self.source}'")
         if self.batch_size <= 0:
@@ -211,8 +256,17 @@ class TrainConfig:
     """Run the dense MLPs under bf16 autocast (CPU AMX); embeddings stay float32."""
     progress: bool = True
     """Print a progress line."""
+    collective_timeout_s: int = 300
+    """Distributed runs: a collective that waits longer than this fails (no hang)."""
+    pipeline: str = "overlapped"
+    """``overlapped``: batch i+1 is loaded, copied and its input distribution started while batch
+    i computes; ``sequential``: one batch at a time (the reference; same results, bitwise)."""
 
     def __post_init__(self) -> None:
+        if self.pipeline not in ("overlapped", "sequential"):
+            raise ConfigError(
+                f"train.pipeline must be 'overlapped' or 'sequential', got '{self.pipeline}'"
+            )
         if self.dense_optimizer not in ("sgd", "adagrad", "adam"):
             raise ConfigError(
                 f"train.dense_optimizer must be sgd, adagrad or adam, got '{self.dense_optimizer}'"
@@ -237,6 +291,124 @@ class ShardingConfig:
 
 
 @dataclass(kw_only=True)
+class PlannerConfig:
+    """Inputs of the sharding planner beyond the model (``neorec plan``, distributed training)."""
+
+    tables_file: str = ""
+    """CSV/JSON table list (relative to the config); replaces embedding.tables for planning."""
+    batch_size: int = 0
+    """Global batch for the cost model; 0 = data.batch_size."""
+    weight_bytes: int = 4
+    """Bytes per stored weight element."""
+    allow_host: bool = True
+    """Tables may live in host DRAM (UVM-like tier)."""
+    max_cw_slices: int = 0
+    """Most column slices per table (0 = planner default)."""
+    optimizer: str = ""
+    """Optimizer the cost model assumes (empty = embedding.optimizer)."""
+    topology: dict[str, Any] = field(default_factory=dict)
+    """Topology fields (see neorec.sharding.topology.Topology)."""
+    topology_file: str = ""
+    """A topology JSON (e.g. written by ``neorec plan --calibrate``)."""
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    """Memory hierarchy (tables with storage = dram | ssd): where store files go, prefetch."""
+
+    dir: str = "/tmp/neorec-store"
+    """Directory of the SSD row store files (one ``<table>.rows`` per table, created anew)."""
+    io_threads: int = 2
+    """Threads issuing SSD reads/writes (requests in flight)."""
+    prefetch: bool = True
+    """Read the next batch's missing rows in the background while the current batch computes."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Check-N-Run checkpoints (neorec.checkpoint): when, what, how precisely, where."""
+
+    dir: str = ""
+    """Root directory or fsspec URL (s3://, gs://, memory://); empty = <train.run_dir>/checkpoints."""
+    every_steps: int = 0
+    """Checkpoint every N train steps (0 = never)."""
+    policy: str = "adaptive"
+    """``full``, ``one_shot`` (rows changed since the baseline), ``consecutive`` (since the previous
+    checkpoint) or ``adaptive`` (consecutive; new baseline when the chain outweighs one)."""
+    bits: int = 8
+    """Stored precision of embedding rows: 32 (exact), 8, 4, 3 or 2 (row-wise integer codes)."""
+    adaptive_range: bool = True
+    """For bits <= 4: greedy per-row range search (min/max shrunk while the L2 error falls)."""
+    opt_bits: int = 32
+    """Stored precision of fused optimizer state: 32, 16 (bfloat16), 8, or 0 (not stored).
+    32 by measurement (neorec bench ckpt): dropping it costs NE, and row-wise Adagrad's one float
+    per row is ~8% of an 8-bit checkpoint."""
+    keep_last: int = 2
+    """Baselines kept, each with the increments built on it."""
+    async_write: bool = True
+    """Encode and write in a background thread (training pauses only for the snapshot)."""
+    adaptive_threshold: float = 1.0
+    """adaptive: new baseline when the chain to replay would exceed this x a baseline's bytes."""
+    full_every: int = 0
+    """Also force a baseline after N increments (0 = only when the policy asks)."""
+    chunk_rows: int = 65536
+    """Rows per stored piece (pieces are cut at multiples of this global row index)."""
+    fsync: bool = True
+    """fsync local files before renaming them into place."""
+    resume: str = ""
+    """Resume from ``latest`` (under dir) or a checkpoint path; empty = start fresh."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("full", "one_shot", "consecutive", "adaptive"):
+            raise ConfigError(
+                f"checkpoint.policy must be full, one_shot, consecutive or adaptive, "
+                f"got '{self.policy}'"
+            )
+        if self.bits not in (32, 8, 4, 3, 2):
+            raise ConfigError(f"checkpoint.bits must be 32, 8, 4, 3 or 2, got {self.bits}")
+        if self.opt_bits not in (32, 16, 8, 0):
+            raise ConfigError(f"checkpoint.opt_bits must be 32, 16, 8 or 0, got {self.opt_bits}")
+        if self.every_steps < 0 or self.keep_last < 1 or self.chunk_rows < 1:
+            raise ConfigError(
+                f"checkpoint: every_steps >= 0, keep_last >= 1, chunk_rows >= 1 needed, got "
+                f"{self.every_steps}, {self.keep_last}, {self.chunk_rows}"
+            )
+
+
+_COMM_CODECS = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Precision on the wire of distributed training (neorec.distributed.codecs)."""
+
+    forward: str = "fp32"
+    """Codec of the forward all-to-all of pooled embeddings: fp32, fp16, bf16, fp8_e4m3,
+    fp8_e5m2, int8 (row-wise)."""
+    backward: str = "fp32"
+    """Codec of the backward all-to-all of the pooled embeddings' gradients."""
+    allreduce: str = "fp32"
+    """Codec of the dense (DDP) gradient all-reduce."""
+    fp8_scaling: str = "row"
+    """fp8 scale: ``row`` (a power of two per row, 1 byte) or ``tensor`` (one per message)."""
+    loss_scale: float = 0.0
+    """fp16/fp8 gradients (backward, allreduce): 0 = a power-of-two scale per message from its
+    largest value (cannot overflow); > 0 = this fixed factor (overflow is an error)."""
+
+    def __post_init__(self) -> None:
+        for key in ("forward", "backward", "allreduce"):
+            if getattr(self, key) not in _COMM_CODECS:
+                raise ConfigError(
+                    f"comm.{key} must be one of {', '.join(_COMM_CODECS)}, got "
+                    f"'{getattr(self, key)}'"
+                )
+        if self.fp8_scaling not in ("row", "tensor"):
+            raise ConfigError(f"comm.fp8_scaling must be row or tensor, got '{self.fp8_scaling}'")
+        if not 0.0 <= self.loss_scale < float("inf"):
+            raise ConfigError(f"comm.loss_scale must be finite and >= 0, got {self.loss_scale}")
+
+
+@dataclass(kw_only=True)
 class Config:
     """Everything a run needs."""
 
@@ -245,12 +417,18 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    comm: CommConfig = field(default_factory=lambda: CommConfig())
 
     def __post_init__(self) -> None:
         dims = {t.dim for t in self.embedding.tables}
         if self.model.interaction == "dot":
             if len(dims) != 1:
-                raise ConfigError(f"the dot interaction needs one embedding dim, got {sorted(dims)}")
+                raise ConfigError(
+                    f"the dot interaction needs one embedding dim, got {sorted(dims)}"
+                )
             (d,) = dims
             if self.model.bottom_mlp[-1] != d:
                 raise ConfigError(
@@ -267,7 +445,7 @@ class Config:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

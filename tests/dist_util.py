@@ -23,9 +23,7 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)
     except BaseException:

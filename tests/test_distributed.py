@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_util import run_ranks
+
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
 from neorec.data.batch import Batch
 from neorec.distributed.model_parallel import DistributedModel
@@ -84,7 +84,10 @@ def check_equal(rank: int, world: int, plan: ShardingPlan, cfg: Config, weighted
     for t in TABLES:
         full = dm.ebc.gather_table(t.name)
         torch.testing.assert_close(
-            full, ref.ebc.table_weight(t.name), rtol=1e-5, atol=1e-6,
+            full,
+            ref.ebc.table_weight(t.name),
+            rtol=1e-5,
+            atol=1e-6,
             msg=lambda m, n=t.name: f"{where} table {n}: {m}",
         )
 

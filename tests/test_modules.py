@@ -28,8 +28,10 @@ def random_batch(b: int, seed: int, weighted: bool = False):
             feats[f] = [torch.randint(0, t.rows, (int(n),), generator=g).tolist() for n in lens]
     w = None
     if weighted:
-        w = {f: [[float(x) for x in torch.rand(len(bag), generator=g)] for bag in bags]
-             for f, bags in feats.items()}
+        w = {
+            f: [[float(x) for x in torch.rand(len(bag), generator=g)] for bag in bags]
+            for f, bags in feats.items()
+        }
     sparse = SparseFeatures.from_lists(feats, w)
     dense = torch.randn(b, 5, generator=g)
     labels = (torch.rand(b, generator=g) < 0.4).float()
@@ -87,10 +89,17 @@ def test_training_steps_equal_plain_autograd(kind):
     cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1])
     opt = RowOptimizer(kind=kind, lr=0.1)
     model = DLRM(cfg, TABLES, opt, backend="reference", seed=0)
-    tables = {t.name: model.ebc.table_weight(t.name).clone().double().requires_grad_() for t in TABLES}
-    state = {t.name: {"s": torch.zeros(t.rows, dtype=torch.float64),
-                      "m": torch.zeros(t.rows, t.dim, dtype=torch.float64),
-                      "v": torch.zeros(t.rows, t.dim, dtype=torch.float64)} for t in TABLES}
+    tables = {
+        t.name: model.ebc.table_weight(t.name).clone().double().requires_grad_() for t in TABLES
+    }
+    state = {
+        t.name: {
+            "s": torch.zeros(t.rows, dtype=torch.float64),
+            "m": torch.zeros(t.rows, t.dim, dtype=torch.float64),
+            "v": torch.zeros(t.rows, t.dim, dtype=torch.float64),
+        }
+        for t in TABLES
+    }
     dense_ref = copy.deepcopy(model.dense_arch).double()
     dopt = torch.optim.SGD(model.dense_parameters(), lr=0.05)
     dopt_ref = torch.optim.SGD(dense_ref.parameters(), lr=0.05)
@@ -142,8 +151,9 @@ def test_feature_order_and_errors():
     out = model(dense, sparse)
     parts = {k: sparse.feature(k) for k in sparse.keys}
     rev = list(reversed(sparse.keys))
-    shuffled = SparseFeatures(rev, torch.cat([parts[k][0] for k in rev]),
-                              torch.cat([parts[k][1] for k in rev]))
+    shuffled = SparseFeatures(
+        rev, torch.cat([parts[k][0] for k in rev]), torch.cat([parts[k][1] for k in rev])
+    )
     torch.testing.assert_close(model(dense, shuffled), out)
     bad = SparseFeatures(["a", "b"], torch.tensor([1]), torch.tensor([1, 0]))
     with pytest.raises(SparseFeatureError, match=r"missing \['b2', 'c'\]"):

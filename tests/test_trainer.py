@@ -36,7 +36,9 @@ def test_train_writes_metrics(tmp_path):
     for key in ("auc", "logloss", "ne", "calibration"):
         assert math.isfinite(m["eval"][key])
     assert m["teacher"]["ne"] < 1.0
-    assert result["eval_ne_gap_vs_teacher"] == pytest.approx(m["eval"]["ne"] / m["teacher"]["ne"] - 1)
+    assert result["eval_ne_gap_vs_teacher"] == pytest.approx(
+        m["eval"]["ne"] / m["teacher"]["ne"] - 1
+    )
 
 
 def test_same_seed_bitwise_identical(tmp_path):

@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     ms = 1000 * statistics.median(times)
+    backend_name = str(model.ebc.backend.name)  # type: ignore[union-attr]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = cfg.embedding.tables
     result = {
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "pooling": t[0].pooling_factor,
         "alpha": a.alpha,
         "optimizer": cfg.embedding.optimizer,
-        "backend": model.ebc.backend.name,
+        "backend": backend_name,
         "bf16_dense": a.bf16,
         "threads": torch.get_num_threads(),
         "ms_per_step": round(ms, 2),

@@ -4,19 +4,26 @@ vectors, deterministic all-reduce and reduce-scatter built from collectives ever
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from neorec.distributed.codecs import Codec
+
 __all__ = [
     "Awaitable",
     "Done",
+    "Chain",
     "CommStats",
     "all_to_all",
+    "coded_all_to_all",
+    "coded_all_reduce",
     "AllToAllPooled",
     "ordered_all_reduce",
     "reduce_scatter",
@@ -48,22 +55,52 @@ class Done(Awaitable[T]):
         super().__init__(lambda: value)
 
 
+class Chain(Awaitable[T]):
+    """Two dependent phases (e.g. lengths, then ids): ``advance()`` ends one and starts two."""
+
+    def __init__(self, first: Callable[[], Awaitable[T]]) -> None:
+        super().__init__(lambda: self._second_phase().wait())
+        self._first: Callable[[], Awaitable[T]] | None = first
+        self._second: Awaitable[T] | None = None
+
+    def _second_phase(self) -> Awaitable[T]:
+        if self._second is None:
+            assert self._first is not None
+            self._second, self._first = self._first(), None
+        return self._second
+
+    def advance(self) -> None:
+        """Wait for phase one and start phase two (a pipeline calls it while other work runs)."""
+        if self._fn is not None:
+            self._second_phase()
+
+
 @dataclass
 class CommStats:
     """Bytes this rank sent per collective name (for ``bench dist`` and metrics.json)."""
 
     bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    wait_s: dict[str, float] = field(default_factory=dict)
+    """Seconds blocked waiting for each collective to finish (communication not hidden)."""
+    codec_s: float = 0.0
+    """Seconds spent encoding and decoding reduced-precision messages."""
 
     def add(self, name: str, nbytes: int) -> None:
         """Record one collective."""
         self.bytes_sent[name] = self.bytes_sent.get(name, 0) + int(nbytes)
         self.calls[name] = self.calls.get(name, 0) + 1
 
+    def waited(self, name: str, seconds: float) -> None:
+        """Record time blocked on a collective."""
+        self.wait_s[name] = self.wait_s.get(name, 0.0) + seconds
+
     def reset(self) -> None:
         """Forget everything recorded."""
         self.bytes_sent.clear()
         self.calls.clear()
+        self.wait_s.clear()
+        self.codec_s = 0.0
 
 
 def _off_rank_bytes(t: Tensor, splits: Sequence[int] | None, rank: int, world: int) -> int:
@@ -97,10 +134,94 @@ def all_to_all(
 
     def finish() -> Tensor:
         assert work is not None
+        t0 = time.perf_counter()
         work.wait()
+        if stats is not None:
+            stats.waited(name, time.perf_counter() - t0)
         return recv
 
     return Awaitable(finish)
+
+
+def coded_all_to_all(
+    send: Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    rows: int,
+    codec: Codec | None,
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    name: str = "all_to_all",
+) -> Awaitable[Tensor]:
+    """``all_to_all`` of float32 chunks of ``rows`` rows each, through ``codec`` on the wire.
+
+    Chunk q of ``send`` is [rows, send_splits[q] / rows]; every chunk (the one this rank keeps
+    too, so results do not depend on placement) is encoded alone and carries its own scales.
+    """
+    if codec is None:
+        return all_to_all(send, send_splits, recv_splits, group, stats, name)
+    t0 = time.perf_counter()
+    shapes_out = [(rows, n // rows if rows else 0) for n in send_splits]
+    shapes_in = [(rows, n // rows if rows else 0) for n in recv_splits]
+    chunks = torch.split(send.detach().float(), list(send_splits))
+    enc = [codec.encode(c.view(s), name) for c, s in zip(chunks, shapes_out)]
+    out_bytes = [codec.nbytes(*s) for s in shapes_out]
+    in_bytes = [codec.nbytes(*s) for s in shapes_in]
+    buf = torch.cat(enc) if enc else torch.empty(0, dtype=torch.uint8)
+    if stats is not None:
+        stats.codec_s += time.perf_counter() - t0
+    pending = all_to_all(buf, out_bytes, in_bytes, group, stats, name)
+
+    def finish() -> Tensor:
+        got = pending.wait()
+        t1 = time.perf_counter()
+        parts = torch.split(got, in_bytes)
+        out = torch.cat([codec.decode(p, *s).reshape(-1) for p, s in zip(parts, shapes_in)])
+        if stats is not None:
+            stats.codec_s += time.perf_counter() - t1
+        return out
+
+    return Awaitable(finish)
+
+
+def coded_all_reduce(
+    t: Tensor,
+    codec: Codec,
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    name: str = "allreduce_dense",
+    row: int = 64,
+) -> Tensor:
+    """Sum of ``t`` over ranks with ``codec`` on the wire: reduce-scatter, then all-gather.
+
+    Each rank receives chunk r of every rank (encoded), sums them in rank order in float32,
+    encodes the sum once and all-gathers it; every rank decodes the same bytes, so the result is
+    bitwise identical everywhere. Bytes per rank: 2 (W-1)/W of the encoded tensor, as a ring.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t.clone()
+    n = t.numel()
+    per = -(-n // (world * row)) * row  # elements per rank's chunk, whole rows
+    flat = torch.zeros(world * per)
+    flat[:n] = t.reshape(-1)
+    got = coded_all_to_all(
+        flat, [per] * world, [per] * world, per // row, codec, group, stats, name
+    )
+    parts = got.wait().view(world, per // row, row)
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total.add_(p)
+    t0 = time.perf_counter()
+    mine = codec.encode(total, name)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    if stats is not None:
+        stats.add(name, mine.numel() * (world - 1))
+    dist.all_gather(gathered, mine, group=group)
+    out = torch.cat([codec.decode(g, per // row, row).reshape(-1) for g in gathered])
+    if stats is not None:
+        stats.codec_s += time.perf_counter() - t0
+    return out[:n].view_as(t)
 
 
 class AllToAllPooled(torch.autograd.Function):
@@ -114,15 +235,21 @@ class AllToAllPooled(torch.autograd.Function):
         recv_splits: list[int],
         group: Any,
         stats: CommStats | None,
+        codecs: tuple[Codec | None, Codec | None] = (None, None),
+        rows: int = 0,
     ) -> Tensor:
-        ctx.meta = (send.shape, send_splits, recv_splits, group, stats)
-        return all_to_all(send.reshape(-1), send_splits, recv_splits, group, stats, "fwd_pooled").wait()
+        ctx.meta = (send.shape, send_splits, recv_splits, group, stats, codecs[1], rows)
+        return coded_all_to_all(
+            send.reshape(-1), send_splits, recv_splits, rows, codecs[0], group, stats, "fwd_pooled"
+        ).wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
-        shape, send_splits, recv_splits, group, stats = ctx.meta
-        back = all_to_all(grad.contiguous(), recv_splits, send_splits, group, stats, "bwd_grads")
-        return back.wait().view(shape), None, None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        shape, send_splits, recv_splits, group, stats, codec, rows = ctx.meta
+        back = coded_all_to_all(
+            grad.contiguous(), recv_splits, send_splits, rows, codec, group, stats, "bwd_grads"
+        )
+        return back.wait().view(shape), None, None, None, None, None, None
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -166,7 +293,9 @@ def reduce_scatter(
     if t.shape[0] % world:
         raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by {world} ranks")
     chunk = t.numel() // world
-    got = all_to_all(t.reshape(-1), [chunk] * world, [chunk] * world, group, stats, "reduce_scatter")
+    got = all_to_all(
+        t.reshape(-1), [chunk] * world, [chunk] * world, group, stats, "reduce_scatter"
+    )
     parts = got.wait().view(world, t.shape[0] // world, *t.shape[1:])
     out = parts[0].clone()
     for p in parts[1:]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from neorec.config import Config, ConfigError
-from neorec.distributed.comm import CommStats
+from neorec.distributed.codecs import Codec, make_codec
+from neorec.distributed.comm import CommStats, coded_all_reduce
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.modules.dlrm import DenseArch
 from neorec.ops.row_optim import RowOptimizer
@@ -30,7 +32,9 @@ class DistributedModel(nn.Module):
     ) -> None:
         super().__init__()
         emb = cfg.embedding
-        opt = RowOptimizer(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
+        opt = RowOptimizer(
+            kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay
+        )
         self.stats = CommStats()
         # Embedding collectives get their own group so their order never interleaves with DDP's.
         emb_group = dist.new_group(backend=dist.get_backend()) if dist.is_initialized() else None
@@ -50,10 +54,46 @@ class DistributedModel(nn.Module):
         dense = DenseArch(cfg.model, len(self.ebc.feature_names), dims.pop())
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.dense_arch: nn.Module = DistributedDataParallel(dense) if world > 1 else dense
+        self._setup_comm(cfg, world)
+
+    def _setup_comm(self, cfg: Config, world: int) -> None:
+        """Wire codecs from ``cfg.comm``; the dense all-reduce codec runs as a DDP comm hook."""
+        c = cfg.comm
+        self.ebc.codecs = (
+            make_codec(c.forward, c.fp8_scaling),
+            make_codec(c.backward, c.fp8_scaling, c.loss_scale),
+        )
+        allreduce = make_codec(c.allreduce, c.fp8_scaling, c.loss_scale)
+        dense_bytes = sum(p.numel() * p.element_size() for p in self.dense_parameters())
+        # fp32 runs DDP's own (ring) all-reduce, which reports no bytes: count the ring's share.
+        self._ring_bytes = 2 * (world - 1) * dense_bytes // world if allreduce is None else 0
+        if world > 1 and allreduce is not None:
+            assert isinstance(self.dense_arch, DistributedDataParallel)
+            self.dense_arch.register_comm_hook(None, self._allreduce_hook(allreduce, world))
+
+    def _allreduce_hook(self, codec: Codec, world: int):  # noqa: ANN202 - DDP hook signature
+        stats = self.stats
+
+        # Unannotated on purpose: DDP compares the annotations to its own types (strings here).
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            t0, c0 = time.perf_counter(), stats.codec_s
+            out = coded_all_reduce(bucket.buffer() / world, codec, None, stats)
+            stats.waited("allreduce_dense", time.perf_counter() - t0 - (stats.codec_s - c0))
+            fut: torch.futures.Future[Tensor] = torch.futures.Future()
+            fut.set_result(out)
+            return fut
+
+        return hook
 
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [b] for this rank's samples."""
+        if self._ring_bytes and torch.is_grad_enabled():
+            self.stats.add("allreduce_dense", self._ring_bytes)
         return self.dense_arch(dense, self.ebc(sparse))
+
+    def stage_input_dist(self, sparse: SparseFeatures) -> None:
+        """Start the input distribution of a later batch (the overlapped pipeline calls this)."""
+        self.ebc.stage_input_dist(sparse)
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters trained by the dense optimizer (replicated, DDP-averaged)."""
@@ -89,9 +129,33 @@ def resolve_plan(cfg: Config, world_size: int, ranks_per_host: int | None = None
 
 
 def _planned(cfg: Config, world_size: int, rph: int) -> ShardingPlan:
-    from neorec.sharding.planner import plan_for_config
+    """The cost-model planner's plan for this machine (or the configured topology)."""
+    from neorec.sharding.cost_model import tables_from_config
+    from neorec.sharding.planner import PlanningError, plan_tables
+    from neorec.sharding.topology import Topology
 
-    return plan_for_config(cfg, world_size, rph)
+    pc = cfg.planner
+    if pc.topology_file:
+        topo = Topology.load(pc.topology_file).with_world(world_size, rph)
+    elif pc.topology:
+        topo = Topology.from_dict({**pc.topology, "world_size": world_size, "ranks_per_host": rph})
+    else:
+        topo = Topology.local_cpu(world_size).with_world(world_size, rph)
+    tables = tables_from_config(cfg.embedding.tables, cfg.sharding.types, cfg.sharding.default_type)
+    options = {"weight_bytes": pc.weight_bytes, "allow_host": pc.allow_host}
+    if pc.max_cw_slices:
+        options["max_cw_slices"] = pc.max_cw_slices
+    try:
+        result = plan_tables(
+            tables,
+            topo,
+            pc.batch_size or cfg.data.batch_size,
+            pc.optimizer or cfg.embedding.optimizer,
+            **options,
+        )
+    except PlanningError as e:
+        raise ConfigError(f"the planner found no plan: {e}") from None
+    return result.plan
 
 
 def check_same_everywhere(what: str, payload: dict) -> None:

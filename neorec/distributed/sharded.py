@@ -27,16 +27,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
+from neorec.distributed.codecs import Codec
 from neorec.distributed.comm import (
     AllToAllPooled,
     Awaitable,
+    Chain,
     CommStats,
     Done,
     ScaleGrad,
     all_to_all,
     ordered_all_reduce,
 )
-from neorec.modules.embedding import init_rows
+from neorec.modules.embedding import UpdateHook, init_rows
 from neorec.ops.row_optim import RowOptimizer, apply_rows, zeros_state
 from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBELayout, get_backend, tbe_lookup
 from neorec.sharding.types import Shard, ShardingPlan, ShardingType
@@ -95,6 +97,13 @@ class _Replicas:
 class ShardedEmbeddingBagCollection(nn.Module):
     """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates."""
 
+    weights: Tensor
+    step: Tensor
+    dp_weights: Tensor
+    dp_step: Tensor
+    _out_cols: Tensor
+    _dp_cols: Tensor
+
     def __init__(
         self,
         tables: Sequence[TableConfig],
@@ -132,6 +141,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._build_cw_groups()
         self._anchor = torch.empty(0, requires_grad=True)
         self._dp_anchor = torch.empty(0, requires_grad=True)
+        self._hooks: list[UpdateHook] = []
+        self.codecs: tuple[Codec | None, Codec | None] = (None, None)
+        """Wire codecs of the pooled all-to-all: (forward values, backward gradients)."""
+        self._staged: list[tuple[SparseFeatures, Chain[LocalInput]]] = []
+
+    def add_update_hook(self, hook: UpdateHook) -> None:
+        """Call ``hook(layout, indices, offsets)`` after every fused update of ``layout``'s rows.
+
+        ``layout`` is ``self.layout`` (local shards, shard-local ids) or ``self.dp.layout``
+        (replicas; this rank's ids only: the union over ranks is the caller's business).
+        """
+        self._hooks.append(hook)
 
     # ---- setup -----------------------------------------------------------------------------
     def _build_units(self) -> None:
@@ -149,7 +170,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for d in self.feature_dims:
             col0.append(col0[-1] + d)
         self.units_by_owner: list[list[_Unit]] = [[] for _ in range(self.world)]
-        dp_tables, dp_features = [], []
+        dp_tables: list[TableConfig] = []
+        dp_features: list[int] = []
         f = 0
         for ti, t in enumerate(self.tables):
             p = plans[t.name]
@@ -164,11 +186,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     self.units_by_owner[s.rank].append(unit)
                 f += 1
         self.local_units = self.units_by_owner[self.rank]
+        max_rows = max((u.shard.rows for us in self.units_by_owner for u in us), default=0)
+        self._id_dtype = torch.int32 if max_rows < 2**31 else torch.int64
         self.dims_by_owner = [sum(u.dim for u in us) for us in self.units_by_owner]
-        cols = [c for us in self.units_by_owner for u in us for c in range(u.out_col, u.out_col + u.dim)]
+        cols = [
+            c for us in self.units_by_owner for u in us for c in range(u.out_col, u.out_col + u.dim)
+        ]
         self.register_buffer("_out_cols", torch.tensor(cols, dtype=torch.int64), persistent=False)
         self._dp_spec = (dp_tables, dp_features)
-        dp_cols = []
+        dp_cols: list[int] = []
         for fi in dp_features:
             dp_cols.extend(range(col0[fi], col0[fi + 1]))
         self.register_buffer("_dp_cols", torch.tensor(dp_cols, dtype=torch.int64), persistent=False)
@@ -193,7 +219,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             rows = init_rows(self.tables[ti], seed, s.row_start, s.row_end, init_scale)
             self.layout.table(self.weights, i).copy_(rows[:, s.col_start : s.col_end])
         for k, v in zeros_state(
-            self.optimizer.kind, self.layout.total_rows, self.layout.total_elems, torch.device("cpu")
+            self.optimizer.kind,
+            self.layout.total_rows,
+            self.layout.total_elems,
+            torch.device("cpu"),
         ).items():
             self.register_buffer(k, v)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
@@ -239,12 +268,26 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [b, sum of dims] for this rank's samples, in feature order."""
-        local = self.input_dist(sparse).wait()
+        local = self._take_staged(sparse).wait()
         pooled = self.compute(local)
+        # A pipeline's next batch had this lookup's time to receive its lengths: start its ids.
+        for _, pending in self._staged:
+            pending.advance()
         return self.output_dist(pooled, local).wait()
 
-    def input_dist(self, sparse: SparseFeatures) -> Awaitable[LocalInput]:
-        """Start sending this rank's bags to the shard owners."""
+    def stage_input_dist(self, sparse: SparseFeatures) -> None:
+        """Start ``input_dist(sparse)`` now; a later ``forward`` of this same object uses it."""
+        self._staged.append((sparse, self.input_dist(sparse)))
+
+    def _take_staged(self, sparse: SparseFeatures) -> Awaitable[LocalInput]:
+        for i, (staged, pending) in enumerate(self._staged):
+            if staged is sparse:
+                del self._staged[i]
+                return pending
+        return self.input_dist(sparse)
+
+    def input_dist(self, sparse: SparseFeatures) -> Chain[LocalInput]:
+        """Start sending this rank's bags to the shard owners (lengths now; ids on ``advance``)."""
         sparse = sparse.reorder(self.feature_names)
         if self.validate_ids:
             sparse.validate(self._rows_by_feature, self._table_by_feature)
@@ -258,7 +301,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 values.append(vals)
                 if wts is not None:
                     weights.append(wts)
-        send_len = torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64)
+        # Lengths and shard-local ids travel as int32 when every shard fits (lossless, half the bytes).
+        send_len = (
+            torch.cat(lengths).to(torch.int32) if lengths else torch.empty(0, dtype=torch.int32)
+        )
         len_splits = [len(us) * b for us in self.units_by_owner]
         recv_len_splits = [len(self.local_units) * b] * self.world
         a_len = all_to_all(send_len, len_splits, recv_len_splits, self.group, self.stats, "lengths")
@@ -268,24 +314,29 @@ class ShardedEmbeddingBagCollection(nn.Module):
             val_counts[q] = int(send_len[pos : pos + n].sum())
             pos += n
         send_val = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        send_val = send_val.to(self._id_dtype)
         send_w = torch.cat(weights) if weights else None
         dp = self._dp_input(sparse)
         inv = self._inv_lengths(sparse) if self.pooling == PoolingMode.MEAN else None
 
-        def finish() -> LocalInput:
-            recv_len = a_len.wait()
+        def ids_phase() -> Awaitable[LocalInput]:
+            recv_len = a_len.wait().to(torch.int64)
             blocks = recv_len.view(self.world, len(self.local_units), b)
             recv_counts = blocks.sum(dim=(1, 2)).tolist()
             a_val = all_to_all(send_val, val_counts, recv_counts, self.group, self.stats, "ids")
             a_w = None
             if send_w is not None:
                 a_w = all_to_all(send_w, val_counts, recv_counts, self.group, self.stats, "weights")
-            recv_val = a_val.wait()
-            recv_w = a_w.wait() if a_w is not None else None
-            idx, off, wts = _source_major_to_unit_major(blocks, recv_val, recv_w)
-            return LocalInput(idx, off, wts, *dp, inv, b)
 
-        return Awaitable(finish)
+            def finish() -> LocalInput:
+                recv_val = a_val.wait().to(torch.int64)
+                recv_w = a_w.wait() if a_w is not None else None
+                idx, off, wts = _source_major_to_unit_major(blocks, recv_val, recv_w)
+                return LocalInput(idx, off, wts, *dp, inv, b)
+
+            return Awaitable(finish)
+
+        return Chain(ids_phase)
 
     def _split_by_unit(
         self, sparse: SparseFeatures
@@ -341,19 +392,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.step += 1
             if self._cw_groups:
                 self._update_with_cw_rowwise(local, grad)
-                return
-            self.backend.backward_update(
-                self.layout,
-                self.weights,
-                self._state(),
-                local.indices,
-                local.offsets,
-                local.weights,
-                PoolingMode.SUM,
-                grad,
-                self.optimizer,
-                int(self.step),
-            )
+            else:
+                self.backend.backward_update(
+                    self.layout,
+                    self.weights,
+                    self._state(),
+                    local.indices,
+                    local.offsets,
+                    local.weights,
+                    PoolingMode.SUM,
+                    grad,
+                    self.optimizer,
+                    int(self.step),
+                )
+            for hook in self._hooks:
+                hook(self.layout, local.indices, local.offsets)
 
         if self.layout.num_features == 0:
             # Still in the autograd graph: every rank must join the backward all-to-all.
@@ -377,7 +430,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         pooled = ScaleGrad.apply(pooled, 1.0 / self.world)
         send_splits = [b * self.layout.total_dim] * self.world
         recv_splits = [b * d for d in self.dims_by_owner]
-        recv = AllToAllPooled.apply(pooled, send_splits, recv_splits, self.group, self.stats)
+        recv = AllToAllPooled.apply(
+            pooled, send_splits, recv_splits, self.group, self.stats, self.codecs, b
+        )
         out = torch.zeros(b, self.total_dim)
         blocks = [
             blk.view(b, d) for blk, d in zip(torch.split(recv, recv_splits), self.dims_by_owner)
@@ -482,6 +537,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     v[lay.row_offsets[t] + ids] = st[k]
                 else:
                     lay.table(v, t)[ids] = st[k]
+        for hook in self._hooks:
+            hook(lay, local.dp_indices, local.dp_offsets)
 
     # ---- inspection ------------------------------------------------------------------------
     def gather_table(self, name: str) -> Tensor:

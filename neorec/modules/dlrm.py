@@ -37,6 +37,9 @@ class MLP(nn.Sequential):
 class DotInteraction(nn.Module):
     """DLRM interaction: dense vector + pairwise dot products of [dense, embeddings]."""
 
+    rows: Tensor
+    cols: Tensor
+
     def __init__(self, num_features: int, dim: int, self_interaction: bool = False) -> None:
         super().__init__()
         n = num_features + 1
@@ -119,16 +122,23 @@ class DLRM(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         init_scale: float = 0.0,
+        ebc: nn.Module | None = None,
     ) -> None:
         super().__init__()
         dims = {t.dim for t in tables}
         if len(dims) != 1:
             raise ValueError(f"DLRM needs one embedding dim for all tables, got {sorted(dims)}")
         torch.manual_seed(seed)
-        self.ebc = EmbeddingBagCollection(
-            tables, optimizer, pooling, backend, device, init_scale=init_scale, seed=seed
+        # ebc: a prebuilt collection with the same tables (e.g. the row cache over DRAM/SSD)
+        self.ebc = (
+            ebc
+            if ebc is not None
+            else EmbeddingBagCollection(
+                tables, optimizer, pooling, backend, device, init_scale=init_scale, seed=seed
+            )
         )
-        self.dense_arch = DenseArch(model, len(self.ebc.feature_names), dims.pop()).to(device)
+        num_features = sum(len(t.features) for t in tables)
+        self.dense_arch = DenseArch(model, num_features, dims.pop()).to(device)
 
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [B] for a batch."""
@@ -142,9 +152,23 @@ class DLRM(nn.Module):
 def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
     """The DLRM a config describes."""
     emb = cfg.embedding
-    opt = RowOptimizer(
-        kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay
-    )
+    opt = RowOptimizer(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
+    ebc = None
+    if any(t.storage != "memory" for t in emb.tables):
+        # Imported here: storage builds on modules, so modules cannot import it at load time.
+        from neorec.storage.cached import CachedEmbeddingBagCollection
+
+        ebc = CachedEmbeddingBagCollection(
+            emb.tables,
+            opt,
+            emb.pooling,
+            emb.backend,
+            device,
+            init_scale=emb.init_scale,
+            seed=cfg.train.seed,
+            storage_dir=cfg.storage.dir,
+            io_threads=cfg.storage.io_threads,
+        )
     return DLRM(
         cfg.model,
         emb.tables,
@@ -154,4 +178,5 @@ def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
         device=device,
         seed=cfg.train.seed,
         init_scale=emb.init_scale,
+        ebc=ebc,
     )

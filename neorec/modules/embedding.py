@@ -48,6 +48,7 @@ def init_rows(
         out[a - row_start : b - row_start].copy_(vals[a - lo : b - lo])
     return out
 
+
 UpdateHook = Callable[[TBELayout, Tensor, Tensor], None]
 """Called after each fused update with (layout, indices, offsets) of the batch."""
 
@@ -59,6 +60,9 @@ class EmbeddingBagCollection(nn.Module):
     in ``state_dict()`` but never handed to a dense ``torch.optim`` optimizer; the embedding
     update happens inside ``loss.backward()``.
     """
+
+    weights: Tensor
+    step: Tensor
 
     def __init__(
         self,

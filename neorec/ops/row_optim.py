@@ -43,7 +43,9 @@ class RowOptimizer:
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
-            raise ValueError(f"unknown embedding optimizer '{self.kind}', expected one of {OPTIMIZERS}")
+            raise ValueError(
+                f"unknown embedding optimizer '{self.kind}', expected one of {OPTIMIZERS}"
+            )
         if not self.lr > 0:
             raise ValueError(f"embedding optimizer lr must be > 0, got {self.lr}")
         if not self.eps > 0:
@@ -97,7 +99,9 @@ def apply_rows(
         raise ValueError(opt.kind)
 
 
-def zeros_state(kind: str, total_rows: int, total_elems: int, device: torch.device) -> dict[str, Tensor]:
+def zeros_state(
+    kind: str, total_rows: int, total_elems: int, device: torch.device
+) -> dict[str, Tensor]:
     """Fresh optimizer state (flat float32 tensors)."""
     return {
         k: torch.zeros(n, dtype=torch.float32, device=device)

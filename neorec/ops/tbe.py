@@ -303,7 +303,7 @@ def available_backends() -> Sequence[str]:
     return tuple(_BACKENDS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _make(name: str) -> Any:
     return _BACKENDS[name]()
 

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -21,7 +23,8 @@ from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 from neorec.modules.dlrm import build_dlrm
 from neorec.sparse import SparseFeatures
-from neorec.train.metrics import MetricState
+from neorec.train.metrics import MetricState, binary_metrics
+from neorec.train.pipeline import PipelineTimes, make_pipeline
 
 __all__ = [
     "TrainingDiverged",
@@ -100,13 +103,13 @@ class CriteoSource:
     """Criteo Kaggle/Terabyte TSV files."""
 
     def __init__(self, cfg: Config) -> None:
-        from neorec.data.criteo import CriteoTSVDataset, list_files
+        from neorec.data.criteo import CriteoTSVDataset, criteo_files
 
         if not cfg.data.path:
             raise ConfigError("data.source = 'criteo' needs data.path (a TSV file or directory)")
-        files = list_files(cfg.data.path)
+        files = [str(p) for p in criteo_files(cfg.data.path)]
         if cfg.data.eval_path:
-            train_files, eval_files = files, list_files(cfg.data.eval_path)
+            train_files, eval_files = files, [str(p) for p in criteo_files(cfg.data.eval_path)]
         elif len(files) > 1:
             train_files, eval_files = files[:-1], files[-1:]
         else:
@@ -117,7 +120,11 @@ class CriteoSource:
 
         def make(paths: list[str]) -> Any:
             return CriteoTSVDataset(
-                paths, cfg.embedding.tables, cfg.data.batch_size, bad_lines=cfg.data.bad_lines
+                paths,
+                cfg.embedding.tables,
+                cfg.data.batch_size,
+                bad_lines=cfg.data.bad_lines,
+                hash_categories=cfg.data.hash_categories,
             )
 
         self.train_set, self.eval_set = make(train_files), make(eval_files)
@@ -145,6 +152,10 @@ def make_source(cfg: Config) -> DataSource:
     """The data source a config names."""
     if cfg.data.source == "synthetic":
         return SyntheticSource(cfg)
+    from neorec.data.loader import PreprocessedSource, is_preprocessed
+
+    if cfg.data.path and is_preprocessed(cfg.data.path):  # written by `neorec data preprocess`
+        return PreprocessedSource(cfg)
     return CriteoSource(cfg)
 
 
@@ -181,8 +192,8 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> dict[str, float]:
-    """Metrics of the model's predictions over ``batches``."""
+def predict(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> MetricState:
+    """Predicted probabilities and labels over ``batches``."""
     model.train(False)
     state = MetricState()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -191,7 +202,21 @@ def evaluate(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> d
             logits = model(batch.dense, batch.sparse)
         state.update(torch.sigmoid(logits.float()), batch.labels)
     model.train(True)
-    return state.compute()
+    return state
+
+
+def evaluate(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> dict[str, float]:
+    """Metrics of the model's predictions over ``batches``."""
+    return predict(model, batches, bf16).compute()
+
+
+def _injected_failure(rank: int) -> int:
+    """Step at which this rank must fail (``NEOREC_FAIL_AT=rank:step``, for failure tests)."""
+    spec = os.environ.get("NEOREC_FAIL_AT", "")
+    if not spec:
+        return -1
+    r, st = (int(x) for x in spec.split(":"))
+    return st if r == rank else -1
 
 
 @dataclass
@@ -225,17 +250,62 @@ class Progress:
 
 
 class Trainer:
-    """Runs training and evaluation for a config and writes metrics.json."""
+    """Runs training and evaluation for a config and writes metrics.json.
+
+    Under torch.distributed, every rank reads the same global batches and keeps its slice
+    ``[rank*b, (rank+1)*b)``; eval predictions are gathered so every rank computes the metrics of
+    the whole split; rank 0 prints and writes.
+    """
 
     def __init__(self, cfg: Config, model: RecModel | None = None, out: TextIO | None = None):
         self.cfg = cfg
         self.out = out or sys.stdout
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if cfg.data.batch_size % self.world:
+            raise ConfigError(
+                f"data.batch_size {cfg.data.batch_size} must be divisible by the {self.world} ranks"
+            )
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.model = model if model is not None else build_dlrm(cfg)
+        self.model = model if model is not None else self._build_model()
         self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
         self.source = make_source(cfg)
         self.step = 0
+        self._fail_at = _injected_failure(self.rank)
+        self._epoch = self._next_batch = 0  # data position: the next batch to read (checkpointed)
+        from neorec.checkpoint.hooks import TrainerCheckpoints
+
+        self.ckpt = TrainerCheckpoints.create(self)
+
+    def _build_model(self) -> RecModel:
+        if self.world == 1:
+            return build_dlrm(self.cfg)
+        from neorec.distributed.model_parallel import (
+            DistributedModel,
+            check_same_everywhere,
+            resolve_plan,
+        )
+
+        check_same_everywhere("configs", self.cfg.to_dict())
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        plan = resolve_plan(self.cfg, self.world, local)
+        check_same_everywhere("sharding plans", plan.to_dict())
+        if self.rank == 0 and self.cfg.train.progress:
+            print(plan.format_table(), file=self.out, flush=True)
+        self.plan = plan
+        return DistributedModel(self.cfg, plan)
+
+    def _local(self, batch: Batch) -> Batch:
+        if self.world == 1 or getattr(self.source, "yields_local", False):
+            return batch  # (a source that yields local batches read only this rank's part)
+        if batch.size % self.world:
+            raise ConfigError(
+                f"a global batch of {batch.size} samples cannot be split over {self.world} ranks; "
+                f"use a batch size and split sizes divisible by the number of ranks"
+            )
+        b = batch.size // self.world
+        return batch.slice(self.rank * b, (self.rank + 1) * b)
 
     def total_steps(self) -> int | None:
         """Steps this run will take (None if the data length is unknown)."""
@@ -245,41 +315,127 @@ class Trainer:
         return None if n is None else n * self.cfg.train.epochs
 
     def batches(self) -> Iterator[Batch]:
-        """Train batches over epochs, stopping at train.steps if set."""
+        """Train batches over epochs, stopping at train.steps if set (advances the position)."""
+        for batch, position in self.positioned_batches():
+            self._epoch, self._next_batch = position
+            yield batch
+
+    def positioned_batches(self) -> Iterator[tuple[Batch, tuple[int, int]]]:
+        """Train batches from the data position on, each with the position after it.
+
+        Stops after train.steps steps in all. Changes no trainer state, so a loader thread may
+        run it ahead of training; the trainer moves its position when a batch is trained on.
+        """
         limit = self.cfg.train.steps
-        epoch = 0
-        while limit or epoch < self.cfg.train.epochs:
+        left = max(0, limit - self.step) if limit else -1
+        epoch, start = self._epoch, self._next_batch
+        while left != 0 and (limit or epoch < self.cfg.train.epochs):
             produced = 0
-            for b in self.source.train_batches():
-                if limit and self.step >= limit:
+            set_epoch = getattr(self.source, "set_epoch", None)
+            if set_epoch is not None:  # sources whose order depends on the epoch (shuffled)
+                set_epoch(epoch)
+            for b in self.source.train_batches(start):
+                if left == 0:
                     return
-                produced += 1
-                yield b
-            if produced == 0:
+                produced, left = produced + 1, left - 1
+                yield b, (epoch, start + produced)
+            if produced == 0 and start == 0:
                 raise ConfigError("the train split produced no batches (too few samples?)")
-            epoch += 1
-            if limit and self.step >= limit:
-                return
+            epoch, start = epoch + 1, 0
+
+    def _feed(self, positions: deque[tuple[int, int]]) -> Iterator[Batch]:
+        """This rank's slices of the train batches; notes each one's position (any thread)."""
+        for batch, position in self.positioned_batches():
+            positions.append(position)
+            yield self._local(batch)
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, write metrics.json; return the metrics."""
         cfg = self.cfg
-        progress = Progress(self.total_steps(), max(1, cfg.train.log_every), self.out, cfg.train.progress)
-        evals = []
+        progress = Progress(
+            self.total_steps(),
+            max(1, cfg.train.log_every),
+            self.out,
+            cfg.train.progress and self.rank == 0,
+        )
+        evals = self.ckpt.resume(self, progress) if self.ckpt is not None else []
         t0 = time.perf_counter()
-        for batch in self.batches():
-            self.step += 1
-            loss = train_step(self.model, self.opt, batch, self.step, cfg.train.bf16_dense)
-            progress.update(self.step, batch.size, loss)
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                evals.append({"step": self.step, **self.evaluate()})
+        positions: deque[tuple[int, int]] = deque()
+        pipe = make_pipeline(
+            cfg.train.pipeline,
+            self.model,
+            self.opt,
+            self._feed(positions),
+            train_step,
+            bf16=cfg.train.bf16_dense,
+        )
+        try:
+            while True:
+                if self.step + 1 == self._fail_at:
+                    raise RuntimeError(
+                        f"injected failure on rank {self.rank} at step {self._fail_at}"
+                    )
+                out = pipe.progress(self.step + 1)
+                if out is None:
+                    break
+                self.step += 1
+                self._epoch, self._next_batch = positions.popleft()
+                progress.update(self.step, out.batch.size * self.world, out.loss)
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                    evals.append({"step": self.step, **self.evaluate()})
+                if self.ckpt is not None:
+                    self.ckpt.after_step(self, progress, evals)
+        finally:
+            pipe.close()
+        self.pipe_times = pipe.times
+        self._comm = self.comm_metrics()
+        if self.ckpt is not None:
+            self.ckpt.close()
         train_s = time.perf_counter() - t0
         final = self.evaluate()
         return self.summarize(final, evals, progress, train_s)
 
     def evaluate(self) -> dict[str, float]:
-        """Eval metrics now."""
-        return evaluate(self.model, self.source.eval_batches(), self.cfg.train.bf16_dense)
+        """Eval metrics now (over the whole eval split, on every rank)."""
+        batches = (self._local(b) for b in self.source.eval_batches())
+        if self.world == 1:
+            return evaluate(self.model, batches, self.cfg.train.bf16_dense)
+        state = predict(self.model, batches, self.cfg.train.bf16_dense)
+        mine = list(zip(state.probs, state.labels))
+        parts: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(self.world)]
+        dist.all_gather_object(parts, mine)
+        # Back to global sample order: global batch i is rank 0's slice i, rank 1's slice i, ...
+        probs = torch.cat([p[i][0] for i in range(len(mine)) for p in parts])
+        labels = torch.cat([p[i][1] for i in range(len(mine)) for p in parts])
+        return binary_metrics(probs, labels)
+
+    def comm_metrics(self) -> dict[str, Any]:
+        """Pipeline and wire codecs; bytes sent per step (all ranks) and ms per step waiting on
+        communication, data, codecs, and the rest (compute), over training so far (collective)."""
+        c, times = self.cfg.comm, getattr(self, "pipe_times", PipelineTimes()).summary()
+        out: dict[str, Any] = {
+            "pipeline": self.cfg.train.pipeline,
+            "codecs": {"forward": c.forward, "backward": c.backward, "allreduce": c.allreduce},
+            **times,
+        }
+        stats = getattr(self.model, "stats", None)
+        if stats is None or self.world == 1:
+            return out
+        steps = max(1, int(times["steps"]))
+        mine = (dict(stats.bytes_sent), dict(stats.wait_s), stats.codec_s)
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, mine)
+        sent = {k: sum(p[0].get(k, 0) for p in parts) / steps for k in stats.bytes_sent}
+        wait = {k: 1000 * v / steps for k, v in stats.wait_s.items()}  # this rank's
+        out["bytes_per_step"] = sent
+        out["bytes_per_step_total"] = sum(sent.values())
+        out["wait_ms_per_step"] = wait
+        out["comm_wait_ms_per_step"] = sum(wait.values())
+        out["codec_ms_per_step"] = 1000 * stats.codec_s / steps
+        out["compute_ms_per_step"] = (
+            times["step_ms_mean"] - out["comm_wait_ms_per_step"] - times["load_wait_ms_per_step"]
+        )
+        return out
 
     def summarize(
         self, final: dict[str, float], evals: list[dict], progress: Progress, train_s: float
@@ -298,7 +454,12 @@ class Trainer:
             "evals": evals,
             "teacher": teacher,
             "config": self.cfg.to_dict(),
+            "comm": getattr(self, "_comm", None),
         }
+        ebc = getattr(self.model, "ebc", None)
+        # callable: the sharded collection's ``stats`` is its CommStats, not a cache report.
+        if ebc is not None and callable(getattr(ebc, "stats", None)):
+            result["storage"] = ebc.stats()  # row cache hit rate, bytes per tier, evictions
         if teacher:
             result["eval_ne_gap_vs_teacher"] = final["ne"] / teacher["ne"] - 1.0
         self.write(result)
@@ -306,7 +467,9 @@ class Trainer:
         return result
 
     def write(self, result: dict[str, Any]) -> None:
-        """metrics.json in the run directory (atomic replace)."""
+        """metrics.json in the run directory (atomic replace; rank 0 only)."""
+        if self.rank != 0:
+            return
         run_dir = Path(self.cfg.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / "metrics.json.tmp"
@@ -314,7 +477,9 @@ class Trainer:
         os.replace(tmp, run_dir / "metrics.json")
 
     def print_summary(self, r: dict[str, Any]) -> None:
-        """Human-readable summary."""
+        """Human-readable summary (rank 0 only)."""
+        if self.rank != 0:
+            return
         tr, ev, te = r["train"], r["eval"], r["teacher"]
         lines = [
             "",

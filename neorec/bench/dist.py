@@ -1,0 +1,201 @@
+"""``neorec bench dist --nproc N``: ms per step and bytes per collective for each sharding type.
+
+Spawns N gloo ranks on this machine. Every rank trains a DistributedModel on the same global
+batches under plans of one sharding type each (and a mixed plan), for each wire codec setting
+(``--codecs``) and training pipeline (``--pipelines``), and reports the median step time (max over
+ranks), the time a step waits on communication (median over steps, max over ranks), and the bytes
+each collective sent per step (sum over ranks, bytes that leave a rank; DDP's own fp32 all-reduce
+is counted as a ring: 2(W-1)/W x dense parameter bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from neorec.bench.step import make_batches
+from neorec.config import CommConfig, load_config
+from neorec.distributed.model_parallel import DistributedModel
+from neorec.sharding.types import plan_by_type
+from neorec.train.pipeline import make_pipeline
+from neorec.train.trainer import make_dense_optimizer, train_step
+
+__all__ = ["main"]
+
+TYPES = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "mixed"]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Flags."""
+    p = argparse.ArgumentParser(prog="neorec bench dist", description=__doc__)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1024, help="global batch")
+    p.add_argument("--pooling", type=float, default=20)
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--types", default=",".join(TYPES), help="comma-separated sharding types")
+    p.add_argument("--ranks-per-host", type=int, default=0, help="default: nproc (one host)")
+    p.add_argument(
+        "--codecs",
+        default="fp32",
+        help="comma-separated wire codec settings, each FWD/BWD/ALLREDUCE or one name for all "
+        "three (fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8), e.g. fp32,fp16/bf16/bf16,fp8_e4m3",
+    )
+    p.add_argument("--fp8-scaling", default="row", choices=["row", "tensor"])
+    p.add_argument(
+        "--pipelines", default="overlapped", help="comma-separated: overlapped, sequential"
+    )
+    p.add_argument("--json-out", default="", help="also write the results here")
+    return p.parse_args(argv)
+
+
+def _config(a: argparse.Namespace):
+    return load_config(
+        overrides=[
+            f"embedding.num_tables={a.tables}",
+            f"embedding.rows={a.rows}",
+            f"embedding.dim={a.dim}",
+            f"embedding.pooling_factor={a.pooling}",
+            f"model.bottom_mlp=[64, {a.dim}]",
+            "model.top_mlp=[128, 64, 1]",
+            f"data.batch_size={a.batch}",
+            "train.dense_optimizer='sgd'",
+        ]
+    )
+
+
+def _plan(cfg, kind: str, world: int, rph: int):
+    tables = cfg.embedding.tables
+    if kind != "mixed":
+        return plan_by_type(tables, world, rph, kind)
+    cycle = ["row_wise", "table_wise", "column_wise", "data_parallel", "table_row_wise"]
+    types = {t.name: cycle[i % len(cycle)] for i, t in enumerate(tables)}
+    return plan_by_type(tables, world, rph, "table_wise", types)
+
+
+def _comm(spec: str, fp8_scaling: str) -> CommConfig:
+    """``fwd/bwd/allreduce`` or one codec name for all three."""
+    parts = spec.split("/")
+    fwd, bwd, ar = parts if len(parts) == 3 else parts * 3
+    return CommConfig(forward=fwd, backward=bwd, allreduce=ar, fp8_scaling=fp8_scaling)
+
+
+def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dict:
+    """Train warmup + iters steps; median ms/step, comm wait ms/step, bytes/step (all ranks)."""
+    b = a.batch // world
+    model = DistributedModel(cfg, plan)
+    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    n = a.warmup + a.iters
+    # One batch more than steps: the overlapped pipeline's last step stages it, so every measured
+    # step pays for one input distribution, as in a long run.
+    local = (batches[i % len(batches)].slice(rank * b, (rank + 1) * b) for i in range(n + 1))
+    pipe = make_pipeline(pipeline, model, opt, local, train_step)
+    times, waits = [], []
+    for i in range(n):
+        if i == a.warmup:
+            model.stats.reset()
+        dist.barrier()
+        w0 = sum(model.stats.wait_s.values())
+        t0 = time.perf_counter()
+        pipe.progress(i + 1)
+        times.append(time.perf_counter() - t0)
+        waits.append(sum(model.stats.wait_s.values()) - w0)
+    pipe.close()
+    ms = torch.tensor([1000 * statistics.median(times[a.warmup :])])
+    wait = torch.tensor([1000 * statistics.median(waits[a.warmup :])])
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    dist.all_reduce(wait, op=dist.ReduceOp.MAX)
+    sent = {k: v / a.iters for k, v in model.stats.bytes_sent.items()}
+    gathered: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, sent)
+    total = {k: sum(g.get(k, 0) for g in gathered) for k in set().union(*gathered)}
+    return {
+        "ms_per_step": round(float(ms), 2),
+        "comm_wait_ms": round(float(wait), 2),
+        "bytes_per_step": total,
+        "bytes_total": sum(total.values()),
+    }
+
+
+def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    cfg = _config(a)
+    batches = make_batches(cfg, 4, a.alpha)
+    rows = []
+    for kind in a.types.split(","):
+        plan = _plan(cfg, kind, world, a.ranks_per_host or world)
+        for spec in a.codecs.split(","):
+            cfg.comm = _comm(spec, a.fp8_scaling)
+            for pipeline in a.pipelines.split(","):
+                row = _measure(cfg, plan, pipeline, batches, rank, world, a)
+                rows.append({"type": kind, "codecs": spec, "pipeline": pipeline, **row})
+    if rank == 0:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table and a JSON line."""
+    a = parse(argv)
+    if a.batch % a.nproc:
+        raise SystemExit(f"--batch {a.batch} must be divisible by --nproc {a.nproc}")
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.spawn(_rank, args=(a.nproc, _free_port(), a, q), nprocs=a.nproc, join=True)
+    rows = q.get()
+    names = sorted({k for r in rows for k in r["bytes_per_step"]})
+    head = (
+        f"{'type':<16}{'codecs':<28}{'pipeline':<12}{'ms/step':>9}{'wait ms':>9}{'total B':>12}"
+        + "".join(f"{n:>16}" for n in names)
+    )
+    print(
+        f"bench dist: {a.nproc} gloo ranks, {a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
+        f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}; bytes per step, all ranks"
+    )
+    print(head)
+    for r in rows:
+        cells = "".join(f"{r['bytes_per_step'].get(n, 0):>16,.0f}" for n in names)
+        print(
+            f"{r['type']:<16}{r['codecs']:<28}{r['pipeline']:<12}{r['ms_per_step']:>9.1f}"
+            f"{r['comm_wait_ms']:>9.1f}{r['bytes_total']:>12,.0f}{cells}"
+        )
+    result = {
+        "bench": "dist",
+        "nproc": a.nproc,
+        "tables": a.tables,
+        "rows": a.rows,
+        "dim": a.dim,
+        "batch": a.batch,
+        "pooling": a.pooling,
+        "alpha": a.alpha,
+        "fp8_scaling": a.fp8_scaling,
+        "results": rows,
+    }
+    line = json.dumps(result)
+    print(line)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,253 @@
+"""``neorec bench op``: time one TBE training step (pooled forward + fused backward-update).
+
+Each implementation (ours, and FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU when
+installed) runs in its own subprocess, so peak RSS is per implementation, on the same ids: every
+worker regenerates them from the seed. Prints a table, then one JSON line.
+
+    neorec bench op --tables 8 --rows 1000000 --dim 64 --batch 2048 --pooling 100 --alpha 1.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from neorec.data.ids import zipf_ids
+from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer, state_shapes, zeros_state
+from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
+
+__all__ = ["main", "parse_args"]
+
+_MB = 1024 * 1024
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags of ``neorec bench op``."""
+    p = argparse.ArgumentParser(prog="neorec bench op", description=__doc__.splitlines()[0])
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--pooling", type=int, default=100, help="ids per bag (mean if variable)")
+    p.add_argument("--alpha", type=float, default=0.0, help="Zipf exponent of ids; 0 = uniform")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batches", type=int, default=3, help="distinct pre-generated batches")
+    p.add_argument("--backend", default="cpu", help="neorec TBE backend to time")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the implementations in turn this many times and keep each one's best median "
+        "(damps noise from other processes on a shared machine)",
+    )
+    grp = p.add_mutually_exclusive_group()
+    grp.add_argument("--fixed-pooling", dest="fixed", action="store_true", default=True)
+    grp.add_argument("--variable-pooling", dest="fixed", action="store_false")
+    has_fbgemm = importlib.util.find_spec("fbgemm_gpu") is not None
+    p.add_argument(
+        "--compare",
+        choices=("fbgemm", "none"),
+        default="fbgemm" if has_fbgemm else "none",
+        help="also time this peer implementation (default: fbgemm when installed)",
+    )
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def make_batches(a: argparse.Namespace) -> list[tuple[Tensor, Tensor]]:
+    """Deterministic (indices, offsets) batches, table-major, one feature per table."""
+    gen = torch.Generator().manual_seed(a.seed)
+    out = []
+    for _ in range(a.batches):
+        ids, lens = [], []
+        for t in range(a.tables):
+            if a.fixed:
+                ln = torch.full((a.batch,), a.pooling, dtype=torch.int64)
+            else:
+                ln = torch.randint(0, 2 * a.pooling + 1, (a.batch,), generator=gen)
+            lens.append(ln)
+            ids.append(zipf_ids(a.rows, int(ln.sum()), a.alpha, generator=gen, salt=t))
+        lengths = torch.cat(lens)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        out.append((torch.cat(ids), offsets))
+    return out
+
+
+def _ours(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
+    layout = TBELayout(
+        rows=(a.rows,) * a.tables, dims=(a.dim,) * a.tables, feature_table=tuple(range(a.tables))
+    )
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=gen)
+    state = zeros_state(a.optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
+    backend = get_backend(a.backend)
+    opt = RowOptimizer(kind=a.optimizer, lr=a.lr, eps=a.eps)
+    anchor = torch.empty(0, requires_grad=True)
+    step = [0]
+
+    def run(indices: Tensor, offsets: Tensor, grad: Tensor) -> None:
+        step[0] += 1
+
+        def update(g: Tensor) -> None:
+            backend.backward_update(
+                layout, weights, state, indices, offsets, None, PoolingMode.SUM, g, opt, step[0]
+            )
+
+        out = tbe_lookup(
+            anchor, backend, layout, weights, indices, offsets, None, PoolingMode.SUM, update
+        )
+        out.backward(grad)
+
+    return run
+
+
+def _fbgemm(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
+    # The peer is imported here only: neorec itself never depends on fbgemm.
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        PoolingMode as FPooling,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    kinds = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "adam": EmbOptimType.ADAM,
+    }
+    spec = (a.rows, a.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+    emb = SplitTableBatchedEmbeddingBagsCodegen(
+        [spec] * a.tables,
+        optimizer=kinds[a.optimizer],
+        learning_rate=a.lr,
+        eps=a.eps,
+        pooling_mode=FPooling.SUM,
+        weights_precision=SparseType.FP32,
+        output_dtype=SparseType.FP32,
+        device="cpu",
+    )
+
+    def run(indices: Tensor, offsets: Tensor, grad: Tensor) -> None:
+        emb(indices, offsets).backward(grad)
+
+    return run
+
+
+def budget_mb(a: argparse.Namespace, n_ids: int) -> float:
+    """1.5 x (weights + optimizer state + one batch: ids, offsets, output, output grad)."""
+    elems = a.tables * a.rows * a.dim
+    state = sum(state_shapes(a.optimizer, a.tables * a.rows, elems).values())
+    batch = 8 * n_ids + 8 * (a.tables * a.batch + 1) + 2 * 4 * a.batch * a.tables * a.dim
+    return 1.5 * (4 * (elems + state) + batch) / _MB
+
+
+def worker(a: argparse.Namespace) -> dict:
+    """Time one implementation in this process; returns its figures."""
+    torch.set_num_threads(a.threads)
+    batches = make_batches(a)
+    grad = torch.randn(a.batch, a.tables * a.dim, generator=torch.Generator().manual_seed(a.seed))
+    run = _fbgemm(a) if a.worker == "fbgemm" else _ours(a)
+    times = []
+    for i in range(a.warmup + a.iters):
+        indices, offsets = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        run(indices, offsets, grad)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    return {
+        "impl": a.worker,
+        "ms_per_step": 1e3 * statistics.median(times),
+        "ms_mean": 1e3 * statistics.fmean(times),
+        "ms_min": 1e3 * min(times),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "ids_per_step": batches[0][0].numel(),
+    }
+
+
+def _spawn(impl: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "neorec.bench.op", *argv, "--worker", impl]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench worker '{impl}' failed ({proc.returncode}):\n{proc.stderr}")
+    res: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run each implementation in a subprocess, print a table and a JSON line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return 0
+    impls = [a.backend] + (["fbgemm"] if a.compare == "fbgemm" else [])
+    res: dict[str, dict] = {}
+    for _ in range(max(a.repeats, 1)):
+        for impl in list(impls):  # alternate, so slow spells of a shared machine hit both
+            try:
+                r = _spawn(impl, argv)
+            except RuntimeError as e:
+                if impl == a.backend:
+                    raise
+                # e.g. FBGEMM has no CPU Adam: report ours alone rather than nothing
+                print(f"note: {impl} skipped: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+                impls.remove(impl)
+                continue
+            best = res.get(impl)
+            if best is None or r["ms_per_step"] < best["ms_per_step"]:
+                res[impl] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], (best or r)["peak_rss_mb"])}
+    budget = budget_mb(a, res[a.backend]["ids_per_step"])
+    print(f"{'impl':<10}{'ms/step':>10}{'mean':>10}{'min':>10}{'peak RSS MB':>14}")
+    for impl, r in res.items():
+        print(
+            f"{impl:<10}{r['ms_per_step']:>10.1f}{r['ms_mean']:>10.1f}{r['ms_min']:>10.1f}"
+            f"{r['peak_rss_mb']:>14.0f}"
+        )
+    ours = res[a.backend]
+    line = {
+        "bench": "op",
+        "backend": a.backend,
+        "ms_per_step": round(ours["ms_per_step"], 3),
+        "peak_rss_mb": round(ours["peak_rss_mb"], 1),
+        "rss_budget_mb": round(budget, 1),
+        "rss_within_budget": ours["peak_rss_mb"] <= budget,
+        "fbgemm_ms_per_step": None,
+        "fbgemm_peak_rss_mb": None,
+        "speedup_vs_fbgemm": None,
+    }
+    if "fbgemm" in res:
+        fb = res["fbgemm"]
+        line["fbgemm_ms_per_step"] = round(fb["ms_per_step"], 3)
+        line["fbgemm_peak_rss_mb"] = round(fb["peak_rss_mb"], 1)
+        line["speedup_vs_fbgemm"] = round(fb["ms_per_step"] / ours["ms_per_step"], 2)
+    print(f"budget: peak RSS <= {budget:.0f} MB (1.5 x weights + state + batch)")
+    config = {k: v for k, v in vars(a).items() if k not in ("worker", "backend", "compare")}
+    config["fixed_pooling"] = config.pop("fixed")
+    print(json.dumps({**line, **config, "pooling_mode": "sum"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Which embedding rows changed, and where this rank's rows live in global table coordinates.
+
+``local_blocks`` describes the rows a module holds as rectangles of global tables (views of its
+flat buffers), for the unsharded ``EmbeddingBagCollection`` and the ``ShardedEmbeddingBagCollection``
+alike; that is what makes checkpoints independent of the plan. ``DirtyRowTracker`` hooks the fused
+update and marks every row a batch looked up (the rows the optimizer touched).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from neorec.ops.tbe import TBELayout
+
+__all__ = ["LocalBlock", "local_blocks", "DirtyRowTracker"]
+
+MP, DP = "mp", "dp"  # the two flat row spaces of a module: its shards, its replicas
+
+
+@dataclass
+class LocalBlock:
+    """Rows [row_start, row_end) x cols [col_start, col_end) of table ``table`` held here."""
+
+    table: str
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+    weight: Tensor  # view [rows, cols]
+    state: dict[str, Tensor]  # views: momentum1 [rows]; exp_avg, exp_avg_sq [rows, cols]
+    space: str  # MP or DP: which tracker mask covers it
+    space_offset: int  # first row of the block in that mask
+    writer: bool  # this rank writes it (replicas: rank 0 only)
+
+    @property
+    def rows(self) -> int:
+        """Rows in the block."""
+        return self.row_end - self.row_start
+
+
+def _state_views(layout: TBELayout, state: dict[str, Tensor], t: int) -> dict[str, Tensor]:
+    out = {}
+    for k, s in state.items():
+        if k == "momentum1":
+            out[k] = s[layout.row_offsets[t] : layout.row_offsets[t + 1]]
+        else:
+            out[k] = layout.table(s, t)
+    return out
+
+
+def _state(module: Any, prefix: str = "") -> dict[str, Tensor]:
+    names = ("momentum1", "exp_avg", "exp_avg_sq")
+    return {k: getattr(module, prefix + k) for k in names if hasattr(module, prefix + k)}
+
+
+def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
+    """Every rectangle of every table that ``ebc`` (sharded or not) holds, in global coordinates."""
+    out = []
+    lay: TBELayout = ebc.layout
+    state = _state(ebc)
+    if not hasattr(ebc, "local_tables"):  # unsharded: whole tables
+        for t, spec in enumerate(ebc.tables):
+            out.append(
+                LocalBlock(
+                    spec.name,
+                    0,
+                    spec.rows,
+                    0,
+                    spec.dim,
+                    lay.table(ebc.weights, t),
+                    _state_views(lay, state, t),
+                    MP,
+                    lay.row_offsets[t],
+                    True,
+                )
+            )
+        return out
+    for i, (ti, s) in enumerate(ebc.local_tables):
+        out.append(
+            LocalBlock(
+                ebc.tables[ti].name,
+                s.row_start,
+                s.row_end,
+                s.col_start,
+                s.col_end,
+                lay.table(ebc.weights, i),
+                _state_views(lay, state, i),
+                MP,
+                lay.row_offsets[i],
+                True,
+            )
+        )
+    if ebc.dp is not None:
+        dlay, dstate = ebc.dp.layout, _state(ebc, "dp_")
+        for j, spec in enumerate(ebc.dp.tables):
+            out.append(
+                LocalBlock(
+                    spec.name,
+                    0,
+                    spec.rows,
+                    0,
+                    spec.dim,
+                    dlay.table(ebc.dp_weights, j),
+                    _state_views(dlay, dstate, j),
+                    DP,
+                    dlay.row_offsets[j],
+                    rank == 0,
+                )
+            )
+    return out
+
+
+class DirtyRowTracker:
+    """Marks the rows each fused update touched, per row space (``mp`` shards, ``dp`` replicas)."""
+
+    def __init__(self, ebc: Any) -> None:
+        self.layouts: dict[str, TBELayout] = {MP: ebc.layout}
+        dp = getattr(ebc, "dp", None)
+        if dp is not None:
+            self.layouts[DP] = dp.layout
+        self._base = {
+            k: torch.tensor(lay.row_offsets[:-1], dtype=torch.int64)[
+                torch.tensor(lay.feature_table, dtype=torch.int64)
+            ]
+            for k, lay in self.layouts.items()
+        }
+        self.masks = self._empty()
+        ebc.add_update_hook(self._hook)
+
+    def _empty(self) -> dict[str, Tensor]:
+        return {k: torch.zeros(lay.total_rows, dtype=torch.bool) for k, lay in self.layouts.items()}
+
+    def _hook(self, layout: TBELayout, indices: Tensor, offsets: Tensor) -> None:
+        key = DP if DP in self.layouts and layout is self.layouts[DP] else MP
+        nf = layout.num_features
+        if nf == 0 or indices.numel() == 0:
+            return
+        b = (offsets.numel() - 1) // nf
+        counts = torch.diff(offsets[::b].cpu())  # ids per feature
+        rows = indices.cpu() + torch.repeat_interleave(self._base[key], counts)
+        self.masks[key][rows] = True
+
+    def take(self) -> dict[str, Tensor]:
+        """The masks of rows modified since the last ``take`` (and start new ones)."""
+        out, self.masks = self.masks, self._empty()
+        return out

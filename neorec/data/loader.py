@@ -1,0 +1,438 @@
+"""Per-rank reading of preprocessed Criteo shards: shuffled, prefetched, resumable.
+
+The sample order of an epoch is a pure function of (seed, epoch) and the dataset, never of the
+number of ranks or workers::
+
+    shard order   = permutation(seed, epoch) of the shards       (shuffle = True)
+    stream        = the shards' samples concatenated in that order
+    window w      = stream[w*S : (w+1)*S], S = shuffle_buffer
+    position p    = window p // S, permuted by permutation(seed, epoch, w)
+
+Global batch i is positions ``[i*B, (i+1)*B)``; rank r of W reads only
+``[i*B + r*g//W, i*B + (r+1)*g//W)`` of it (g = the batch's size; the last batch may be
+smaller). Shards are memory-mapped ``.npy`` files, so reading a rank's part is a gather of its
+own rows. Because the order does not depend on W, the position (epoch, next global batch) resumes
+exactly on any number of ranks: nothing is seen twice or skipped.
+
+Worker processes (a ``torch.utils.data.DataLoader`` over batch indices) build batches ahead
+(``prefetch`` per worker); the position counts only batches handed to the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neorec.data.batch import Batch
+from neorec.sparse import SparseFeatures
+
+__all__ = [
+    "MANIFEST",
+    "STATE_VERSION",
+    "is_preprocessed",
+    "read_manifest",
+    "EpochOrder",
+    "ShardSet",
+    "ShardedReader",
+]
+
+MANIFEST = "manifest.json"
+STATE_VERSION = 1
+_FORMAT_VERSIONS = (1,)
+
+
+def is_preprocessed(path: str | Path) -> bool:
+    """Whether ``path`` is a directory written by ``neorec data preprocess``."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a preprocessed directory (checks the format version)."""
+    p = Path(path) / MANIFEST
+    if not p.is_file():
+        raise FileNotFoundError(f"{path} is not a preprocessed Criteo directory (no {MANIFEST})")
+    m: dict[str, Any] = json.loads(p.read_text())
+    if m.get("format_version") not in _FORMAT_VERSIONS:
+        raise ValueError(f"{p}: format_version {m.get('format_version')} is not supported")
+    return m
+
+
+class ShardSet:
+    """Some shards of a preprocessed directory, memory-mapped lazily (once per process)."""
+
+    def __init__(self, path: str | Path, shards: Sequence[dict[str, Any]] | None = None):
+        self.path = Path(path)
+        self.manifest = read_manifest(path)
+        self.shards = list(self.manifest["shards"] if shards is None else shards)
+        self.sizes = np.array([s["rows"] for s in self.shards], dtype=np.int64)
+        self.num_samples = int(self.sizes.sum())
+        self.bag_sizes = list(self.manifest["multi_hot"])
+        self._maps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._pid = -1
+
+    def fingerprint(self) -> str:
+        """Identifies the samples and their order before shuffling (checked on resume)."""
+        names = ",".join(f"{s['name']}:{s['rows']}" for s in self.shards)
+        return f"{len(self.shards)}/{self.num_samples}/{zlib.crc32(names.encode()):08x}"
+
+    def _arrays(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        # memmaps are opened per process: a forked worker must not share the parent's handles
+        if self._maps is None or self._pid != os.getpid():
+            d = self.path / "shards"
+            self._maps = [
+                tuple(np.load(d / f"{s['name']}.{c}.npy", mmap_mode="r") for c in _COLS)  # type: ignore[misc]
+                for s in self.shards
+            ]
+            self._pid = os.getpid()
+        return self._maps
+
+    def gather(self, shard: np.ndarray, row: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(labels [n], dense [n, 13], sparse [n, K]) of the given (shard, row) pairs, in order."""
+        maps = self._arrays()
+        n = len(shard)
+        k = sum(self.bag_sizes)
+        labels = np.empty(n, dtype=np.float32)
+        dense = np.empty((n, self.manifest["num_dense"]), dtype=np.float32)
+        sparse = np.empty((n, k), dtype=np.int64)
+        for s in np.unique(shard).tolist():
+            sel = np.flatnonzero(shard == s)
+            rows = row[sel]
+            order = np.argsort(rows, kind="stable")  # ascending rows read the file forward
+            lab, den, spa = maps[s]
+            labels[sel[order]] = lab[rows[order]]
+            dense[sel[order]] = den[rows[order]]
+            sparse[sel[order]] = spa[rows[order]]
+        return labels, dense, sparse
+
+
+_COLS = ("labels", "dense", "sparse")
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(key))))
+
+
+class EpochOrder:
+    """Maps an epoch's sample positions to (shard, row): shard order + windowed shuffle."""
+
+    def __init__(self, sizes: np.ndarray, seed: int, epoch: int, shuffle: bool, buffer: int):
+        self.seed, self.epoch, self.shuffle, self.buffer = seed, epoch, shuffle, max(1, buffer)
+        n = len(sizes)
+        self.order = _rng(seed, epoch, 0).permutation(n) if shuffle else np.arange(n)
+        self.ends = np.cumsum(sizes[self.order])  # stream offsets where each shard ends
+        self.total = int(self.ends[-1]) if n else 0
+        self._windows: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _window(self, w: int) -> np.ndarray:
+        if w not in self._windows:
+            size = min(self.buffer, self.total - w * self.buffer)
+            self._windows[w] = _rng(self.seed, self.epoch, w + 1).permutation(size)
+            if len(self._windows) > 3:  # a batch touches at most two windows
+                self._windows.popitem(last=False)
+        return self._windows[w]
+
+    def locate(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, row) of positions ``start..end-1``."""
+        pos = np.arange(start, end, dtype=np.int64)
+        if self.shuffle:
+            w = pos // self.buffer
+            for wi in np.unique(w).tolist():
+                sel = w == wi
+                pos[sel] = wi * self.buffer + self._window(wi)[pos[sel] - wi * self.buffer]
+        k = np.searchsorted(self.ends, pos, side="right")
+        first = self.ends[k] - self.sizes_of(k)
+        return self.order[k], pos - first
+
+    def sizes_of(self, k: np.ndarray) -> np.ndarray:
+        """Sizes of the k-th shards in epoch order."""
+        prev = np.concatenate(([0], self.ends[:-1]))
+        return self.ends[k] - prev[k]
+
+
+class _BatchTask(torch.utils.data.Dataset):
+    """Builds a rank's part of global batch (epoch, i); what the workers run."""
+
+    def __init__(self, reader: ShardedReader):
+        self.r = reader
+        self._order: EpochOrder | None = None
+
+    def __len__(self) -> int:
+        return 1 << 62  # indexed by (epoch, batch) through the sampler
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[np.ndarray, ...]:
+        epoch, i = key
+        r = self.r
+        if self._order is None or self._order.epoch != epoch:
+            self._order = EpochOrder(r.data.sizes, r.seed, epoch, r.shuffle, r.shuffle_buffer)
+        a, b = r.local_range(i)
+        return r.data.gather(*self._order.locate(a, b))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class ShardedReader:
+    """A rank's part of every global batch of preprocessed shards, with a resumable position."""
+
+    def __init__(
+        self,
+        data: ShardSet | str | Path,
+        batch_size: int,
+        *,
+        keys: Sequence[str] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_buffer: int = 1 << 18,
+        workers: int = 0,
+        prefetch: int = 2,
+        drop_last: bool = False,
+    ) -> None:
+        self.data = data if isinstance(data, ShardSet) else ShardSet(data)
+        if batch_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need batch_size > 0 and 0 <= rank < world_size, got "
+                f"{batch_size}, {rank}, {world_size}"
+            )
+        self.batch_size, self.rank, self.world = batch_size, rank, world_size
+        self.keys = list(keys or self.data.manifest["features"])
+        if len(self.keys) != len(self.data.bag_sizes):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.data.bag_sizes)} features")
+        self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
+        self.workers, self.prefetch, self.drop_last = workers, prefetch, drop_last
+        self.epoch = 0
+        self.next_batch = 0  # the next global batch to hand out (the checkpointed position)
+        self._loader: torch.utils.data.DataLoader | None = None
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        n, b = self.data.num_samples, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def local_range(self, i: int) -> tuple[int, int]:
+        """Epoch positions of this rank's part of global batch ``i``."""
+        start = i * self.batch_size
+        g = min(self.batch_size, self.data.num_samples - start)
+        return start + self.rank * g // self.world, start + (self.rank + 1) * g // self.world
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its first batch (no-op if already positioned in it)."""
+        if epoch != self.epoch:
+            self.epoch, self.next_batch = epoch, 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch from the saved position; then the next epoch begins."""
+        epoch, start = self.epoch, self.next_batch
+        for arrays in self._produce(epoch, start):
+            self.next_batch += 1
+            yield self._batch(*arrays)
+        if self.epoch == epoch and self.next_batch >= len(self):
+            self.epoch, self.next_batch = epoch + 1, 0
+
+    def _produce(self, epoch: int, start: int) -> Iterator[tuple[np.ndarray, ...]]:
+        keys = [(epoch, i) for i in range(start, len(self))]
+        if self.workers == 0:
+            task = _BatchTask(self)
+            return (task[k] for k in keys)
+        if self._loader is None:
+            self._loader = torch.utils.data.DataLoader(
+                _BatchTask(self),
+                batch_size=None,
+                sampler=_Keys(),
+                num_workers=self.workers,
+                prefetch_factor=self.prefetch,
+                persistent_workers=True,
+                collate_fn=_identity,
+            )
+        self._loader.sampler.keys = keys  # type: ignore[attr-defined]
+        return iter(self._loader)
+
+    def _batch(self, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> Batch:
+        b = len(labels)
+        col = 0
+        values = []
+        for s in self.data.bag_sizes:  # feature-major: all of feature f's bags, then f+1's
+            values.append(
+                torch.from_numpy(np.ascontiguousarray(sparse[:, col : col + s])).reshape(-1)
+            )
+            col += s
+        lengths = torch.tensor(self.data.bag_sizes, dtype=torch.int64).repeat_interleave(b)
+        sp = SparseFeatures(self.keys, torch.cat(values), lengths)
+        return Batch(torch.from_numpy(dense), sp, torch.from_numpy(labels))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, next global batch and sample) and what it is valid for."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "next_batch": self.next_batch,
+            "next_sample": min(self.next_batch * self.batch_size, self.data.num_samples),
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "fingerprint": self.data.fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position (any number of ranks; same data, seed and shuffle)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"reader state version {state.get('version')} is not supported")
+        for k in ("seed", "shuffle", "shuffle_buffer", "fingerprint"):
+            mine = self.state_dict()[k]
+            if state[k] != mine:
+                raise ValueError(f"cannot resume: reader {k} was {state[k]!r}, now {mine!r}")
+        sample = int(state["next_sample"])
+        if sample % self.batch_size and sample < self.data.num_samples:
+            raise ValueError(
+                f"cannot resume at sample {sample} with batch size {self.batch_size}: "
+                f"not a batch boundary (it was saved with batch size {state['batch_size']})"
+            )
+        self.epoch = int(state["epoch"])
+        self.next_batch = -(-sample // self.batch_size)
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self._loader = None
+
+
+class _Keys(torch.utils.data.Sampler):
+    """The (epoch, batch) keys the next iteration visits (set before each ``iter``)."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(list(self.keys))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class PreprocessedSource:
+    """The trainer's data source over a preprocessed directory; yields this rank's batches."""
+
+    yields_local = True
+    """Batches are already this rank's part: the trainer must not slice them again."""
+
+    def __init__(self, cfg: Any, out: Any = None) -> None:
+        import torch.distributed as dist
+
+        from neorec.config import ConfigError
+
+        d = cfg.data
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        train, evals = _split(d.path, d.eval_path)
+        keys = [t.features[0] for t in cfg.embedding.tables]
+        _check_tables(train, cfg.embedding.tables)
+        common: dict[str, Any] = {"keys": keys, "rank": self.rank, "world_size": self.world}
+        # Every rank needs a same-sized part (the sharded model's all-to-alls): a last global
+        # batch that does not split evenly is dropped, and said so.
+        self.train = ShardedReader(
+            train,
+            d.batch_size,
+            seed=d.seed,
+            shuffle=d.shuffle,
+            shuffle_buffer=d.shuffle_buffer,
+            workers=d.workers,
+            prefetch=d.prefetch,
+            drop_last=_uneven(train.num_samples, d.batch_size, self.world),
+            **common,
+        )
+        self.eval = ShardedReader(
+            evals,
+            d.batch_size,
+            shuffle=False,
+            drop_last=_uneven(evals.num_samples, d.batch_size, self.world),
+            **common,
+        )
+        if len(self.train) == 0 or len(self.eval) == 0:
+            raise ConfigError(f"{d.path}: too few samples for data.batch_size {d.batch_size}")
+        for name, r in (("train", self.train), ("eval", self.eval)):
+            left = r.data.num_samples - len(r) * r.batch_size
+            if r.drop_last and left and self.rank == 0:
+                print(
+                    f"data: {name} drops its last {left} samples (not divisible by "
+                    f"{self.world} ranks)",
+                    file=out,
+                    flush=True,
+                )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Which epoch train_batches reads (its shuffle order)."""
+        self.train.set_epoch(epoch)
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """This rank's part of the train batches of the current epoch, from global batch start."""
+        self.train.next_batch = start
+        return iter(self.train)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """This rank's part of the eval batches, in order."""
+        self.eval.set_epoch(0)
+        self.eval.next_batch = 0
+        return iter(self.eval)
+
+    def num_train_batches(self) -> int | None:
+        """Global batches per epoch."""
+        return len(self.train)
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """Not known for real data."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train reader's position."""
+        return self.train.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the train reader from a saved position."""
+        self.train.load_state_dict(state)
+
+
+def _uneven(n: int, batch: int, world: int) -> bool:
+    return (n % batch) % world != 0
+
+
+def _split(path: str, eval_path: str) -> tuple[ShardSet, ShardSet]:
+    """(train, eval) shards: eval_path's, or else the shards of the last input file."""
+    from neorec.config import ConfigError
+
+    if eval_path:
+        return ShardSet(path), ShardSet(eval_path)
+    m = read_manifest(path)
+    last = len(m["sources"]) - 1
+    if last == 0:
+        raise ConfigError(
+            f"{path} was made from one file ({m['sources'][0]}); set data.eval_path to a "
+            "preprocessed held-out directory"
+        )
+    train = [s for s in m["shards"] if s["source"] != last]
+    evals = [s for s in m["shards"] if s["source"] == last]
+    return ShardSet(path, train), ShardSet(path, evals)
+
+
+def _check_tables(data: ShardSet, tables: Sequence[Any]) -> None:
+    """Every feature's rows must fit its table (a row id past the end is refused, not wrapped)."""
+    from neorec.config import ConfigError
+
+    rows = data.manifest["rows"]
+    if len(tables) != len(rows):
+        raise ConfigError(f"{data.path} has {len(rows)} features, the config {len(tables)} tables")
+    for f, r, t in zip(data.manifest["features"], rows, tables):
+        if r > t.rows:
+            raise ConfigError(
+                f"feature {f} of {data.path} has ids up to {r - 1}, table '{t.name}' has only "
+                f"{t.rows} rows (preprocess with --config of this model, or enlarge the table)"
+            )

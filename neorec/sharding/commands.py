@@ -1,0 +1,198 @@
+"""CLI glue for ``neorec plan``: read tables and topology, plan, print the report or JSON.
+
+A config file is a neorec TOML config; an optional ``[planner]`` section (read only here) adds
+what the planner needs beyond it::
+
+    [planner]
+    tables_file = "paper_scale_tables.csv"   # relative to the TOML; replaces embedding.tables
+    batch_size = 65536                       # default: data.batch_size
+    weight_bytes = 4                         # bytes per stored weight element
+    allow_host = true                        # may put tables in host memory (UVM-like tier)
+    [planner.topology]                       # any Topology field (GB, GB/s, us)
+    ranks_per_host = 8
+    device_memory_gb = 80.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from neorec.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EmbeddingConfig,
+    ModelConfig,
+    ShardingConfig,
+    TrainConfig,
+    load_config,
+)
+from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
+from neorec.sharding.planner import PlanningError, format_report, plan_tables
+from neorec.sharding.topology import Topology
+
+__all__ = ["add_plan_arguments", "run_plan", "PlanInputs", "load_plan_inputs"]
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "embedding": EmbeddingConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "sharding": ShardingConfig,
+}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``neorec plan``."""
+    parser.add_argument("--config", help="neorec TOML config (tables, batch size, [planner])")
+    parser.add_argument("--tables", help="CSV/JSON table list instead of the config's tables")
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument(
+        "--ranks-per-host", type=int, default=0, help="ranks per host (0: topology)"
+    )
+    parser.add_argument("--batch-size", type=int, default=0, help="global batch (0: config)")
+    parser.add_argument("--topology", help="topology JSON (written there with --calibrate)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine with micro-benchmarks first and write --topology",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--out", help="write the ShardingPlan JSON here")
+    parser.add_argument("--show-plan", action="store_true", help="also print the plan table")
+
+
+class PlanInputs:
+    """Everything ``neorec plan`` needs: tables, topology, batch, optimizer and planner options."""
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        topology: Topology,
+        batch_size: int,
+        optimizer: str,
+        options: dict[str, Any],
+    ) -> None:
+        self.tables = tables
+        self.topology = topology
+        self.batch_size = batch_size
+        self.optimizer = optimizer
+        self.options = options
+
+
+def _config_from_dict(data: dict[str, Any], where: str) -> Config:
+    """A Config from TOML data without the ``[planner]`` section (same checks as load_config)."""
+    unknown = sorted(set(data) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(_SECTIONS)}")
+    try:
+        sections = {k: cls(**data.get(k, {})) for k, cls in _SECTIONS.items()}
+        return Config(**sections)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
+    """Resolve tables, topology and batch size from the config, files and flags."""
+    planner: dict[str, Any] = {}
+    cfg = Config()
+    base = Path(".")
+    if args.config:
+        path = Path(args.config)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        base = path.parent
+        data = tomllib.loads(path.read_text())
+        planner = data.pop("planner", {})
+        cfg = _config_from_dict(data, str(path)) if planner else load_config(path)
+    topo_over = dict(planner.pop("topology", {}))
+    tables_file = args.tables or (
+        str(base / planner.pop("tables_file")) if "tables_file" in planner else ""
+    )
+    planner.pop("tables_file", None)
+    sh = cfg.sharding
+    if tables_file:
+        tables = load_tables(tables_file)
+    else:
+        tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type)
+    batch = args.batch_size or int(planner.pop("batch_size", cfg.data.batch_size))
+    planner.pop("batch_size", None)
+    optimizer = str(planner.pop("optimizer", cfg.embedding.optimizer))
+    if args.topology and Path(args.topology).exists():
+        topo = Topology.load(args.topology)
+        topo = topo.with_world(args.world_size, args.ranks_per_host or None)
+    else:
+        fields = {"world_size": args.world_size, **topo_over}
+        fields["world_size"] = args.world_size
+        if args.ranks_per_host:
+            fields["ranks_per_host"] = args.ranks_per_host
+        if topo_over:
+            topo = Topology.from_dict(fields)
+        else:
+            topo = Topology.local_cpu(args.world_size).with_world(
+                args.world_size, args.ranks_per_host or args.world_size
+            )
+    known = {"weight_bytes", "allow_host", "max_cw_slices"}
+    bad = sorted(set(planner) - known)
+    if bad:
+        raise ConfigError(f"unknown [planner] key(s) {bad}; known: {sorted(known)}")
+    return PlanInputs(tables, topo, batch, optimizer, planner)
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    """Run ``neorec.bench.calibrate`` in a subprocess (keeps torch out of the planner)."""
+    out = args.topology or "topology.json"
+    args.topology = out
+    cmd = [sys.executable, "-m", "neorec.bench.calibrate", "--out", out]
+    cmd += ["--world-size", str(args.world_size)]
+    if args.ranks_per_host:
+        cmd += ["--ranks-per-host", str(args.ranks_per_host)]
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``neorec plan``: print the report (or JSON), optionally write the plan; 2 if infeasible."""
+    try:
+        if args.calibrate:
+            _calibrate(args)
+        inp = load_plan_inputs(args)
+        result = plan_tables(inp.tables, inp.topology, inp.batch_size, inp.optimizer, **inp.options)
+    except PlanningError as e:
+        print(f"neorec plan: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError) as e:
+        print(f"neorec plan: error: {e}", file=sys.stderr)
+        return 1
+    if args.out:
+        result.plan.save(args.out)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_report(result))
+        if args.show_plan:
+            print()
+            print(result.plan.format_table())
+        if args.out:
+            print(f"\nplan written to {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m neorec.sharding.commands``)."""
+    ap = argparse.ArgumentParser(prog="neorec plan", description="Plan embedding sharding.")
+    add_plan_arguments(ap)
+    return run_plan(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,846 @@
+"""Sharding planner: choose each table's sharding type, storage tier and shard ranks.
+
+Steps (all deterministic, pure Python):
+
+1. **Enumerate** per table the options its constraints allow: data-parallel, table-wise,
+   column-wise in 2, 4, 8, ... slices, table-row-wise over one host, row-wise over all ranks; each
+   with ``device`` or (when the topology has host memory) ``host`` storage.
+2. **Estimate** every option's shard times and memory with ``CostModel``.
+3. **Propose**: each table starts at its cheapest option in total time; when the tables do not fit
+   in device memory, the tables that lose least time per byte moved go to host storage.
+4. **Partition**: LPT greedy (largest first, onto the least-loaded rank that fits), escalating a
+   table to finer splits / the slower tier when it does not fit anywhere.
+5. **Improve**: local search on the slowest rank: move a shard, swap two shards, or re-split a
+   table (by columns or rows), accepted only when the slowest rank gets faster without any other
+   rank getting as slow.
+
+The objective is the slowest rank's predicted time (``CostModel``), subject to every rank's device
+and host memory. Predictions are a simulation, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from neorec.sharding.cost_model import PHASES, CostModel, PlanCost, ShardCost, TableSpec
+from neorec.sharding.topology import GB, Topology
+from neorec.sharding.types import (
+    Shard,
+    ShardingPlan,
+    ShardingType,
+    TablePlan,
+    split_evenly,
+)
+
+__all__ = ["PlanningError", "PlanResult", "Planner", "plan_tables", "format_report"]
+
+SIMULATION_NOTE = (
+    "predicted by neorec's cost model (a simulation from Topology constants, not a measurement)"
+)
+_EPS = 1e-12
+
+
+class PlanningError(ValueError):
+    """No plan fits in memory; the message lists which tables do not fit where and the fixes."""
+
+    def __init__(self, message: str, tables: list[str]) -> None:
+        super().__init__(message)
+        self.tables = tables
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One way to shard a table: type, storage tier and number of shards."""
+
+    stype: ShardingType
+    storage: str
+    n: int
+
+    def label(self) -> str:
+        extra = f"x{self.n}" if self.stype not in (ShardingType.TABLE_WISE,) else ""
+        return f"{self.stype.short}{extra}/{self.storage}"
+
+
+class _Piece:
+    """One shard being placed: geometry, predicted cost and current rank (-1 = unplaced)."""
+
+    __slots__ = ("table", "rows", "cols", "ph", "tot", "dev", "host", "rank")
+
+    def __init__(self, table: int, rows: tuple[int, int], cols: tuple[int, int], c: ShardCost):
+        self.table = table
+        self.rows = rows
+        self.cols = cols
+        self.ph = c.phases
+        self.tot = c.time_s
+        self.dev = c.device_bytes
+        self.host = c.host_bytes
+        self.rank = -1
+
+
+@dataclass
+class PlanResult:
+    """A plan, its predicted cost and how it was found."""
+
+    plan: ShardingPlan
+    cost: PlanCost
+    tables: list[TableSpec]
+    topology: Topology
+    batch_size: int
+    planning_s: float
+    iterations: int
+
+    def critical_ranks(self) -> list[tuple[str, int, float]]:
+        """(phase, slowest rank, seconds) for each phase of the step."""
+        out = []
+        for p, name in enumerate(PHASES):
+            r = max(self.cost.ranks, key=lambda r: (r.phases[p], -r.rank))
+            out.append((name, r.rank, r.phases[p]))
+        return out
+
+    def critical_path(self, top: int = 5) -> list[tuple[str, str, float]]:
+        """(table, shard, seconds) of the largest shards on the ranks that set a phase's time."""
+        ranks = list(dict.fromkeys(r for _, r, _ in self.critical_ranks()))
+        items = [x for r in ranks for x in self.cost.ranks[r].shards]
+        items.sort(key=lambda x: (-x[2], x[0]))
+        return [(name, str(shard), t) for name, shard, t in items[:top]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (per-rank time, memory, tables; imbalance; critical path; plan)."""
+        c = self.cost
+        types: dict[str, int] = {}
+        for t in self.plan.tables:
+            key = f"{t.sharding_type.value}/{t.storage}"
+            types[key] = types.get(key, 0) + 1
+        return {
+            "note": f"simulation: times and memory are {SIMULATION_NOTE}",
+            "world_size": self.plan.world_size,
+            "ranks_per_host": self.plan.ranks_per_host,
+            "batch_size": self.batch_size,
+            "num_tables": len(self.tables),
+            "params": sum(t.params for t in self.tables),
+            "predicted_step_embedding_s": c.max_time_s,
+            "mean_rank_s": c.mean_time_s,
+            "max_rank_s": c.max_rank_s,
+            "imbalance": c.imbalance,
+            "sample_side_s": c.sample_side_s,
+            "phases": [{"phase": n, "rank": r, "seconds": t} for n, r, t in self.critical_ranks()],
+            "device_capacity_gb": c.device_capacity_bytes / GB,
+            "host_capacity_gb": c.host_capacity_bytes / GB,
+            "types": types,
+            "planning_s": self.planning_s,
+            "iterations": self.iterations,
+            "critical_path": [
+                {"table": n, "shard": s, "seconds": t} for n, s, t in self.critical_path()
+            ],
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "time_s": c.rank_time(r.rank),
+                    "compute_s": r.compute_s,
+                    "comm_s": r.comm_s,
+                    "device_gb": r.device_bytes / GB,
+                    "host_gb": r.host_bytes / GB,
+                    "tables": sorted({name for name, _, _ in r.shards}),
+                }
+                for r in c.ranks
+            ],
+            "topology": self.topology.to_dict(),
+        }
+
+
+def format_report(result: PlanResult, max_ranks: int = 32) -> str:
+    """Readable report: per-rank time, memory and tables, imbalance and critical path."""
+    c, p = result.cost, result.plan
+    params = sum(t.params for t in result.tables)
+    dev = sum(r.device_bytes for r in c.ranks)
+    host = sum(r.host_bytes for r in c.ranks)
+    lines = [
+        f"SIMULATION: all times and memory below are {SIMULATION_NOTE}.",
+        f"topology: {result.topology.name or 'custom'}; {p.world_size} ranks, "
+        f"{p.ranks_per_host} per host; device {c.device_capacity_bytes / GB:.1f} GB/rank for "
+        f"tables, host {c.host_capacity_bytes / GB:.1f} GB/rank",
+        f"tables: {len(result.tables)}, params: {params:,} ({params / 1e12:.3f} T), "
+        f"batch {result.batch_size}; memory used: device {dev / GB:,.1f} GB, host {host / GB:,.1f} GB",
+        f"predicted embedding time per step: {c.max_time_s * 1e3:.3f} ms (sum over phases of the "
+        f"slowest rank), mean rank {c.mean_time_s * 1e3:.3f} ms, imbalance (step/mean) "
+        f"{c.imbalance:.3f}, sample-side {c.sample_side_s * 1e3:.3f} ms",
+        "phases: "
+        + ", ".join(f"{n} {t * 1e3:.3f} ms (rank {r})" for n, r, t in result.critical_ranks()),
+        f"planned in {result.planning_s:.2f} s ({result.iterations} local-search steps)",
+        "",
+        f"{'rank':>5} {'time ms':>9} {'compute':>9} {'comm':>9} {'dev GB':>8} {'host GB':>8} "
+        f"{'shards':>6}  tables",
+    ]
+    order = sorted(c.ranks, key=lambda r: (-c.rank_time(r.rank), r.rank))
+    shown = order if len(order) <= max_ranks else order[: max_ranks // 2] + order[-max_ranks // 2 :]
+    for i, r in enumerate(shown):
+        if len(order) > max_ranks and i == max_ranks // 2:
+            lines.append(f"{'...':>5} ({len(order) - max_ranks} ranks not shown)")
+        names = sorted({n for n, _, _ in r.shards})
+        tabs = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
+        lines.append(
+            f"{r.rank:>5} {c.rank_time(r.rank) * 1e3:>9.3f} {r.compute_s * 1e3:>9.3f} "
+            f"{r.comm_s * 1e3:>9.3f} {r.device_bytes / GB:>8.2f} {r.host_bytes / GB:>8.2f} "
+            f"{len(r.shards):>6}  {tabs}"
+        )
+    lines.append("")
+    lines.append("critical path (largest shards on the ranks that set a phase's time):")
+    for name, shard, t in result.critical_path():
+        tp = p.table(name)
+        lines.append(
+            f"  {name:<24} {tp.sharding_type.short:<5} {tp.storage:<7} {shard:<32} {t * 1e3:.3f} ms"
+        )
+    return "\n".join(lines)
+
+
+class Planner:
+    """Cost-model search for a ``ShardingPlan`` (see the module docstring for the steps)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int,
+        optimizer: str = "rowwise_adagrad",
+        *,
+        weight_bytes: int = 4,
+        allow_host: bool = True,
+        max_cw_slices: int = 64,
+        max_iters: int | None = None,
+    ) -> None:
+        self.topo = topology
+        self.cm = CostModel(topology, batch_size, optimizer, weight_bytes=weight_bytes)
+        self.batch = batch_size
+        self.allow_host = allow_host and topology.host_capacity_bytes > 0
+        self.max_cw = max_cw_slices
+        self.max_iters = max_iters
+
+    # ---- public -------------------------------------------------------------------------------
+    def plan(self, tables: Sequence[TableSpec]) -> PlanResult:
+        """Plan ``tables``; raises ``PlanningError`` when no placement fits in memory."""
+        t0 = time.perf_counter()
+        if not tables:
+            raise PlanningError("no tables to plan", [])
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique: {names}")
+        best: tuple[float, int, _Search] | None = None
+        iters = 0
+        for share in self._split_shares(tables):
+            s = _Search(self, list(tables))
+            s.initial(share)
+            iters += s.improve()
+            obj = s.objective()[0]
+            if best is None or obj < best[0] * (1 - 1e-9):
+                best = (obj, iters, s)
+        assert best is not None
+        plan = best[2].to_plan()
+        plan.validate()
+        cost = self.cm.evaluate(plan, tables)
+        if not cost.fits:  # the search only accepts fitting placements; guard the invariant
+            raise AssertionError(f"planner produced an overflowing plan: {cost.overflows()}")
+        dt = time.perf_counter() - t0
+        plan.meta = {
+            "source": "neorec.sharding.planner",
+            "note": f"simulation: {SIMULATION_NOTE}",
+            "predicted_step_embedding_s": cost.max_time_s,
+            "imbalance": cost.imbalance,
+            "batch_size": self.batch,
+        }
+        return PlanResult(plan, cost, list(tables), self.topo, self.batch, dt, iters)
+
+    def _split_shares(self, tables: Sequence[TableSpec]) -> list[float | None]:
+        """Starts to try: no pre-split, then finer ones while the problem is small enough."""
+        size = len(tables) * self.topo.world_size
+        if size > 100_000:
+            return [None]
+        return [None, 0.5] if size > 20_000 else [None, 0.5, 0.25]
+
+    # ---- options ------------------------------------------------------------------------------
+    def candidate_ranks(self, t: TableSpec) -> list[int]:
+        """Ranks a table may use (its pin, or all)."""
+        if t.ranks:
+            bad = [r for r in t.ranks if not 0 <= r < self.topo.world_size]
+            if bad:
+                raise ValueError(
+                    f"table '{t.name}': pinned ranks {bad} do not exist "
+                    f"(world_size {self.topo.world_size})"
+                )
+            return sorted(set(t.ranks))
+        return list(range(self.topo.world_size))
+
+    def options(self, t: TableSpec) -> list[_Option]:
+        """Every option the table's constraints allow."""
+        w, k = self.topo.world_size, self.topo.ranks_per_host
+        cands = self.candidate_ranks(t)
+        allowed = set(t.allowed_types) if t.allowed_types else set(ShardingType)
+        storages = (
+            [t.storage] if t.storage else (["device", "host"] if self.allow_host else ["device"])
+        )
+        out: list[_Option] = []
+        if ShardingType.DATA_PARALLEL in allowed and len(cands) == w and "device" in storages:
+            out.append(_Option(ShardingType.DATA_PARALLEL, "device", w))
+        full_hosts = [
+            h
+            for h in range(self.topo.num_hosts)
+            if all(r in cands for r in range(h * k, (h + 1) * k))
+        ]
+        for sto in storages:
+            if ShardingType.TABLE_WISE in allowed:
+                out.append(_Option(ShardingType.TABLE_WISE, sto, 1))
+            if ShardingType.COLUMN_WISE in allowed:
+                n = 2
+                while n <= min(len(cands), self.max_cw, t.dim) and t.dim // n >= min(4, t.dim):
+                    out.append(_Option(ShardingType.COLUMN_WISE, sto, n))
+                    n *= 2
+            if ShardingType.TABLE_ROW_WISE in allowed and k > 1 and full_hosts:
+                out.append(_Option(ShardingType.TABLE_ROW_WISE, sto, min(k, t.rows)))
+            if ShardingType.ROW_WISE in allowed and len(cands) > 1:
+                out.append(_Option(ShardingType.ROW_WISE, sto, min(len(cands), t.rows)))
+        if not out:
+            raise ValueError(
+                f"table '{t.name}': no sharding option satisfies its constraints "
+                f"(allowed types {[a.value for a in allowed]}, ranks {t.ranks or 'any'}, "
+                f"storage {t.storage or 'any'})"
+            )
+        return out
+
+
+_NPH = 4  # phases: fwd comm, fwd compute, bwd comm, bwd compute (cost_model.PHASES)
+_Geo = list[tuple[tuple[int, int], tuple[int, int], ShardCost]]
+
+
+class _Search:
+    """Mutable search state: per-table option and pieces, per-rank phase loads and memory."""
+
+    def __init__(self, p: Planner, tables: list[TableSpec]) -> None:
+        self.p = p
+        self.cm = p.cm
+        self.tables = tables
+        self.w = p.topo.world_size
+        self.k = p.topo.ranks_per_host
+        self.dev_cap = p.topo.device_capacity_bytes
+        self.host_cap = p.topo.host_capacity_bytes if p.allow_host else 0.0
+        self.ph = [[0.0] * _NPH for _ in range(self.w)]
+        self.dev = [0.0] * self.w
+        self.host = [0.0] * self.w
+        self.rank_pieces: list[list[_Piece]] = [[] for _ in range(self.w)]
+        self.cands = [p.candidate_ranks(t) for t in tables]
+        self.opts = [p.options(t) for t in tables]
+        self.choice: list[_Option | None] = [None] * len(tables)
+        self.pieces: list[list[_Piece]] = [[] for _ in tables]
+        self.uniform = 0.0
+        self._sample = [0.0] * len(tables)
+        self._cache: dict[tuple[int, _Option], _Geo] = {}
+
+    # ---- pieces of an option ------------------------------------------------------------------
+    def geometry(self, i: int, o: _Option) -> _Geo:
+        """(row range, col range, cost) of each shard of option ``o`` for table ``i``."""
+        hit = self._cache.get((i, o))
+        if hit is not None:
+            return hit
+        t = self.tables[i]
+        full = ((0, t.rows), (0, t.dim))
+        if o.stype is ShardingType.DATA_PARALLEL:
+            geo = [full] * self.w
+        elif o.stype is ShardingType.TABLE_WISE:
+            geo = [full]
+        elif o.stype is ShardingType.COLUMN_WISE:
+            geo = [((0, t.rows), c) for c in split_evenly(t.dim, o.n)]
+        else:
+            geo = [(r, (0, t.dim)) for r in split_evenly(t.rows, o.n)]
+        costs: dict[tuple[int, int], ShardCost] = {}
+        out = []
+        for rows, cols in geo:
+            shape = (rows[1] - rows[0], cols[1] - cols[0])
+            if shape not in costs:
+                costs[shape] = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage)
+            out.append((rows, cols, costs[shape]))
+        self._cache[(i, o)] = out
+        return out
+
+    def total_time(self, i: int, o: _Option) -> float:
+        """Sum of an option's shard times plus its sample-side time on every rank."""
+        geo = self.geometry(i, o)
+        side = self.cm.sample_side_s(self.tables[i], o.stype, len(geo))
+        return sum(c.time_s for _, _, c in geo) + self.w * side
+
+    def _time_key(self, i: int, o: _Option) -> tuple[float, int]:
+        return (self.total_time(i, o), o.n)
+
+    def _rest_key(self, i: int, storage: str, o: _Option) -> tuple[bool, float, int]:
+        return (o.storage != storage, self.total_time(i, o), o.n)
+
+    def _excess_key(
+        self, excess: Callable[[int, _Option], float], i: int, o: _Option
+    ) -> tuple[float, float]:
+        return (excess(i, o), self.total_time(i, o))
+
+    def _split_key(self, i: int, o: _Option) -> tuple[float, int, str, str]:
+        return (self.total_time(i, o), o.n, o.stype.value, o.storage)
+
+    def _mem_need(self, i: int, o: _Option) -> float:
+        return max(c.device_bytes + c.host_bytes for *_, c in self.geometry(i, o))
+
+    def fits_empty(self, i: int, o: _Option) -> bool:
+        """Whether each shard of the option fits on an empty rank."""
+        return all(
+            c.device_bytes <= self.dev_cap and c.host_bytes <= self.host_cap
+            for _, _, c in self.geometry(i, o)
+        )
+
+    # ---- objective ----------------------------------------------------------------------------
+    def phase_max(self) -> list[float]:
+        """Slowest rank's load in each phase."""
+        return [max(row[p] for row in self.ph) for p in range(_NPH)]
+
+    def objective(self) -> tuple[float, float]:
+        """(critical path = sum of phase maxima + sample side, sum of squared loads)."""
+        sq = sum(v * v for row in self.ph for v in row)
+        return sum(self.phase_max()) + self.uniform, sq
+
+    def _top3(self) -> list[list[tuple[float, int]]]:
+        out = []
+        for p in range(_NPH):
+            best: list[tuple[float, int]] = []
+            for r in range(self.w):
+                v = self.ph[r][p]
+                if len(best) < 3 or v > best[-1][0]:
+                    best.append((v, r))
+                    best.sort(key=lambda x: (-x[0], x[1]))
+                    del best[3:]
+            out.append(best)
+        return out
+
+    # ---- assignment ---------------------------------------------------------------------------
+    def _fits(self, r: int, dev: float, host: float) -> bool:
+        return self.dev[r] + dev <= self.dev_cap and self.host[r] + host <= self.host_cap
+
+    def _add(self, pc: _Piece, r: int) -> None:
+        pc.rank = r
+        row = self.ph[r]
+        for p in range(_NPH):
+            row[p] += pc.ph[p]
+        self.dev[r] += pc.dev
+        self.host[r] += pc.host
+        self.rank_pieces[r].append(pc)
+
+    def _remove(self, pc: _Piece) -> None:
+        r = pc.rank
+        row = self.ph[r]
+        for p in range(_NPH):
+            row[p] -= pc.ph[p]
+        self.dev[r] -= pc.dev
+        self.host[r] -= pc.host
+        self.rank_pieces[r].remove(pc)
+        pc.rank = -1
+
+    def unassign(self, i: int) -> None:
+        """Take table ``i`` off the ranks."""
+        for pc in self.pieces[i]:
+            self._remove(pc)
+        self.pieces[i] = []
+        self.uniform -= self._sample[i]
+        self._sample[i] = 0.0
+        self.choice[i] = None
+
+    def assign(self, i: int, o: _Option) -> bool:
+        """Place table ``i`` with option ``o`` greedily; False (state unchanged) if it does not fit."""
+        pieces = [_Piece(i, rows, cols, c) for rows, cols, c in self.geometry(i, o)]
+        ranks = self._choose_ranks(i, o, pieces)
+        if ranks is None:
+            return False
+        for pc, r in zip(pieces, ranks):
+            self._add(pc, r)
+        self.pieces[i] = pieces
+        self.choice[i] = o
+        self._sample[i] = self.cm.sample_side_s(self.tables[i], o.stype, len(pieces))
+        self.uniform += self._sample[i]
+        return True
+
+    def _choose_ranks(self, i: int, o: _Option, pieces: list[_Piece]) -> list[int] | None:
+        cands = self.cands[i]
+        if o.stype is ShardingType.DATA_PARALLEL:
+            ok = all(self._fits(r, pieces[0].dev, pieces[0].host) for r in cands)
+            return list(cands) if ok else None
+        if o.stype is not ShardingType.TABLE_ROW_WISE:
+            return self._greedy_distinct(pieces, cands)
+        best: tuple[float, list[int]] | None = None
+        cset = set(cands)
+        m = self.phase_max()
+        for h in range(self.p.topo.num_hosts):
+            group = list(range(h * self.k, (h + 1) * self.k))
+            if not cset.issuperset(group):
+                continue
+            ranks = self._greedy_distinct(pieces, group)
+            if ranks is None:
+                continue
+            new = list(m)
+            for pc, r in zip(pieces, ranks):
+                for p in range(_NPH):
+                    new[p] = max(new[p], self.ph[r][p] + pc.ph[p])
+            score = sum(new)
+            if best is None or score < best[0] - _EPS:
+                best = (score, ranks)
+        return None if best is None else best[1]
+
+    def _greedy_distinct(self, pieces: list[_Piece], cands: list[int]) -> list[int] | None:
+        """Largest piece first onto the fitting rank that lengthens the critical path least."""
+        m = self.phase_max()
+        used: set[int] = set()
+        out = [-1] * len(pieces)
+        for j in sorted(range(len(pieces)), key=lambda j: -pieces[j].tot):
+            pc = pieces[j]
+            best: tuple[float, float, int] | None = None
+            for r in cands:
+                if r in used or not self._fits(r, pc.dev, pc.host):
+                    continue
+                row = self.ph[r]
+                crit = 0.0
+                tot = 0.0
+                for p in range(_NPH):
+                    v = row[p] + pc.ph[p]
+                    crit += v if v > m[p] else m[p]
+                    tot += v
+                key = (crit, tot, r)
+                if best is None or key < best:
+                    best = key
+            if best is None:
+                return None
+            r = best[2]
+            out[j] = r
+            used.add(r)
+            for p in range(_NPH):  # later siblings see this piece in the maxima
+                m[p] = max(m[p], self.ph[r][p] + pc.ph[p])
+        return out
+
+    # ---- initial solution ---------------------------------------------------------------------
+    def initial(self, split_share: float | None = None) -> None:
+        """Cheapest option per table, host tier for the coldest bytes if needed, then LPT.
+
+        With ``split_share``, tables whose largest shard would exceed that share of a rank's mean
+        load in any phase start split (columns, else rows) finely enough, so LPT can balance.
+        """
+        n = len(self.tables)
+        start: list[_Option] = []
+        for i in range(n):
+            fitting = [o for o in self.opts[i] if self.fits_empty(i, o)] or self.opts[i]
+            device = [o for o in fitting if o.storage == "device"] or fitting
+            start.append(min(device, key=partial(self._time_key, i)))
+        self._tier(start)
+        if split_share is not None:
+            self._presplit(start, split_share)
+        total_t = sum(self.total_time(i, start[i]) for i in range(n)) / self.w or 1.0
+        total_m = sum(sum(c.device_bytes for *_, c in self.geometry(i, start[i])) for i in range(n))
+        mem_share = total_m / self.w or 1.0
+
+        def key(i: int) -> tuple[float, str]:
+            geo = self.geometry(i, start[i])
+            tmax = max(c.time_s for *_, c in geo) / total_t
+            mmax = max(c.device_bytes for *_, c in geo) / mem_share
+            return (-max(tmax, mmax), self.tables[i].name)
+
+        failed = []
+        for i in sorted(range(n), key=key):
+            if self.assign(i, start[i]):
+                continue
+            rest = sorted(
+                (o for o in self.opts[i] if o != start[i]),
+                key=partial(self._rest_key, i, start[i].storage),
+            )
+            if not any(self.assign(i, o) for o in rest):
+                failed.append(i)
+        if failed:
+            raise PlanningError(self._diagnose(failed), [self.tables[i].name for i in failed])
+
+    def _presplit(self, start: list[_Option], share: float) -> None:
+        """Re-split tables whose shards are too coarse for balancing (see ``initial``)."""
+        mean = [0.0] * _NPH
+        for i, o in enumerate(start):
+            for *_, c in self.geometry(i, o):
+                for p, v in enumerate(c.phases):
+                    mean[p] += v / self.w
+        limit = [share * m for m in mean]
+
+        def excess(i: int, o: _Option) -> float:
+            return max(
+                max(v - lim for v, lim in zip(c.phases, limit)) for *_, c in self.geometry(i, o)
+            )
+
+        for i, o in enumerate(start):
+            if excess(i, o) <= 0:
+                continue
+            alts = [
+                a
+                for a in self.opts[i]
+                if a.storage == o.storage
+                and a.stype is not ShardingType.DATA_PARALLEL
+                and self.fits_empty(i, a)
+            ]
+            ok = [a for a in alts if excess(i, a) <= 0]
+            if ok:
+                start[i] = min(ok, key=partial(self._time_key, i))
+            elif alts:
+                start[i] = min(alts, key=partial(self._excess_key, excess, i))
+
+    def _tier(self, start: list[_Option]) -> None:
+        """Move tables to host storage (least time lost per device byte freed) until they fit."""
+        if not self.p.allow_host:
+            return
+        cap = 0.92 * self.dev_cap * self.w
+        used = [sum(c.device_bytes for *_, c in self.geometry(i, o)) for i, o in enumerate(start)]
+        need = sum(used) - cap
+        if need <= 0:
+            return
+        moves = []
+        for i, o in enumerate(start):
+            if o.storage != "device" or self.tables[i].storage:
+                continue
+            alt = [h for h in self.opts[i] if h.storage == "host" and self.fits_empty(i, h)]
+            if not alt:
+                continue
+            h = min(alt, key=partial(self._time_key, i))
+            freed = used[i] - sum(c.device_bytes for *_, c in self.geometry(i, h))
+            if freed > 0:
+                extra = self.total_time(i, h) - self.total_time(i, o)
+                moves.append((extra / freed, self.tables[i].name, i, h, freed))
+        for _, _, i, h, freed in sorted(moves):
+            if need <= 0:
+                break
+            start[i] = h
+            need -= freed
+
+    # ---- local search -------------------------------------------------------------------------
+    def improve(self) -> int:
+        """Local search on the critical path; returns the number of accepted steps."""
+        n_pieces = sum(len(p) for p in self.pieces)
+        cap = self.p.max_iters if self.p.max_iters is not None else 20 * n_pieces + 100
+        it = 0
+        while it < cap:
+            top = self._top3()
+            obj = self.objective()
+            sources = list(dict.fromkeys(top[p][0][1] for p in range(_NPH)))
+            if not (self._move_or_swap(sources, top, obj) or self._resplit(sources, obj)):
+                break
+            it += 1
+        return it
+
+    def _movable(self, pc: _Piece) -> bool:
+        o = self.choice[pc.table]
+        return o is not None and o.stype in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)
+
+    def _may_hold(self, pc: _Piece, r: int, other: _Piece | None = None) -> bool:
+        cset = self.cands[pc.table]
+        if len(cset) != self.w and r not in cset:
+            return False
+        return not any(q.rank == r for q in self.pieces[pc.table] if q is not pc and q is not other)
+
+    def _delta(
+        self, top: list[list[tuple[float, int]]], c: int, t: int, x: tuple[float, ...]
+    ) -> tuple[float, float]:
+        """(new sum of phase maxima, change of squared loads) if ``x`` moves from ``c`` to ``t``."""
+        rc, rt = self.ph[c], self.ph[t]
+        crit = 0.0
+        dsq = 0.0
+        for p in range(_NPH):
+            vc, vt = rc[p] - x[p], rt[p] + x[p]
+            m = vc if vc > vt else vt
+            for v, r in top[p]:
+                if r != c and r != t:
+                    m = v if v > m else m
+                    break
+            crit += m
+            dsq += vc * vc - rc[p] * rc[p] + vt * vt - rt[p] * rt[p]
+        return crit, dsq
+
+    def _better(self, crit: float, dsq: float, obj: tuple[float, float]) -> bool:
+        cur = obj[0] - self.uniform
+        tol = 1e-9 * max(cur, 1e-12)
+        return crit < cur - tol or (crit <= cur + tol and dsq < -1e-9 * max(obj[1], 1e-24))
+
+    def _move_or_swap(
+        self, sources: list[int], top: list[list[tuple[float, int]]], obj: tuple[float, float]
+    ) -> bool:
+        targets = sorted(range(self.w), key=lambda r: (sum(self.ph[r]), r))[:16]
+        best: tuple[float, float, _Piece, _Piece | None, int] | None = None
+        for c in sources:
+            mine = [pc for pc in self.rank_pieces[c] if self._movable(pc)]
+            for t in targets:
+                if t == c:
+                    continue
+                for pc in mine:
+                    if not self._fits(t, pc.dev, pc.host) or not self._may_hold(pc, t):
+                        continue
+                    crit, dsq = self._delta(top, c, t, pc.ph)
+                    if self._better(crit, dsq, obj) and (best is None or (crit, dsq) < best[:2]):
+                        best = (crit, dsq, pc, None, t)
+                for q in self.rank_pieces[t]:
+                    if not self._movable(q):
+                        continue
+                    for pc in mine:
+                        if pc.tot <= q.tot or pc.table == q.table:
+                            continue
+                        x = tuple(a - b for a, b in zip(pc.ph, q.ph))
+                        crit, dsq = self._delta(top, c, t, x)
+                        if not self._better(crit, dsq, obj):
+                            continue
+                        if best is not None and (crit, dsq) >= best[:2]:
+                            continue
+                        if self._swap_ok(pc, q, c, t):
+                            best = (crit, dsq, pc, q, t)
+        if best is None:
+            return False
+        _, _, mv, sw, t = best
+        c = mv.rank
+        self._remove(mv)
+        if sw is not None:
+            self._remove(sw)
+            self._add(sw, c)
+        self._add(mv, t)
+        return True
+
+    def _swap_ok(self, pc: _Piece, q: _Piece, c: int, r: int) -> bool:
+        if not (self._may_hold(pc, r, q) and self._may_hold(q, c, pc)):
+            return False
+        dd, dh = pc.dev - q.dev, pc.host - q.host
+        return self._fits(r, dd, dh) and self._fits(c, -dd, -dh)
+
+    def _resplit(self, sources: list[int], obj: tuple[float, float], tables: int = 3) -> bool:
+        seen: list[int] = []
+        cand = [pc for c in sources for pc in self.rank_pieces[c]]
+        for pc in sorted(cand, key=lambda p: (-p.tot, p.table)):
+            if pc.table not in seen:
+                seen.append(pc.table)
+        for i in seen[:tables]:
+            cur = self.choice[i]
+            assert cur is not None
+            biggest = max(p.tot for p in self.pieces[i])
+            alts = [
+                o
+                for o in self.opts[i]
+                if o != cur and max(g[2].time_s for g in self.geometry(i, o)) < biggest - _EPS
+            ]
+            alts.sort(key=partial(self._split_key, i))
+            for o in alts[:4]:
+                if self._try_option(i, o, cur, obj):
+                    return True
+        return False
+
+    def _try_option(self, i: int, o: _Option, cur: _Option, obj: tuple[float, float]) -> bool:
+        """Switch table ``i`` to option ``o`` if that improves the objective; else restore."""
+        old = [(pc, pc.rank) for pc in self.pieces[i]]
+        self.unassign(i)
+        if self.assign(i, o):
+            new = self.objective()
+            tol = 1e-9 * obj[0]
+            if new[0] < obj[0] - tol or (new[0] <= obj[0] + tol and new[1] < obj[1] * (1 - 1e-9)):
+                return True
+            self.unassign(i)
+        for pc, r in old:
+            self._add(pc, r)
+        self.pieces[i] = [pc for pc, _ in old]
+        self.choice[i] = cur
+        self._sample[i] = self.cm.sample_side_s(self.tables[i], cur.stype, len(old))
+        self.uniform += self._sample[i]
+        return False
+
+    # ---- output -------------------------------------------------------------------------------
+    def to_plan(self) -> ShardingPlan:
+        """The current state as a ``ShardingPlan`` (tables in input order)."""
+        out = []
+        for i, t in enumerate(self.tables):
+            o = self.choice[i]
+            assert o is not None
+            shards = [
+                Shard(pc.rank, pc.rows[0], pc.rows[1], pc.cols[0], pc.cols[1])
+                for pc in sorted(self.pieces[i], key=lambda p: (p.rows, p.cols, p.rank))
+            ]
+            out.append(TablePlan(t.name, t.rows, t.dim, o.stype, shards, o.storage))
+        return ShardingPlan(self.w, self.k, out)
+
+    def _diagnose(self, failed: list[int]) -> str:
+        """Which tables do not fit where, and what would make them fit."""
+        topo = self.p.topo
+        lines = [
+            f"no feasible sharding plan: {len(failed)} table(s) do not fit in memory on "
+            f"{self.w} ranks ({self.k} per host; {self.dev_cap / GB:.2f} GB device for tables "
+            f"and {self.host_cap / GB:.2f} GB host per rank):"
+        ]
+        free_dev = max(self.dev_cap - d for d in self.dev)
+        free_host = max(self.host_cap - h for h in self.host)
+        total_need = 0.0
+        for i in failed[:20]:
+            t = self.tables[i]
+            best = min(self.opts[i], key=partial(self._mem_need, i))
+            geo = self.geometry(i, best)
+            per = max(c.device_bytes + c.host_bytes for *_, c in geo)
+            whole = sum(c.device_bytes + c.host_bytes for *_, c in geo)
+            total_need += whole
+            lines.append(
+                f"  - table '{t.name}' ({t.rows:,} x {t.dim}, {whole / GB:.2f} GB with optimizer "
+                f"state and buffers): its smallest option {best.label()} needs {per / GB:.2f} GB "
+                f"on each of {len(geo)} rank(s); most free: device {free_dev / GB:.2f} GB, host "
+                f"{free_host / GB:.2f} GB"
+            )
+        if len(failed) > 20:
+            lines.append(f"  ... and {len(failed) - 20} more")
+        all_need = sum(
+            min(
+                sum(c.device_bytes + c.host_bytes for *_, c in self.geometry(i, o))
+                for o in self.opts[i]
+            )
+            for i in range(len(self.tables))
+        )
+        cap_all = (self.dev_cap + self.host_cap) * self.w
+        lines.append(
+            f"all tables need at least {all_need / GB:,.1f} GB; the ranks offer "
+            f"{cap_all / GB:,.1f} GB (device + host)."
+        )
+        per_rank = self.dev_cap + self.host_cap
+        more = math.ceil(all_need / (0.9 * per_rank)) if per_rank > 0 else 0
+        pinned = [
+            self.tables[i].name
+            for i in failed
+            if self.tables[i].allowed_types
+            and ShardingType.ROW_WISE not in self.tables[i].allowed_types
+        ]
+        t0 = self.tables[failed[0]]
+        scale = min(1.0, 0.9 * free_dev / max(1.0, total_need)) if total_need else 1.0
+        lines.append("fixes:")
+        lines.append(
+            f"  - more ranks: about {max(more, self.w + 1)} ranks of this size would hold them"
+        )
+        if topo.host_memory_gb <= 0 or not self.p.allow_host:
+            lines.append(
+                "  - a slower tier: give the topology host memory (host_memory_gb) so rows can "
+                "live in host DRAM (UVM-like), or allow storage = host"
+            )
+        else:
+            lines.append("  - a slower tier: more host memory per host (host_memory_gb)")
+        if pinned:
+            lines.append(
+                f"  - row-wise splits: allow row_wise / table_row_wise for {pinned[:5]} "
+                "(their allowed types forbid splitting rows)"
+            )
+        else:
+            lines.append("  - row-wise splits: already tried over every allowed rank")
+        lines.append(
+            f"  - smaller dims: e.g. table '{t0.name}' at dim <= {max(1, int(t0.dim * scale))}, "
+            "or fewer rows (hashing) / a smaller optimizer (sgd, rowwise_adagrad instead of adam)"
+        )
+        return "\n".join(lines)
+
+
+def plan_tables(
+    tables: Sequence[TableSpec],
+    topology: Topology,
+    batch_size: int,
+    optimizer: str = "rowwise_adagrad",
+    **kw: Any,
+) -> PlanResult:
+    """Plan ``tables`` on ``topology`` (see ``Planner``); raises ``PlanningError`` when infeasible."""
+    return Planner(topology, batch_size, optimizer, **kw).plan(tables)

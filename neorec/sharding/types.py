@@ -1,0 +1,475 @@
+"""The sharding plan as data: which rank holds which rows and columns of each table.
+
+A ``ShardingPlan`` is produced by the planner, consumed by the distributed runtime and can be
+written by hand. It round-trips through JSON and prints as a table.
+
+Conventions (the runtime relies on them):
+- Shard ranges are half-open ``[start, end)`` in global row and column coordinates.
+- No shard is empty. Row-wise and table-row-wise splits are balanced: shard sizes differ by at
+  most one row, larger shards first. A table with fewer rows than ranks gets fewer shards (one row
+  each, on the first ``rows`` ranks of the group) rather than empty ones.
+- Column-wise slices are balanced the same way over columns and assigned round-robin to the given
+  ranks; every slice holds all rows.
+- Data-parallel: one full replica on every rank ``0..world_size-1``.
+- ``storage`` says where a table's rows live: ``device`` (HBM / the rank's memory) or ``host``
+  (host DRAM read by the device, UVM-like; slower).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "ShardingType",
+    "Shard",
+    "TablePlan",
+    "ShardingPlan",
+    "PlanValidationError",
+    "TableLike",
+    "STORAGES",
+    "PLAN_FORMAT_VERSION",
+    "split_evenly",
+    "data_parallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "plan_by_type",
+    "parse_sharding_type",
+]
+
+PLAN_FORMAT_VERSION = 1
+STORAGES = ("device", "host")
+
+
+class ShardingType(str, Enum):
+    """How one table is split across ranks."""
+
+    DATA_PARALLEL = "data_parallel"
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    TABLE_ROW_WISE = "table_row_wise"
+
+    @property
+    def short(self) -> str:
+        """Abbreviation used in printed tables (DP, TW, RW, CW, TWRW)."""
+        return _SHORT[self]
+
+
+_SHORT = {
+    ShardingType.DATA_PARALLEL: "DP",
+    ShardingType.TABLE_WISE: "TW",
+    ShardingType.ROW_WISE: "RW",
+    ShardingType.COLUMN_WISE: "CW",
+    ShardingType.TABLE_ROW_WISE: "TWRW",
+}
+
+
+class PlanValidationError(ValueError):
+    """A plan is inconsistent; ``problems`` lists each issue naming the table and shard."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid sharding plan ({len(problems)} problem(s)):\n{lines}")
+
+
+class TableLike(Protocol):
+    """Anything with a table's name, rows and dim (e.g. ``neorec.config.TableConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A block of one table on one rank: rows ``[row_start, row_end)``, cols ``[col_start, col_end)``."""
+
+    rank: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+
+    @property
+    def rows(self) -> int:
+        """Number of rows in the shard."""
+        return self.row_end - self.row_start
+
+    @property
+    def cols(self) -> int:
+        """Number of columns in the shard."""
+        return self.col_end - self.col_start
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: ``{"rank": r, "rows": [start, end], "cols": [start, end]}``."""
+        return {
+            "rank": self.rank,
+            "rows": [self.row_start, self.row_end],
+            "cols": [self.col_start, self.col_end],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Shard:
+        """Inverse of ``to_dict``."""
+        (r0, r1), (c0, c1) = d["rows"], d["cols"]
+        return cls(int(d["rank"]), int(r0), int(r1), int(c0), int(c1))
+
+    def __str__(self) -> str:
+        return f"r{self.rank}[{self.row_start}:{self.row_end},{self.col_start}:{self.col_end}]"
+
+
+@dataclass
+class TablePlan:
+    """How one table is sharded: its type, its shards and where its rows are stored."""
+
+    name: str
+    rows: int
+    dim: int
+    sharding_type: ShardingType
+    shards: list[Shard]
+    storage: str = "device"
+
+    def ranks(self) -> list[int]:
+        """Ranks holding a shard of this table, in shard order (no duplicates)."""
+        return list(dict.fromkeys(s.rank for s in self.shards))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "dim": self.dim,
+            "type": self.sharding_type.value,
+            "storage": self.storage,
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TablePlan:
+        """Inverse of ``to_dict``; the type may be given by value (``row_wise``) or short (``RW``)."""
+        return cls(
+            name=str(d["name"]),
+            rows=int(d["rows"]),
+            dim=int(d["dim"]),
+            sharding_type=parse_sharding_type(str(d["type"])),
+            shards=[Shard.from_dict(s) for s in d["shards"]],
+            storage=str(d.get("storage", "device")),
+        )
+
+
+def parse_sharding_type(text: str) -> ShardingType:
+    """``ShardingType`` from its value (``row_wise``) or abbreviation (``RW``), case-insensitive."""
+    t = text.strip().lower()
+    for st in ShardingType:
+        if t in (st.value, st.short.lower()):
+            return st
+    known = ", ".join(f"{s.value} ({s.short})" for s in ShardingType)
+    raise ValueError(f"unknown sharding type '{text}'; known: {known}")
+
+
+@dataclass
+class ShardingPlan:
+    """Placement of every table on ``world_size`` ranks, ``ranks_per_host`` per host."""
+
+    world_size: int
+    ranks_per_host: int
+    tables: list[TablePlan] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance (planner version, predicted cost); not used by the runtime."""
+
+    # ---- access -------------------------------------------------------------------------------
+    def table(self, name: str) -> TablePlan:
+        """The plan of table ``name`` (KeyError naming the known tables otherwise)."""
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(f"table '{name}' not in plan; tables: {[t.name for t in self.tables]}")
+
+    def shards_on_rank(self, rank: int) -> list[tuple[TablePlan, Shard]]:
+        """All (table plan, shard) pairs held by ``rank``, in table order then shard order."""
+        return [(t, s) for t in self.tables for s in t.shards if s.rank == rank]
+
+    def host_of(self, rank: int) -> int:
+        """Host index of ``rank``."""
+        return rank // self.ranks_per_host
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict with a format version."""
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "world_size": self.world_size,
+            "ranks_per_host": self.ranks_per_host,
+            "tables": [t.to_dict() for t in self.tables],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardingPlan:
+        """Inverse of ``to_dict``; ``ranks_per_host`` defaults to ``world_size`` (one host)."""
+        version = int(d.get("format_version", PLAN_FORMAT_VERSION))
+        if version > PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"plan format_version {version} is newer than supported {PLAN_FORMAT_VERSION}"
+            )
+        world = int(d["world_size"])
+        return cls(
+            world_size=world,
+            ranks_per_host=int(d.get("ranks_per_host", world)),
+            tables=[TablePlan.from_dict(t) for t in d["tables"]],
+            meta=dict(d.get("meta", {})),
+        )
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """JSON text (stable key order)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        """Plan from JSON text."""
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, validate: bool = True) -> ShardingPlan:
+        """Read a JSON plan (validated unless ``validate=False``)."""
+        plan = cls.from_json(Path(path).read_text())
+        if validate:
+            plan.validate()
+        return plan
+
+    # ---- printing -----------------------------------------------------------------------------
+    def format_table(self, max_shards: int = 8) -> str:
+        """Readable table: one line per table with its type, storage and shards."""
+        hdr = f"{'table':<24} {'type':<5} {'rows':>13} {'dim':>5} {'storage':<7} shards"
+        lines = [
+            f"ShardingPlan: world_size={self.world_size}, ranks_per_host={self.ranks_per_host}, "
+            f"{len(self.tables)} tables",
+            hdr,
+            "-" * len(hdr),
+        ]
+        for t in self.tables:
+            shards = [str(s) for s in t.shards[:max_shards]]
+            if len(t.shards) > max_shards:
+                shards.append(f"... (+{len(t.shards) - max_shards} more)")
+            lines.append(
+                f"{t.name:<24} {t.sharding_type.short:<5} {t.rows:>13,} {t.dim:>5} "
+                f"{t.storage:<7} {' '.join(shards)}"
+            )
+        return "\n".join(lines)
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``PlanValidationError`` unless every table's shards tile it exactly once."""
+        problems: list[str] = []
+        if self.world_size <= 0:
+            problems.append(f"world_size must be > 0, got {self.world_size}")
+        if self.ranks_per_host <= 0 or (
+            self.world_size > 0 and self.world_size % self.ranks_per_host != 0
+        ):
+            problems.append(
+                f"ranks_per_host must be > 0 and divide world_size {self.world_size}, "
+                f"got {self.ranks_per_host}"
+            )
+        if problems:
+            raise PlanValidationError(problems)
+        seen: set[str] = set()
+        for t in self.tables:
+            if t.name in seen:
+                problems.append(f"table '{t.name}' appears more than once")
+            seen.add(t.name)
+            problems.extend(self._table_problems(t))
+        if problems:
+            raise PlanValidationError(problems)
+
+    def _table_problems(self, t: TablePlan) -> list[str]:
+        where = f"table '{t.name}' ({t.sharding_type.value})"
+        if t.rows <= 0 or t.dim <= 0:
+            return [f"{where}: rows and dim must be > 0, got rows={t.rows}, dim={t.dim}"]
+        out: list[str] = []
+        if t.storage not in STORAGES:
+            out.append(f"{where}: storage must be one of {STORAGES}, got '{t.storage}'")
+        if not t.shards:
+            return out + [f"{where}: has no shards"]
+        for i, s in enumerate(t.shards):
+            sw = f"{where} shard {i} {s}"
+            if not 0 <= s.rank < self.world_size:
+                out.append(f"{sw}: rank {s.rank} does not exist (world_size {self.world_size})")
+            if not (0 <= s.row_start < s.row_end <= t.rows):
+                out.append(f"{sw}: rows must satisfy 0 <= start < end <= {t.rows}")
+            if not (0 <= s.col_start < s.col_end <= t.dim):
+                out.append(f"{sw}: cols must satisfy 0 <= start < end <= {t.dim}")
+        if out:
+            return out
+        return out + _type_problems(t, where, self.world_size, self.ranks_per_host)
+
+
+def _full_rows(t: TablePlan, where: str) -> list[str]:
+    return [
+        f"{where} shard {i} {s}: must hold all rows [0, {t.rows})"
+        for i, s in enumerate(t.shards)
+        if (s.row_start, s.row_end) != (0, t.rows)
+    ]
+
+
+def _full_cols(t: TablePlan, where: str) -> list[str]:
+    return [
+        f"{where} shard {i} {s}: must hold all columns [0, {t.dim})"
+        for i, s in enumerate(t.shards)
+        if (s.col_start, s.col_end) != (0, t.dim)
+    ]
+
+
+def _tiling(ranges: list[tuple[int, int]], total: int, what: str, where: str) -> list[str]:
+    """Problems unless half-open ``ranges`` cover ``[0, total)`` exactly once."""
+    out = []
+    pos = 0
+    for a, b in sorted(ranges):
+        if a > pos:
+            out.append(f"{where}: {what} [{pos}, {a}) are not covered by any shard")
+        elif a < pos:
+            out.append(f"{where}: {what} [{a}, {min(b, pos)}) are covered more than once")
+        pos = max(pos, b)
+    if pos < total:
+        out.append(f"{where}: {what} [{pos}, {total}) are not covered by any shard")
+    return out
+
+
+def _type_problems(t: TablePlan, where: str, world: int, rph: int) -> list[str]:
+    st = t.sharding_type
+    if st is ShardingType.DATA_PARALLEL:
+        out = _full_rows(t, where) + _full_cols(t, where)
+        ranks = sorted(s.rank for s in t.shards)
+        if ranks != list(range(world)):
+            out.append(f"{where}: needs one full replica on every rank 0..{world - 1}, got {ranks}")
+        return out
+    if st is ShardingType.TABLE_WISE:
+        out = _full_rows(t, where) + _full_cols(t, where)
+        if len(t.shards) != 1:
+            out.append(f"{where}: needs exactly one shard, got {len(t.shards)}")
+        return out
+    if st is ShardingType.COLUMN_WISE:
+        cols = [(s.col_start, s.col_end) for s in t.shards]
+        return _full_rows(t, where) + _tiling(cols, t.dim, "columns", where)
+    out = _full_cols(t, where) + _tiling(
+        [(s.row_start, s.row_end) for s in t.shards], t.rows, "rows", where
+    )
+    if st is ShardingType.TABLE_ROW_WISE:
+        hosts = sorted({s.rank // rph for s in t.shards})
+        if len(hosts) != 1:
+            out.append(f"{where}: shards must stay on one host, got hosts {hosts}")
+    return out
+
+
+# ---- constructors ---------------------------------------------------------------------------
+def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
+    """``min(parts, total)`` non-empty ranges tiling ``[0, total)``; sizes differ by <= 1."""
+    if total <= 0 or parts <= 0:
+        raise ValueError(f"split_evenly needs total > 0 and parts > 0, got {total}, {parts}")
+    n = min(parts, total)
+    base, extra = divmod(total, n)
+    out, pos = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append((pos, pos + size))
+        pos += size
+    return out
+
+
+def data_parallel(table: TableLike, world_size: int, storage: str = "device") -> TablePlan:
+    """A full replica of ``table`` on every rank."""
+    shards = [Shard(r, 0, table.rows, 0, table.dim) for r in range(world_size)]
+    return TablePlan(table.name, table.rows, table.dim, ShardingType.DATA_PARALLEL, shards, storage)
+
+
+def table_wise(table: TableLike, rank: int, storage: str = "device") -> TablePlan:
+    """The whole ``table`` on ``rank``."""
+    shard = Shard(rank, 0, table.rows, 0, table.dim)
+    return TablePlan(table.name, table.rows, table.dim, ShardingType.TABLE_WISE, [shard], storage)
+
+
+def _row_shards(table: TableLike, ranks: Sequence[int]) -> list[Shard]:
+    if not ranks:
+        raise ValueError(f"table '{table.name}': row split needs at least one rank")
+    ranges = split_evenly(table.rows, len(ranks))
+    return [Shard(r, a, b, 0, table.dim) for r, (a, b) in zip(ranks, ranges)]
+
+
+def row_wise(table: TableLike, ranks: Sequence[int], storage: str = "device") -> TablePlan:
+    """Balanced row ranges of ``table`` on ``ranks`` (fewer shards if rows < len(ranks))."""
+    shards = _row_shards(table, ranks)
+    return TablePlan(table.name, table.rows, table.dim, ShardingType.ROW_WISE, shards, storage)
+
+
+def column_wise(
+    table: TableLike, ranks: Sequence[int], n_slices: int | None = None, storage: str = "device"
+) -> TablePlan:
+    """``n_slices`` balanced column slices (default: one per rank) assigned round-robin to ranks."""
+    if not ranks:
+        raise ValueError(f"table '{table.name}': column split needs at least one rank")
+    n = len(ranks) if n_slices is None else n_slices
+    if not 1 <= n <= table.dim:
+        raise ValueError(f"table '{table.name}': n_slices must be in 1..dim={table.dim}, got {n}")
+    cols = split_evenly(table.dim, n)
+    shards = [Shard(ranks[i % len(ranks)], 0, table.rows, a, b) for i, (a, b) in enumerate(cols)]
+    return TablePlan(table.name, table.rows, table.dim, ShardingType.COLUMN_WISE, shards, storage)
+
+
+def table_row_wise(
+    table: TableLike, host: int, ranks_per_host: int, storage: str = "device"
+) -> TablePlan:
+    """Balanced row ranges of ``table`` over the ranks of ``host``."""
+    ranks = list(range(host * ranks_per_host, (host + 1) * ranks_per_host))
+    shards = _row_shards(table, ranks)
+    return TablePlan(
+        table.name, table.rows, table.dim, ShardingType.TABLE_ROW_WISE, shards, storage
+    )
+
+
+def plan_by_type(
+    tables: Iterable[TableLike],
+    world_size: int,
+    ranks_per_host: int | None = None,
+    default_type: ShardingType | str = ShardingType.TABLE_WISE,
+    types: dict[str, str] | None = None,
+) -> ShardingPlan:
+    """A plan with a fixed type per table (``types`` overrides ``default_type``), no cost model.
+
+    Table-wise tables go round-robin over ranks, table-row-wise ones round-robin over hosts;
+    row-wise and column-wise tables use every rank. This is the ``sharding.default_type`` /
+    ``sharding.types`` path of the config, for when the planner is not wanted.
+    """
+    rph = ranks_per_host or world_size
+    hosts = max(1, world_size // rph)
+    all_ranks = list(range(world_size))
+    default = default_type.value if isinstance(default_type, ShardingType) else default_type
+    out = []
+    for i, t in enumerate(tables):
+        st = parse_sharding_type((types or {}).get(t.name, default))
+        if st is ShardingType.DATA_PARALLEL:
+            out.append(data_parallel(t, world_size))
+        elif st is ShardingType.TABLE_WISE:
+            out.append(table_wise(t, i % world_size))
+        elif st is ShardingType.ROW_WISE:
+            out.append(row_wise(t, all_ranks))
+        elif st is ShardingType.COLUMN_WISE:
+            out.append(column_wise(t, all_ranks, min(world_size, t.dim)))
+        else:
+            out.append(table_row_wise(t, i % hosts, rph))
+    plan = ShardingPlan(world_size, rph, out, {"source": "plan_by_type"})
+    plan.validate()
+    return plan

@@ -1,0 +1,612 @@
+"""CachedEmbeddingBagCollection: embedding tables whose rows live in a slower store (DRAM or SSD)
+behind a software row cache in the fast tier; the same results as EmbeddingBagCollection, bitwise.
+
+Per table (storage ``dram`` or ``ssd``) the fast tier holds ``capacity`` rows with their optimizer
+state (one TBE layout over all tables, ``capacity`` rows each) and a slot map ``slot_of[id]``.
+A batch goes through three stages::
+
+    prefetch(sparse)   optional, any time before: a background thread reads the rows the batch
+                       will miss into a staging area (no cache state changes)
+    prepare(sparse)    at forward: make every id of the batch resident -- evict LRU/LFU victims
+                       the batch does not use (dirty ones written back with their state), fill
+                       the missing rows (staged, else read now), remap ids to slots
+    TBE                the normal backend and kernel on the cache buffer, as if it were the table
+
+Only ``prepare`` mutates the cache, in batch order, so runs are deterministic. The kernel sees the
+same rows in the same order with slot numbers instead of ids, so each row's gradient sum and its
+optimizer update are computed exactly as in the all-in-memory module. Slots used by a batch stay
+pinned until its backward has updated them. ``flush()`` writes every dirty row back and makes the
+stores durable (checkpoints call it); ``stats()`` reports hits, misses, evictions and bytes moved.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from neorec.config import TableConfig
+from neorec.modules.embedding import UpdateHook, init_rows
+from neorec.ops.row_optim import RowOptimizer, zeros_state
+from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
+from neorec.sparse import SparseFeatures
+from neorec.storage.store import DramStore, RowStore, SsdStore, record_fields
+
+__all__ = [
+    "CachedEmbeddingBagCollection",
+    "CacheCapacityError",
+    "cache_capacity",
+    "POLICIES",
+    "DEFAULT_CACHE_FRACTION",
+]
+
+POLICIES = ("lru", "lfu")
+DEFAULT_CACHE_FRACTION = 0.1
+"""Cache size of a dram/ssd table that sets neither cache_rows nor cache_fraction."""
+_EVICT_CHUNK = 64
+"""When the cache is full, evict at least capacity / _EVICT_CHUNK rows at once: choosing victims
+scans the whole cache, so doing it in chunks keeps that scan off most steps."""
+_NEVER = torch.iinfo(torch.int64).max
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the cache bookkeeping (many small index ops) on one intra-op thread.
+
+    Measured on a shared 2-core machine: a 10k-element index_put took 16 ms with 2 OpenMP threads
+    (each parallel region waits for a core another process holds) and 0.05 ms with one.
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class CacheCapacityError(ValueError):
+    """A batch needs more distinct rows of a table than its cache holds."""
+
+
+def cache_capacity(t: TableConfig) -> int:
+    """Rows the cache of table ``t`` holds (all rows for storage = memory)."""
+    storage = getattr(t, "storage", "memory")
+    if storage == "memory":
+        return t.rows
+    rows = int(getattr(t, "cache_rows", 0))
+    frac = float(getattr(t, "cache_fraction", 0.0))
+    if rows <= 0:
+        rows = math.ceil((frac or DEFAULT_CACHE_FRACTION) * t.rows)
+    return max(1, min(rows, t.rows))
+
+
+@dataclass
+class _Table:
+    """Cache bookkeeping of one dram/ssd table."""
+
+    index: int
+    name: str
+    rows: int
+    dim: int
+    capacity: int
+    policy: str
+    store: RowStore
+    slot_of: Tensor  # [rows] int32, -1 = not resident
+    id_of: Tensor  # [capacity] int64, -1 = free slot
+    key: Tensor  # [capacity] int64 eviction priority (smallest goes first)
+    dirty: Tensor  # [capacity] bool
+    pins: Tensor  # [capacity] int32: batches awaiting backward that use the slot
+    free: Tensor  # [capacity] int64 stack of free slots; the first n_free are valid
+    n_free: int
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Staged:
+    """Rows read ahead by ``prefetch``: sorted ids, their records, and which are still valid."""
+
+    ids: Tensor
+    records: Tensor
+    valid: Tensor
+
+
+class CachedEmbeddingBagCollection(nn.Module):
+    """EmbeddingBagCollection whose dram/ssd tables train through a row cache over a store."""
+
+    weights: Tensor
+    step: Tensor
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: RowOptimizer | None = None,
+        pooling: str = "sum",
+        backend: str = "auto",
+        device: torch.device | str = "cpu",
+        init_scale: float = 0.0,
+        seed: int = 0,
+        validate_ids: bool = True,
+        storage_dir: str | Path = "",
+        io_threads: int = 2,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.optimizer = optimizer or RowOptimizer()
+        self.pooling = PoolingMode(pooling)
+        self.validate_ids = validate_ids
+        self.feature_names = [f for t in self.tables for f in t.features]
+        feature_table = tuple(i for i, t in enumerate(self.tables) for _ in t.features)
+        # The table-shaped layout (for hooks and callers) and the cache-shaped one the kernel runs.
+        self.table_layout = TBELayout(
+            rows=tuple(t.rows for t in self.tables),
+            dims=tuple(t.dim for t in self.tables),
+            feature_table=feature_table,
+        )
+        self.layout = TBELayout(
+            rows=tuple(cache_capacity(t) for t in self.tables),
+            dims=self.table_layout.dims,
+            feature_table=feature_table,
+        )
+        device = torch.device(device)
+        self.backend: TBEBackend = get_backend(backend, device)
+        self.register_buffer("weights", torch.zeros(self.layout.total_elems, device=device))
+        for k, v in zeros_state(
+            self.optimizer.kind, self.layout.total_rows, self.layout.total_elems, device
+        ).items():
+            self.register_buffer(k, v)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
+        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._hooks: list[UpdateHook] = []
+        self._init_scale, self._seed = init_scale, seed
+        self._tick = 0
+        self._staged: dict[int, _Staged] = {}
+        self._prefetch_thread: threading.Thread | None = None
+        self._prefetch_error: BaseException | None = None
+        self._cached: dict[int, _Table] = {}
+        self._io_threads = io_threads
+        for i, spec in enumerate(self.tables):
+            storage = getattr(spec, "storage", "memory")
+            if storage == "memory":
+                init_rows(
+                    spec, seed, 0, spec.rows, init_scale, out=self.layout.table(self.weights, i)
+                )
+            else:
+                self._cached[i] = self._make_table(i, spec, storage, Path(storage_dir))
+
+    # ---- construction ------------------------------------------------------------------------
+    def _make_table(self, i: int, spec: TableConfig, storage: str, root: Path) -> _Table:
+        fields = record_fields(self.optimizer.kind, spec.dim)
+        width = sum(w for _, w in fields)
+
+        def init(lo: int, hi: int) -> Tensor:
+            rec = torch.zeros(hi - lo, width)
+            init_rows(spec, self._seed, lo, hi, self._init_scale, out=rec[:, : spec.dim])
+            return rec
+
+        store: RowStore
+        if storage == "dram":
+            store = DramStore(spec.rows, fields, init, table=spec.name)
+        elif storage == "ssd":
+            if not str(root):
+                raise ValueError(f"table '{spec.name}' has storage = 'ssd' but no storage.dir")
+            path = root / f"{spec.name}.rows"
+            store = SsdStore.create(path, spec.rows, fields, init, spec.name, self._io_threads)
+        else:
+            raise ValueError(
+                f"table '{spec.name}': storage must be memory, dram or ssd, got '{storage}'"
+            )
+        cap = self.layout.rows[i]
+        policy = getattr(spec, "cache_policy", "lru")
+        if policy not in POLICIES:
+            raise ValueError(f"table '{spec.name}': cache_policy must be one of {POLICIES}")
+        return _Table(
+            index=i,
+            name=spec.name,
+            rows=spec.rows,
+            dim=spec.dim,
+            capacity=cap,
+            policy=policy,
+            store=store,
+            slot_of=torch.full((spec.rows,), -1, dtype=torch.int32),
+            id_of=torch.full((cap,), -1, dtype=torch.int64),
+            key=torch.zeros(cap, dtype=torch.int64),
+            dirty=torch.zeros(cap, dtype=torch.bool),
+            pins=torch.zeros(cap, dtype=torch.int32),
+            free=torch.arange(cap - 1, -1, -1, dtype=torch.int64),  # pop from the end: slot 0 first
+            n_free=cap,
+            counts=dict.fromkeys(
+                ("hits", "misses", "lookups", "lookup_hits", "evictions", "writebacks", "staged"),
+                0,
+            ),
+        )
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the optimizer state buffers (of the cache)."""
+        return [k for k in ("momentum1", "exp_avg", "exp_avg_sq") if hasattr(self, k)]
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """The fused optimizer's state tensors over the cache (flat, cache layout)."""
+        return {k: getattr(self, k) for k in self.state_names}
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output."""
+        return self.layout.total_dim
+
+    def add_update_hook(self, hook: UpdateHook) -> None:
+        """Call ``hook(table_layout, indices, offsets)`` with table ids after every update."""
+        self._hooks.append(hook)
+
+    def stores(self) -> dict[str, RowStore]:
+        """The store of each dram/ssd table, by table name."""
+        return {c.name: c.store for c in self._cached.values()}
+
+    def read_table(self, name: str) -> dict[str, Tensor]:
+        """Complete copy of a table: ``weight`` [rows, dim] and its optimizer state (flushes first).
+
+        For tests and small tables: it materializes the whole table in memory.
+        """
+        i = self._table_index(name)
+        spec = self.tables[i]
+        if i not in self._cached:
+            out = {"weight": self.layout.table(self.weights, i).clone()}
+            for k, s in self.optimizer_state().items():
+                out[k] = self._state_view(k, s, i).clone()
+            return out
+        self.flush()
+        c = self._cached[i]
+        rec = c.store.read(torch.arange(spec.rows))
+        out, col = {}, 0
+        for k, w in c.store.fields:
+            part = rec[:, col : col + w]
+            out[k] = part.squeeze(1) if k == "momentum1" else part.contiguous()
+            col += w
+        return out
+
+    def table_weight(self, name: str) -> Tensor:
+        """Copy [rows, dim] of one table's current weights (flushes dram/ssd tables)."""
+        return self.read_table(name)["weight"]
+
+    def flush(self) -> None:
+        """Write every dirty cached row (with its state) back and make the stores durable."""
+        self._wait_prefetch()
+        with _one_thread():
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        for c in self._cached.values():
+            slots = torch.nonzero(c.dirty & (c.id_of >= 0)).flatten()
+            if slots.numel():
+                ids = c.id_of[slots]
+                order = torch.argsort(ids)  # sorted ids: adjacent rows share system calls
+                slots, ids = slots[order], ids[order]
+                c.store.write(ids, self._gather_records(c, slots))
+                c.dirty[slots] = False
+                c.counts["writebacks"] += slots.numel()
+            c.store.flush()
+
+    def close(self) -> None:
+        """Flush, then release the stores (files)."""
+        self.flush()
+        for c in self._cached.values():
+            c.store.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Cache counters: totals, hit rates, bytes per tier, and the same per table."""
+        tot: dict[str, int] = {}
+        per_table: dict[str, dict[str, Any]] = {}
+        tiers: dict[str, dict[str, int]] = {}
+        for c in self._cached.values():
+            for k, v in c.counts.items():
+                tot[k] = tot.get(k, 0) + v
+            moved = tiers.setdefault(c.store.tier, {"bytes_read": 0, "bytes_written": 0})
+            moved["bytes_read"] += c.store.bytes_read
+            moved["bytes_written"] += c.store.bytes_written
+            per_table[c.name] = {
+                **c.counts,
+                "tier": c.store.tier,
+                "capacity": c.capacity,
+                "resident": c.capacity - c.n_free,
+                "hit_rate": _rate(c.counts["hits"], c.counts["misses"]),
+            }
+        out: dict[str, Any] = dict(tot)
+        out["hit_rate"] = _rate(tot.get("hits", 0), tot.get("misses", 0))
+        out["lookup_hit_rate"] = _rate(
+            tot.get("lookup_hits", 0), tot.get("lookups", 0) - tot.get("lookup_hits", 0)
+        )
+        for tier, nbytes in tiers.items():
+            out[f"{tier}_bytes_read"] = nbytes["bytes_read"]
+            out[f"{tier}_bytes_written"] = nbytes["bytes_written"]
+        out["tables"] = per_table
+        return out
+
+    def stats_line(self) -> str:
+        """Short progress-line text: hit rate and MB moved per tier."""
+        s = self.stats()
+        parts = [f"hit {100 * float(s['hit_rate']):.1f}%"]
+        for tier in ("dram", "ssd"):
+            if f"{tier}_bytes_read" in s:
+                r, w = s[f"{tier}_bytes_read"], s[f"{tier}_bytes_written"]
+                parts.append(f"{tier} r/w {float(r) / 2**20:.0f}/{float(w) / 2**20:.0f} MB")
+        return "  ".join(parts)
+
+    def prepare(self, sparse: SparseFeatures) -> None:
+        """Make every row ``sparse`` reads resident now (forward does this itself; a pipeline or a
+        cache simulation may call it on its own)."""
+        sparse = sparse.reorder(self.feature_names)
+        if self.validate_ids:
+            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        self._prepare(sparse.values.to(torch.int64), sparse.offsets(), pin=False)
+
+    # ---- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """Start reading, in the background, the rows ``sparse`` needs that are not resident.
+
+        Pipeline stage: call it for batch i+1 while batch i computes. It changes no cache state;
+        ``prepare`` (at forward) takes the staged rows that are still valid.
+        """
+        self._wait_prefetch()
+        sparse = sparse.reorder(self.feature_names)
+        if self.validate_ids:
+            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        indices = sparse.values.to(torch.int64)
+        bounds = self._feature_bounds(sparse.offsets(), sparse.lengths.numel())
+        wanted = {}
+        with _one_thread():
+            for i, c in self._cached.items():
+                ids = self._table_ids(i, indices, bounds)
+                wanted[i] = torch.unique(ids[c.slot_of[ids] < 0])
+        self._staged = {}
+        self._prefetch_error = None
+
+        def work() -> None:
+            try:
+                for i, ids in wanted.items():
+                    rec = self._cached[i].store.read(ids)
+                    self._staged[i] = _Staged(ids, rec, torch.ones(ids.numel(), dtype=torch.bool))
+            except BaseException as e:  # handed to the main thread at the next prepare
+                self._prefetch_error = e
+
+        self._prefetch_thread = threading.Thread(target=work, name="neorec-prefetch", daemon=True)
+        self._prefetch_thread.start()
+
+    def _wait_prefetch(self) -> None:
+        if self._prefetch_thread is not None:
+            self._prefetch_thread.join()
+            self._prefetch_thread = None
+        if self._prefetch_error is not None:
+            err, self._prefetch_error = self._prefetch_error, None
+            self._staged = {}
+            raise err
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
+        sparse = sparse.reorder(self.feature_names)
+        if self.validate_ids:
+            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        dev = self.weights.device
+        indices = sparse.values.to(torch.int64)
+        offsets = sparse.offsets()
+        psw = sparse.weights.to(dev) if sparse.weights is not None else None
+        training = torch.is_grad_enabled() and self._anchor.requires_grad
+        slots, used = self._prepare(indices, offsets, pin=training)
+        slots, offsets_dev = slots.to(dev), offsets.to(dev)
+
+        def update(grad_output: Tensor) -> None:
+            self.step += 1
+            self.backend.backward_update(
+                self.layout,
+                self.weights,
+                self.optimizer_state(),
+                slots,
+                offsets_dev,
+                psw,
+                self.pooling,
+                grad_output,
+                self.optimizer,
+                int(self.step),
+            )
+            with _one_thread():
+                for i, s in used.items():
+                    c = self._cached[i]
+                    c.dirty[s] = True
+                    c.pins[s] -= 1
+            for hook in self._hooks:
+                hook(self.table_layout, indices, offsets)
+
+        return tbe_lookup(
+            self._anchor,
+            self.backend,
+            self.layout,
+            self.weights,
+            slots,
+            offsets_dev,
+            psw,
+            self.pooling,
+            update,
+        )
+
+    # ---- the cache -----------------------------------------------------------------------------
+    def _feature_bounds(self, offsets: Tensor, bags: int) -> list[tuple[int, int]]:
+        b = bags // max(1, len(self.feature_names))
+        cuts = offsets[:: max(b, 1)].tolist() if b else [0] * (len(self.feature_names) + 1)
+        return [(cuts[f], cuts[f + 1]) for f in range(len(self.feature_names))]
+
+    def _table_ids(self, i: int, indices: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
+        segs = [
+            indices[lo:hi] for f, (lo, hi) in enumerate(bounds) if self.layout.feature_table[f] == i
+        ]
+        return segs[0] if len(segs) == 1 else torch.cat(segs) if segs else indices[:0]
+
+    def _prepare(
+        self, indices: Tensor, offsets: Tensor, pin: bool
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Make every id resident; returns (slot indices for the kernel, distinct slots per table)."""
+        self._wait_prefetch()
+        with _one_thread():
+            return self._prepare_locked(indices, offsets, pin)
+
+    def _prepare_locked(
+        self, indices: Tensor, offsets: Tensor, pin: bool
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        self._tick += 1
+        bounds = self._feature_bounds(offsets, offsets.numel() - 1)
+        used: dict[int, Tensor] = {}
+        slot_of_table: dict[int, Tensor] = {}
+        for i, c in self._cached.items():
+            used[i] = self._admit(c, self._table_ids(i, indices, bounds))
+            if pin:
+                c.pins[used[i]] += 1
+            slot_of_table[i] = c.slot_of
+        if not self._cached:
+            return indices, used
+        out = torch.empty_like(indices)
+        for f, (lo, hi) in enumerate(bounds):
+            t = self.layout.feature_table[f]
+            seg = indices[lo:hi]
+            out[lo:hi] = slot_of_table[t][seg] if t in slot_of_table else seg
+        return out, used
+
+    def _admit(self, c: _Table, ids: Tensor) -> Tensor:
+        """Make ``ids`` of table ``c`` resident; returns their distinct slots."""
+        s = c.slot_of[ids]
+        hit = s >= 0
+        hit_slots = s[hit].to(torch.int64)
+        missing = torch.unique(ids[~hit])
+        mark = torch.zeros(c.capacity, dtype=torch.bool)
+        mark[hit_slots] = True
+        n_hit = int(mark.sum())
+        n_miss = missing.numel()
+        if n_hit + n_miss > c.capacity:
+            raise CacheCapacityError(
+                f"table '{c.name}': a batch needs {n_hit + n_miss} distinct rows but its cache "
+                f"holds {c.capacity}; raise cache_rows / cache_fraction or lower the batch size"
+            )
+        self._touch(c, hit_slots)
+        if n_miss:
+            if n_miss > c.n_free:
+                self._evict(c, n_miss - c.n_free, mark)
+            new = c.free[c.n_free - n_miss : c.n_free].clone()
+            c.n_free -= n_miss
+            self._fill(c, new, missing)
+            self._touch(c, new)
+            mark[new] = True
+        c.counts["hits"] += n_hit
+        c.counts["misses"] += n_miss
+        c.counts["lookups"] += ids.numel()
+        c.counts["lookup_hits"] += int(hit.sum())
+        return torch.nonzero(mark).flatten()
+
+    def _touch(self, c: _Table, slots: Tensor) -> None:
+        """Record a use of ``slots`` for the eviction policy."""
+        if c.policy == "lru":
+            c.key[slots] = self._tick
+        else:
+            # LFU: uses (lookups) in the high bits, recency breaks ties in the low 24 bits.
+            c.key.index_add_(0, slots, torch.full_like(slots, 1 << 24))
+            c.key[slots] = (c.key[slots] >> 24 << 24) | (self._tick & ((1 << 24) - 1))
+
+    def _evict(self, c: _Table, need: int, keep: Tensor) -> None:
+        """Evict at least ``need`` resident slots not in ``keep`` nor pinned (dirty ones written
+        back); up to capacity / _EVICT_CHUNK when that many are evictable."""
+        score = c.key.clone()
+        score[keep | (c.pins > 0) | (c.id_of < 0)] = _NEVER
+        evictable = int((score != _NEVER).sum())
+        if evictable < need:
+            raise CacheCapacityError(
+                f"table '{c.name}': {need} rows must be evicted but only {evictable} are not "
+                f"used by this batch or by batches still awaiting backward; raise cache_rows"
+            )
+        n = min(max(need, c.capacity // _EVICT_CHUNK), evictable)
+        victims = torch.topk(score, n, largest=False, sorted=False).indices
+        ids = c.id_of[victims]
+        dirty = c.dirty[victims]
+        if bool(dirty.any()):
+            w_slots, w_ids = victims[dirty], ids[dirty]
+            order = torch.argsort(w_ids)
+            # Written before any bookkeeping changes: if the store fails, the cache is untouched.
+            c.store.write(w_ids[order], self._gather_records(c, w_slots[order]))
+            self._invalidate_staged(c.index, w_ids)
+            c.counts["writebacks"] += int(dirty.sum())
+        c.slot_of[ids] = -1
+        c.id_of[victims] = -1
+        c.dirty[victims] = False
+        c.free[c.n_free : c.n_free + n] = victims
+        c.n_free += n
+        c.counts["evictions"] += n
+
+    def _fill(self, c: _Table, slots: Tensor, ids: Tensor) -> None:
+        """Load rows ``ids`` (sorted, distinct) into ``slots``: staged records first, else read."""
+        rec = torch.empty(ids.numel(), c.store.width)
+        todo = torch.ones(ids.numel(), dtype=torch.bool)
+        st = self._staged.get(c.index)
+        if st is not None and st.ids.numel():
+            pos = torch.searchsorted(st.ids, ids).clamp_(max=st.ids.numel() - 1)
+            found = (st.ids[pos] == ids) & st.valid[pos]
+            rec[found] = st.records[pos[found]]
+            todo &= ~found
+            c.counts["staged"] += int(found.sum())
+        if bool(todo.any()):
+            rec[todo] = c.store.read(ids[todo])
+        self._scatter_records(c, slots, rec)
+        c.slot_of[ids] = slots.to(torch.int32)
+        c.id_of[slots] = ids
+        c.dirty[slots] = False
+        c.key[slots] = 0
+
+    def _invalidate_staged(self, i: int, written: Tensor) -> None:
+        # A staged copy of a row written since it was read is stale.
+        st = self._staged.get(i)
+        if st is not None and st.ids.numel():
+            st.valid &= ~torch.isin(st.ids, written)
+
+    # ---- records <-> cache buffers ---------------------------------------------------------------
+    def _state_view(self, k: str, s: Tensor, i: int) -> Tensor:
+        if k == "momentum1":
+            return s[self.layout.row_offsets[i] : self.layout.row_offsets[i + 1]]
+        return self.layout.table(s, i)
+
+    def _gather_records(self, c: _Table, slots: Tensor) -> Tensor:
+        parts = [self.layout.table(self.weights, c.index)[slots]]
+        for k, s in self.optimizer_state().items():
+            v = self._state_view(k, s, c.index)[slots]
+            parts.append(v.unsqueeze(1) if v.dim() == 1 else v)
+        return torch.cat(parts, 1).cpu()
+
+    def _scatter_records(self, c: _Table, slots: Tensor, rec: Tensor) -> None:
+        rec = rec.to(self.weights.device)
+        dev_slots = slots.to(self.weights.device)
+        col = 0
+        for k, w in c.store.fields:
+            s: Tensor = self.weights if k == "weight" else getattr(self, k)
+            view = (
+                self._state_view(k, s, c.index) if k != "weight" else self.layout.table(s, c.index)
+            )
+            part = rec[:, col : col + w]
+            view[dev_slots] = part.squeeze(1) if view.dim() == 1 else part
+            col += w
+
+    def _table_index(self, name: str) -> int:
+        for i, t in enumerate(self.tables):
+            if t.name == name:
+                return i
+        raise KeyError(f"no table '{name}' (tables: {[t.name for t in self.tables]})")
+
+
+def _rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0

@@ -1,0 +1,423 @@
+"""Row stores: the slow tiers behind the row cache (host DRAM, an SSD file).
+
+A store holds one table as fixed-size float32 *records*: the row's weights followed by its
+optimizer state, so a row and its state always move together (``record_fields``):
+
+- sgd: ``[weight D]``; rowwise_adagrad: ``[weight D | momentum1 1]``;
+  adam: ``[weight D | exp_avg D | exp_avg_sq D]``.
+
+SSD file format (version 1), ``HEADER_BYTES`` of header then ``rows`` records in id order::
+
+    magic b"NEORECRS" | u32 version | u32 json length | JSON {rows, dim, fields, record_bytes,
+    table, clean} | zero padding to HEADER_BYTES
+
+``clean`` is true when the records are exactly the state of the last ``flush()``; the first write
+after a flush clears it (and is made durable before any record changes), so a file left by a crash
+between flushes is recognised and refused by ``open``. ``create`` builds the file under a temporary
+name and renames it into place, so a failed create (e.g. a full disk) leaves an existing store
+untouched. Records are written in place into preallocated space, so steady-state write-backs need no
+new disk blocks.
+
+Reads are explicit ``pread`` (``rowio``: a C loop, several requests in flight, safe in a prefetch
+thread, a read error is an exception). Writes go through a shared ``mmap``: measured on this machine
+(``neorec bench cache --io``) a 260-byte ``pwrite`` costs 8-20 us, the mapped scatter ~0.5 us. The
+space is preallocated, so a mapped write cannot hit a full disk on ext4/xfs; written pages are
+unmapped again every ``_MAPPED_BUDGET`` bytes so they do not accumulate in the RSS.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from neorec.storage import rowio
+
+__all__ = [
+    "StoreError",
+    "RowStore",
+    "DramStore",
+    "SsdStore",
+    "record_fields",
+    "HEADER_BYTES",
+    "MAGIC",
+    "FORMAT_VERSION",
+]
+
+MAGIC = b"NEORECRS"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+_INIT_CHUNK_ROWS = 1 << 16
+_MAPPED_BUDGET = 256 << 20
+"""Bytes of written pages kept mapped before they are unmapped again (bounds the RSS they add)."""
+
+RecordInit = Callable[[int, int], Tensor]
+"""``init(lo, hi)`` -> initial records [hi - lo, width] of rows lo..hi-1."""
+
+
+class StoreError(RuntimeError):
+    """A row store cannot be created, opened, read or written; the message names the file."""
+
+
+def record_fields(optimizer: str, dim: int) -> list[tuple[str, int]]:
+    """(name, floats) of each part of a record, in order: the weights, then the optimizer state."""
+    state = {
+        "sgd": [],
+        "rowwise_adagrad": [("momentum1", 1)],
+        "adam": [("exp_avg", dim), ("exp_avg_sq", dim)],
+    }
+    if optimizer not in state:
+        raise ValueError(f"unknown embedding optimizer '{optimizer}'")
+    return [("weight", dim), *state[optimizer]]
+
+
+class RowStore:
+    """Common shape and counters of a store; subclasses implement the I/O."""
+
+    tier = "none"
+
+    def __init__(self, rows: int, fields: list[tuple[str, int]], table: str = "") -> None:
+        self.rows = rows
+        self.fields = [(str(n), int(w)) for n, w in fields]
+        self.width = sum(w for _, w in self.fields)
+        self.dim = self.fields[0][1]
+        self.table = table
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per record."""
+        return 4 * self.width
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all records."""
+        return self.rows * self.record_bytes
+
+    def _check_ids(self, ids: Tensor) -> Tensor:
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+            raise IndexError(
+                f"{self.tier} store of table '{self.table}': ids in [{int(ids.min())}, "
+                f"{int(ids.max())}] outside [0, {self.rows})"
+            )
+        return ids
+
+    def read(self, ids: Tensor, out: Tensor | None = None) -> Tensor:
+        """Records [n, width] of ``ids``."""
+        raise NotImplementedError
+
+    def write(self, ids: Tensor, records: Tensor) -> None:
+        """Store records [n, width] as rows ``ids``."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Make every write so far durable (no-op for DRAM)."""
+
+    def close(self) -> None:
+        """Release the store's resources."""
+
+
+class DramStore(RowStore):
+    """All records in one host-memory tensor [rows, width]."""
+
+    tier = "dram"
+
+    def __init__(
+        self, rows: int, fields: list[tuple[str, int]], init: RecordInit | None, table: str = ""
+    ) -> None:
+        super().__init__(rows, fields, table)
+        self.data = torch.zeros(rows, self.width)
+        if init is not None:
+            for lo in range(0, rows, _INIT_CHUNK_ROWS):
+                hi = min(rows, lo + _INIT_CHUNK_ROWS)
+                self.data[lo:hi] = init(lo, hi)
+
+    def read(self, ids: Tensor, out: Tensor | None = None) -> Tensor:
+        """Records [n, width] of ``ids``."""
+        ids = self._check_ids(ids)
+        if out is None:
+            out = torch.empty(ids.numel(), self.width)
+        torch.index_select(self.data, 0, ids, out=out)
+        self.bytes_read += ids.numel() * self.record_bytes
+        return out
+
+    def write(self, ids: Tensor, records: Tensor) -> None:
+        """Store records [n, width] as rows ``ids``."""
+        ids = self._check_ids(ids)
+        self.data.index_copy_(0, ids, records.to(torch.float32))
+        self.bytes_written += ids.numel() * self.record_bytes
+
+
+def _header(meta: dict) -> bytes:
+    body = json.dumps(meta, sort_keys=True).encode()
+    head = MAGIC + struct.pack("<II", FORMAT_VERSION, len(body)) + body
+    if len(head) > HEADER_BYTES:
+        raise StoreError(f"row store header of {len(head)} bytes exceeds {HEADER_BYTES}")
+    return head + b"\0" * (HEADER_BYTES - len(head))
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _disk_full_hint(e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full: free space (or point storage.dir elsewhere) and retry"
+    return "check the device and the file's permissions"
+
+
+class SsdStore(RowStore):
+    """Records in a file, read and written with pread/pwrite; RAM use is O(1) in the rows."""
+
+    tier = "ssd"
+
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        rows: int,
+        fields: list[tuple[str, int]],
+        table: str,
+        threads: int,
+    ) -> None:
+        super().__init__(rows, fields, table)
+        self.path = path
+        self.fd = fd
+        self.threads = max(1, threads)
+        self.clean = True
+        size = HEADER_BYTES + rows * self.record_bytes
+        # Writes go through a shared mapping (see the module docstring for the measurement).
+        self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        self._records = np.frombuffer(self._mm, np.float32, rows * self.width, HEADER_BYTES)
+        self._records = self._records.reshape(rows, self.width)
+        self._mapped = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        rows: int,
+        fields: list[tuple[str, int]],
+        init: RecordInit,
+        table: str = "",
+        threads: int = 2,
+    ) -> SsdStore:
+        """Write a new store file (under a temporary name, renamed into place) and open it."""
+        path = Path(path)
+        width = sum(w for _, w in fields)
+        size = HEADER_BYTES + rows * width * 4
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if size > free:
+            raise StoreError(
+                f"row store {path} needs {size / 2**30:.2f} GiB but {path.parent} has "
+                f"{free / 2**30:.2f} GiB free; free space or point storage.dir elsewhere"
+            )
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        meta = cls._meta(rows, fields, table, clean=False)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _allocate(fd, size)
+                _pwrite_all(fd, memoryview(_header(meta)), 0)
+                _fill(fd, rows, width, init)
+                os.fsync(fd)
+                _pwrite_all(fd, memoryview(_header({**meta, "clean": True})), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(
+                f"creating row store {path} ({size / 2**30:.2f} GiB) failed: {e}; "
+                f"{_disk_full_hint(e)}; any existing store at that path is unchanged"
+            ) from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return cls.open(path, fields, threads=threads)
+
+    @staticmethod
+    def _meta(rows: int, fields: list[tuple[str, int]], table: str, clean: bool) -> dict:
+        width = sum(w for _, w in fields)
+        return {
+            "rows": rows,
+            "dim": fields[0][1],
+            "fields": [[n, w] for n, w in fields],
+            "record_bytes": 4 * width,
+            "table": table,
+            "clean": clean,
+        }
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        fields: list[tuple[str, int]] | None = None,
+        allow_unclean: bool = False,
+        threads: int = 2,
+    ) -> SsdStore:
+        """Open an existing store file, checking its header, layout and size."""
+        path = Path(path)
+        if not path.exists():
+            raise StoreError(f"row store file not found: {path}")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            meta = _read_header(fd, path)
+            got = [(str(n), int(w)) for n, w in meta["fields"]]
+            if fields is not None and got != [(n, w) for n, w in fields]:
+                raise StoreError(
+                    f"row store {path} holds records {got}, but {fields} were expected "
+                    f"(another optimizer or dim?)"
+                )
+            expect = HEADER_BYTES + meta["rows"] * meta["record_bytes"]
+            size = os.fstat(fd).st_size
+            if size != expect:
+                raise StoreError(
+                    f"row store {path} is truncated or damaged: {size} bytes, expected {expect} "
+                    f"({meta['rows']} rows x {meta['record_bytes']} bytes + {HEADER_BYTES} header)"
+                )
+            if not meta["clean"] and not allow_unclean:
+                raise StoreError(
+                    f"row store {path} was written after its last flush (the process stopped "
+                    f"between flushes?); its rows mix two states. Restore it from a checkpoint, "
+                    f"or open with allow_unclean=True to use it anyway"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        store = cls(path, fd, int(meta["rows"]), got, str(meta["table"]), threads)
+        store.clean = bool(meta["clean"])
+        return store
+
+    def close(self) -> None:
+        """Close the file (without flushing: call ``flush`` first to keep the writes)."""
+        if self.fd >= 0:
+            del self._records
+            if self._mm is not None:
+                self._mm.close()
+                self._mm = None
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+    # ---- I/O ---------------------------------------------------------------------------------
+    def read(self, ids: Tensor, out: Tensor | None = None) -> Tensor:
+        """Records [n, width] of ``ids`` (pread; safe to call from a prefetch thread)."""
+        ids = self._check_ids(ids)
+        if out is None:
+            out = torch.empty(ids.numel(), self.width)
+        try:
+            rowio.read_records(self.fd, ids, self.record_bytes, HEADER_BYTES, out, self.threads)
+        except (OSError, EOFError) as e:
+            raise StoreError(
+                f"reading {ids.numel()} rows of table '{self.table}' from {self.path} failed: "
+                f"{e} (file truncated or damaged?)"
+            ) from e
+        self.bytes_read += ids.numel() * self.record_bytes
+        return out
+
+    def write(self, ids: Tensor, records: Tensor) -> None:
+        """Store records [n, width] as rows ``ids`` (in place; durable at the next flush)."""
+        ids = self._check_ids(ids)
+        try:
+            if self.clean:
+                # Durable "unclean" mark before any record changes: a crash from here until the
+                # next flush leaves a file that open() recognises as mixed.
+                self._write_header(clean=False)
+            _write_mapped(self._records, ids, records)
+        except OSError as e:
+            raise StoreError(
+                f"writing {ids.numel()} rows of table '{self.table}' to {self.path} failed: {e}; "
+                f"{_disk_full_hint(e)}. The cache keeps these rows dirty, so nothing is lost "
+                f"and flush() can be retried"
+            ) from e
+        self.bytes_written += ids.numel() * self.record_bytes
+        self._mapped += ids.numel() * mmap.PAGESIZE
+        if self._mapped > _MAPPED_BUDGET and self._mm is not None:
+            # Unmap the written pages: for a shared file mapping the data stays in the page cache
+            # (written back by the kernel), only the process's RSS drops.
+            self._mm.madvise(mmap.MADV_DONTNEED)
+            self._mapped = 0
+
+    def flush(self) -> None:
+        """fsync the records, then mark the file clean (a complete, consistent store)."""
+        if self.clean:
+            return
+        try:
+            if self._mm is not None:
+                self._mm.flush()
+            os.fsync(self.fd)
+            self._write_header(clean=True)
+        except OSError as e:
+            raise StoreError(f"flushing row store {self.path} failed: {e}") from e
+
+    def _write_header(self, clean: bool) -> None:
+        meta = self._meta(self.rows, self.fields, self.table, clean)
+        _pwrite_all(self.fd, memoryview(_header(meta)), 0)
+        os.fsync(self.fd)
+        self.clean = clean
+
+
+def _write_mapped(records: np.ndarray, ids: Tensor, values: Tensor) -> None:
+    """Scatter rows into the mapped records (the one place a store writes records)."""
+    records[ids.numpy()] = values.to(torch.float32).numpy()
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks now, so a full disk fails here and not in a later write-back."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # filesystems without fallocate: the fill below writes every byte
+
+
+def _fill(fd: int, rows: int, width: int, init: RecordInit) -> None:
+    for lo in range(0, rows, _INIT_CHUNK_ROWS):
+        hi = min(rows, lo + _INIT_CHUNK_ROWS)
+        block = init(lo, hi).to(torch.float32).contiguous()
+        if tuple(block.shape) != (hi - lo, width):
+            raise ValueError(
+                f"init({lo}, {hi}) gave {tuple(block.shape)}, expected {(hi - lo, width)}"
+            )
+        _pwrite_all(fd, memoryview(block.numpy().data).cast("B"), HEADER_BYTES + lo * width * 4)
+
+
+def _read_header(fd: int, path: Path) -> dict:
+    head = os.pread(fd, HEADER_BYTES, 0)
+    if len(head) < 16:
+        raise StoreError(f"row store {path} is truncated: {len(head)} bytes, no header")
+    if head[:8] != MAGIC:
+        raise StoreError(f"{path} is not a neorec row store (magic {head[:8]!r})")
+    version, n = struct.unpack("<II", head[8:16])
+    if version != FORMAT_VERSION:
+        raise StoreError(
+            f"row store {path} has format version {version}, expected {FORMAT_VERSION}"
+        )
+    try:
+        meta: dict = json.loads(head[16 : 16 + n])
+    except ValueError as e:
+        raise StoreError(f"row store {path} has a damaged header: {e}") from e
+    return meta

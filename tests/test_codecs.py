@@ -1,0 +1,141 @@
+"""Wire codecs: round-trip error within each format's bound, refusal of inf/NaN, byte savings,
+and the coded collectives on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_util import run_ranks
+
+from neorec.config import _COMM_CODECS, ConfigError, load_config
+from neorec.distributed.codecs import CODECS, Codec, CodecError, make_codec
+from neorec.distributed.comm import CommStats, coded_all_reduce, coded_all_to_all
+
+LOSSY = [c for c in CODECS if c != "fp32"]
+VARIANTS = [(c, s) for c in LOSSY for s in (["row", "tensor"] if c.startswith("fp8") else ["row"])]
+
+
+def codec(name: str, scaling: str = "row", loss_scale: float = 0.0) -> Codec:
+    c = make_codec(name, scaling, loss_scale)
+    assert c is not None
+    return c
+
+
+def nasty(seed: int = 0) -> torch.Tensor:
+    """Rows spanning 1e-30 .. 1e30, an all-zero row, zeros inside rows, fp32 subnormals, signs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 24, generator=g) * torch.logspace(-30, 30, 40).unsqueeze(1)
+    x[3] = 0.0
+    x[5, ::2] = 0.0
+    x[7, 0] = 1e-40
+    x[9] = -x[9].abs()
+    return x
+
+
+@pytest.mark.parametrize("name,scaling", VARIANTS)
+def test_round_trip_within_bound(name, scaling):
+    c = codec(name, scaling)
+    g = torch.Generator().manual_seed(1)
+    cases = [nasty(), torch.randn(64, 16, generator=g), torch.randn(8, 16, generator=g) * 1e-6]
+    cases += [torch.zeros(4, 8), torch.randn(1, 1, generator=g), torch.zeros(0, 16)]
+    for x in cases:
+        buf = c.encode(x)
+        assert buf.dtype == torch.uint8 and buf.numel() == c.nbytes(*x.shape)
+        y = c.decode(buf, *x.shape)
+        err, bound = (y - x).abs(), c.bound(x)
+        assert bool((err <= bound).all()), (name, scaling, float((err - bound).max()))
+        assert bool((y[x == 0] == 0).all())
+
+
+def test_bounds_are_tight():
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(2))
+    rel = {"fp16": 2**-11, "bf16": 2**-8, "fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}
+    for name, r in rel.items():
+        c = codec(name)
+        y = c.decode(c.encode(x), *x.shape)
+        worst = float(((y - x).abs() / x.abs().clamp(min=1e-3)).max())
+        assert r / 4 < worst <= r * 1.01, (name, worst)
+    c = codec("int8")
+    y = c.decode(c.encode(x), *x.shape)
+    step = (x.amax(1) - x.amin(1)) / 255
+    assert bool(((y - x).abs() <= 0.5 * step.unsqueeze(1) * (1 + 2**-8)).all())
+
+
+@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_refused_with_clear_error(name, bad):
+    x = torch.randn(4, 8)
+    x[2, 3] = bad
+    with pytest.raises(CodecError, match=rf"{name} codec: 1 non-finite value.*bwd_grads"):
+        codec(name).encode(x, "bwd_grads")
+
+
+def test_static_loss_scale_overflow_is_an_error():
+    c = codec("fp16", loss_scale=2.0**20)
+    x = torch.full((2, 4), 1e-6)
+    torch.testing.assert_close(c.decode(c.encode(x), 2, 4), x, rtol=2**-11, atol=0)
+    with pytest.raises(CodecError, match="overflows fp16.*comm.loss_scale"):
+        c.encode(torch.full((2, 4), 1.0), "bwd_grads")
+
+
+def test_loss_scaling_keeps_small_gradients():
+    # Typical pooled-embedding gradients (~1e-7): plain fp16 would flush them to subnormals.
+    g = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)) * 1e-7
+    c = codec("fp16")
+    rel = ((c.decode(c.encode(g), 64, 16) - g).abs() / g.abs()).max()
+    assert float(rel) <= 2**-11
+    plain = (g.half().float() - g).abs() / g.abs()
+    assert float(plain.max()) > 0.01
+
+
+def test_bytes_on_the_wire():
+    n, d = 256, 16
+    fp32 = n * d * 4
+    ratio = {name: fp32 / codec(name).nbytes(n, d) for name in LOSSY}
+    assert ratio["fp16"] == pytest.approx(2, rel=0.01) and ratio["bf16"] == 2
+    assert ratio["fp8_e4m3"] == pytest.approx(4 * 16 / 17, rel=0.01)  # one exponent byte per row
+    assert fp32 / codec("fp8_e4m3", "tensor").nbytes(n, d) == pytest.approx(4, rel=0.01)
+    assert ratio["int8"] == pytest.approx(64 / 20, rel=0.01)  # fp16 scale + offset per row
+
+
+def test_config_names_match_and_validate():
+    assert tuple(_COMM_CODECS) == CODECS
+    with pytest.raises(ConfigError, match="comm.forward must be one of"):
+        load_config(overrides=["comm.forward='fp7'"])
+    with pytest.raises(ConfigError, match="train.pipeline must be"):
+        load_config(overrides=["train.pipeline='async'"])
+    with pytest.raises(ValueError, match="unknown comm codec"):
+        make_codec("fp4")
+
+
+def _collectives(rank: int, world: int) -> None:
+    g = torch.Generator().manual_seed(10 + rank)
+    rows = 5
+    send_splits = [rows * (8 + 8 * q) for q in range(world)]  # chunk q: [5, 8 + 8q]
+    recv_splits = [rows * (8 + 8 * rank)] * world
+    send = torch.randn(sum(send_splits), generator=g)
+    exact = coded_all_to_all(send, send_splits, recv_splits, rows, None).wait()
+    for name in LOSSY:
+        c = codec(name)
+        stats = CommStats()
+        y = coded_all_to_all(send, send_splits, recv_splits, rows, c, None, stats, "x").wait()
+        assert y.shape == exact.shape
+        parts = torch.split(exact, recv_splits)
+        bound = torch.cat([c.bound(p.view(rows, -1)).reshape(-1) for p in parts])
+        assert bool(((y - exact).abs() <= bound).all()), name
+        assert stats.bytes_sent["x"] < 4 * (sum(send_splits) - send_splits[rank])
+    t = torch.randn(1000, generator=g)
+    total = t.clone()
+    torch.distributed.all_reduce(total)
+    for name in ("fp16", "bf16", "fp8_e4m3", "int8"):
+        out = coded_all_reduce(t, codec(name))
+        tol = {"fp16": 2e-3, "bf16": 2e-2, "fp8_e4m3": 0.3, "int8": 0.1}[name]
+        assert float((out - total).abs().max()) < tol * float(total.abs().max()), name
+        everyone = [torch.empty_like(out) for _ in range(world)]
+        torch.distributed.all_gather(everyone, out)
+        assert all(torch.equal(e, out) for e in everyone), f"{name}: ranks disagree"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coded_collectives(world):
+    run_ranks(_collectives, world)

@@ -1,0 +1,107 @@
+"""The overlapped pipeline trains bitwise the same model as the sequential one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dist_util import run_ranks
+from test_distributed import B, global_batch, make_cfg, plans
+
+from neorec.config import CommConfig, load_config
+from neorec.distributed.model_parallel import DistributedModel
+from neorec.train.pipeline import make_pipeline
+from neorec.train.trainer import Trainer, make_dense_optimizer, train_step
+
+STEPS = 12
+COMMS = [
+    CommConfig(),
+    CommConfig(forward="fp16", backward="bf16", allreduce="fp8_e4m3"),
+    CommConfig(forward="int8", backward="fp8_e5m2", allreduce="fp16", fp8_scaling="tensor"),
+]
+
+
+def _train(kind: str, rank: int, world: int, comm: CommConfig, weighted: bool):
+    cfg = make_cfg("rowwise_adagrad", pooling="mean" if weighted else "sum")
+    cfg.comm = comm
+    model = DistributedModel(cfg, plans(world)["mixed"])
+    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    b = B // world
+    batches = (
+        global_batch(200 + i, weighted).slice(rank * b, (rank + 1) * b) for i in range(STEPS)
+    )
+    pipe = make_pipeline(kind, model, opt, batches, train_step)
+    losses = []
+    while (out := pipe.progress(len(losses) + 1)) is not None:
+        losses.append(out.loss)
+    pipe.close()
+    test = global_batch(999, weighted).slice(rank * b, (rank + 1) * b)
+    with torch.no_grad():
+        preds = model(test.dense, test.sparse)
+    return torch.stack(losses), model.state_dict(), preds, dict(model.stats.bytes_sent)
+
+
+def _same(rank: int, world: int) -> None:
+    for i, comm in enumerate(COMMS):
+        weighted = i == 1
+        seq = _train("sequential", rank, world, comm, weighted)
+        ovl = _train("overlapped", rank, world, comm, weighted)
+        where = f"rank {rank}/{world} comm {comm}"
+        assert len(seq[0]) == STEPS, where
+        assert torch.equal(seq[0], ovl[0]), f"{where}: losses differ"
+        assert seq[1].keys() == ovl[1].keys()
+        for k in seq[1]:
+            assert torch.equal(seq[1][k], ovl[1][k]), f"{where}: {k} differs"
+        assert torch.equal(seq[2], ovl[2]), f"{where}: predictions differ"
+        assert seq[3] == ovl[3], f"{where}: bytes differ"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_equals_sequential_bitwise(world):
+    run_ranks(_same, world)
+
+
+def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
+    cfg = load_config(
+        overrides=[
+            "embedding.num_tables=3",
+            "embedding.rows=200",
+            "embedding.dim=8",
+            "model.bottom_mlp=[16, 8]",
+            "model.top_mlp=[16, 1]",
+            "data.batch_size=64",
+            "data.train_samples=640",
+            "data.eval_samples=320",
+            f"train.run_dir='{tmp_path / name}'",
+            "train.progress=false",
+            *extra,
+        ]
+    )
+    return Trainer(cfg)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 7, 25])
+def test_trainer_pipelines_agree_on_metrics_and_position(tmp_path, steps):
+    runs = {}
+    for kind in ("sequential", "overlapped"):
+        t = _trainer(tmp_path, kind, f"train.pipeline='{kind}'", f"train.steps={steps}")
+        result = t.fit()
+        runs[kind] = (t.step, t._epoch, t._next_batch, result["eval"], t.model.state_dict())
+    s, o = runs["sequential"], runs["overlapped"]
+    assert s[:4] == o[:4]
+    assert s[0] == (steps or 10)
+    assert all(torch.equal(s[4][k], o[4][k]) for k in s[4])
+    m = json.loads((tmp_path / "overlapped" / "metrics.json").read_text())
+    assert m["comm"]["pipeline"] == "overlapped" and m["comm"]["steps"] == s[0]
+
+
+def test_loader_error_reaches_the_trainer():
+    def bad():
+        yield global_batch(1, False)
+        raise OSError("disk gone")
+
+    pipe = make_pipeline("overlapped", None, None, bad(), lambda *a: torch.zeros(()))  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="disk gone"):  # at step 1: step 1 reads batch 2 ahead
+        pipe.progress(1)
+    pipe.close()

@@ -1,0 +1,310 @@
+"""Memory hierarchy: training through the row cache equals the all-in-memory module, bitwise."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from neorec.config import TableConfig
+from neorec.data.ids import zipf_ids
+from neorec.modules.embedding import EmbeddingBagCollection
+from neorec.ops.row_optim import RowOptimizer
+from neorec.sparse import SparseFeatures
+from neorec.storage import rowio
+from neorec.storage.cached import CacheCapacityError, CachedEmbeddingBagCollection
+from neorec.storage.store import HEADER_BYTES, SsdStore, StoreError, record_fields
+
+TABLES = [
+    TableConfig(name="a", rows=300, dim=8),
+    TableConfig(name="b", rows=120, dim=8, features=["b1", "b2"]),
+    TableConfig(name="c", rows=50, dim=8),
+]
+BATCH = 16
+
+
+def _batches(n: int, seed: int = 0, weighted: bool = False) -> list[SparseFeatures]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        vals, lens = [], []
+        for t in TABLES:
+            for _f in t.features:
+                ln = torch.randint(0, 4, (BATCH,), generator=g)
+                vals.append(zipf_ids(t.rows, int(ln.sum()), 1.1, generator=g, salt=len(vals)))
+                lens.append(ln)
+        values, lengths = torch.cat(vals), torch.cat(lens)
+        w = torch.rand(values.numel(), generator=g) if weighted else None
+        keys = [f for t in TABLES for f in t.features]
+        out.append(SparseFeatures(keys, values, lengths, w))
+    return out
+
+
+def _with(storage: str, cache_rows: int, policy: str) -> list[TableConfig]:
+    # table c stays in memory: one collection mixes cached and plain tables
+    return [
+        t
+        if t.name == "c"
+        else dataclasses.replace(t, storage=storage, cache_rows=cache_rows, cache_policy=policy)
+        for t in TABLES
+    ]
+
+
+def _train(model: torch.nn.Module, batches: list[SparseFeatures], seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for b in batches:
+        out = model(b)
+        out.backward(torch.randn(out.shape, generator=g))
+
+
+def _reference_state(ref: EmbeddingBagCollection, name: str) -> dict[str, torch.Tensor]:
+    i = ref._table_index(name)
+    out = {"weight": ref.table_weight(name)}
+    for k, s in ref.optimizer_state().items():
+        if k == "momentum1":
+            out[k] = s[ref.layout.row_offsets[i] : ref.layout.row_offsets[i + 1]]
+        else:
+            out[k] = ref.layout.table(s, i)
+    return out
+
+
+def _assert_same(cached: CachedEmbeddingBagCollection, ref: EmbeddingBagCollection) -> None:
+    for t in TABLES:
+        got, want = cached.read_table(t.name), _reference_state(ref, t.name)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"table {t.name} {k} differs"
+
+
+@pytest.mark.parametrize(
+    ("kind", "storage", "cache_rows", "policy"),
+    [
+        ("sgd", "dram", 40, "lru"),
+        ("rowwise_adagrad", "dram", 40, "lfu"),
+        ("rowwise_adagrad", "ssd", 40, "lru"),
+        ("adam", "ssd", 60, "lfu"),
+        ("adam", "dram", 1000, "lru"),  # larger than the table: never evicts
+        ("rowwise_adagrad", "ssd", -1, "lru"),  # tiny: the most distinct rows of one batch
+        ("adam", "dram", -1, "lfu"),
+    ],
+)
+def test_cache_training_equals_memory(tmp_path, kind, storage, cache_rows, policy):
+    opt = RowOptimizer(kind=kind, lr=0.05)
+    batches = _batches(8)
+    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu", seed=3)
+    rows = cache_rows if cache_rows > 0 else _max_distinct(batches)
+    cached = CachedEmbeddingBagCollection(
+        _with(storage, rows, policy), opt, backend="cpu", seed=3, storage_dir=tmp_path
+    )
+    _train(ref, batches)
+    _train(cached, batches)
+    _assert_same(cached, ref)
+    st = cached.stats()
+    assert st["misses"] > 0 and st["hits"] > 0
+    assert st["evictions"] > 0 or cache_rows == 1000
+
+
+def _max_distinct(batches: list[SparseFeatures]) -> int:
+    """Most distinct rows one batch reads from one table (the smallest workable cache)."""
+    best = 0
+    for b in batches:
+        for t in TABLES:
+            ids = torch.cat([b.values[_feature_slice(b, f)] for f in t.features])
+            best = max(best, torch.unique(ids).numel())
+    return best
+
+
+def _feature_slice(b: SparseFeatures, f: str) -> slice:
+    nb = b.lengths.numel() // len(b.keys)
+    k = b.keys.index(f)
+    start = int(b.lengths[: k * nb].sum())
+    return slice(start, start + int(b.lengths[k * nb : (k + 1) * nb].sum()))
+
+
+def test_reference_backend_mean_pooling_weights_and_eval(tmp_path):
+    opt = RowOptimizer(kind="rowwise_adagrad", lr=0.1)
+    batches = _batches(5, seed=4, weighted=True)
+    kw = {"pooling": "mean", "backend": "reference", "seed": 1}
+    ref = EmbeddingBagCollection(TABLES, opt, **kw)
+    cached = CachedEmbeddingBagCollection(_with("ssd", 45, "lru"), opt, storage_dir=tmp_path, **kw)
+    _train(ref, batches)
+    _train(cached, batches)
+    with torch.no_grad():  # eval goes through the cache too, and equals the reference
+        for b in _batches(3, seed=9, weighted=True):
+            assert torch.equal(cached(b), ref(b))
+    _assert_same(cached, ref)
+
+
+def test_prefetch_pipeline_equals_memory(tmp_path):
+    opt = RowOptimizer(kind="adam", lr=0.05)
+    batches = _batches(8, seed=5)
+    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu")
+    cached = CachedEmbeddingBagCollection(
+        _with("ssd", 50, "lfu"), opt, backend="cpu", storage_dir=tmp_path
+    )
+    _train(ref, batches)
+    g = torch.Generator().manual_seed(1)
+    for i, b in enumerate(batches):
+        out = cached(b)
+        if i + 1 < len(batches):
+            cached.prefetch(batches[i + 1])  # reads while this batch's backward runs
+        out.backward(torch.randn(out.shape, generator=g))
+    assert cached.stats()["staged"] > 0
+    _assert_same(cached, ref)
+
+
+def test_capacity_smaller_than_batch_is_an_error(tmp_path):
+    batches = _batches(2)
+    small = _max_distinct(batches) - 1
+    cached = CachedEmbeddingBagCollection(_with("dram", small, "lru"), backend="cpu")
+    with torch.no_grad(), pytest.raises(CacheCapacityError, match="distinct rows"):
+        for b in batches:
+            cached(b)
+
+
+def test_eviction_writes_back_before_flush(tmp_path):
+    opt = RowOptimizer(kind="rowwise_adagrad", lr=0.05)
+    batches = _batches(8, seed=2)
+    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu")
+    cached = CachedEmbeddingBagCollection(
+        _with("ssd", 40, "lru"), opt, backend="cpu", storage_dir=tmp_path
+    )
+    _train(ref, batches)
+    _train(cached, batches)
+    assert cached.stats()["writebacks"] > 0
+    for name, store in cached.stores().items():
+        c = next(c for c in cached._cached.values() if c.name == name)
+        gone = torch.nonzero(c.slot_of < 0).flatten()  # rows not resident: the store is current
+        rec = store.read(gone)
+        want = _reference_state(ref, name)
+        assert torch.equal(rec[:, :8], want["weight"][gone])
+        assert torch.equal(rec[:, 8], want["momentum1"][gone])
+    cached.flush()
+    for name in ("a", "b"):  # after flush the file alone holds the trained table
+        st = SsdStore.open(tmp_path / f"{name}.rows", record_fields("rowwise_adagrad", 8))
+        assert st.clean
+        rec = st.read(torch.arange(st.rows))
+        assert torch.equal(rec[:, :8], ref.table_weight(name))
+        st.close()
+
+
+def _small_store(path: Path) -> SsdStore:
+    fields = record_fields("sgd", 4)
+    return SsdStore.create(
+        path, 10, fields, lambda lo, hi: torch.arange(lo, hi).float()[:, None].expand(-1, 4)
+    )
+
+
+def test_missing_truncated_and_unclean_files(tmp_path):
+    with pytest.raises(StoreError, match="not found"):
+        SsdStore.open(tmp_path / "nope.rows")
+    path = tmp_path / "s.rows"
+    _small_store(path).close()
+    with open(path, "r+b") as fh:
+        fh.truncate(HEADER_BYTES + 9 * 16 + 3)
+    with pytest.raises(StoreError, match="truncated"):
+        SsdStore.open(path)
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(StoreError, match="not a neorec row store"):
+        SsdStore.open(path)
+    st = _small_store(path)
+    st.write(torch.tensor([3]), torch.ones(1, 4))  # written, never flushed: a crash here
+    st.close()
+    with pytest.raises(StoreError, match="after its last flush"):
+        SsdStore.open(path)
+    assert not SsdStore.open(path, allow_unclean=True).clean
+
+
+def test_store_truncated_while_open_is_a_clear_error(tmp_path):
+    st = SsdStore.create(
+        tmp_path / "t.rows", 10, record_fields("sgd", 4), lambda lo, hi: torch.zeros(hi - lo, 4)
+    )
+    os.truncate(st.path, HEADER_BYTES + 16 * 5)
+    with pytest.raises(StoreError, match="truncated or damaged"):
+        st.read(torch.tensor([8]))
+
+
+def test_disk_full_on_create_keeps_the_old_store(tmp_path, monkeypatch):
+    path = tmp_path / "s.rows"
+    _small_store(path).close()
+    before = path.read_bytes()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(StoreError, match="disk is full.*unchanged"):
+        _small_store(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s.rows"]  # no temporary left behind
+
+
+def test_disk_full_on_write_back_loses_nothing(tmp_path, monkeypatch):
+    import neorec.storage.store as store_mod
+
+    opt = RowOptimizer(kind="rowwise_adagrad", lr=0.05)
+    batches = _batches(8, seed=6)
+    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu")
+    cached = CachedEmbeddingBagCollection(
+        _with("ssd", 40, "lru"), opt, backend="cpu", storage_dir=tmp_path
+    )
+    _train(ref, batches)
+    _train(cached, batches[:4])
+    cached.flush()
+    flushed = (tmp_path / "a.rows").read_bytes()
+    real = store_mod._write_mapped
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store_mod, "_write_mapped", full)
+    with pytest.raises(StoreError, match="disk is full"):
+        _train(cached, batches[4:], seed=99)  # evictions need write-backs
+        cached.flush()
+    assert (tmp_path / "a.rows").read_bytes()[HEADER_BYTES:] == flushed[HEADER_BYTES:]
+    monkeypatch.setattr(store_mod, "_write_mapped", real)
+    cached.flush()  # the dirty rows were kept: nothing lost once there is space again
+
+
+def test_config_and_build_dlrm_choose_the_cache(tmp_path):
+    from neorec.config import ConfigError, load_config
+    from neorec.modules.dlrm import build_dlrm
+
+    with pytest.raises(ConfigError, match="storage"):
+        TableConfig(name="x", rows=10, dim=4, storage="tape")
+    with pytest.raises(ConfigError, match="not both"):
+        TableConfig(name="x", rows=10, dim=4, cache_rows=3, cache_fraction=0.5)
+    sets = ["model.bottom_mlp=[8, 4]", f"storage.dir='{tmp_path}'"]
+    tables = (
+        "[{name='a', rows=500, dim=4, storage='ssd', cache_rows=64}, {name='b', rows=40, dim=4}]"
+    )
+    cfg = load_config(None, [*sets, f"embedding.tables={tables}"])
+    model = build_dlrm(cfg)
+    assert isinstance(model.ebc, CachedEmbeddingBagCollection)
+    assert (tmp_path / "a.rows").exists() and not (tmp_path / "b.rows").exists()
+
+
+def test_expected_hit_rate():
+    from neorec.storage.model import expected_hit_rate
+
+    p = 1.0 / torch.arange(1, 3001, dtype=torch.float64) ** 1.05
+    exact_lfu = float(p[:300].sum() / p.sum())
+    assert expected_hit_rate(3000, 0.1, 1.05, "lfu") == pytest.approx(exact_lfu, rel=1e-6)
+    lru = [expected_hit_rate(10**6, f, None, "lru") for f in (0.01, 0.05, 0.1, 0.25)]
+    assert lru == sorted(lru) and 0 < lru[0] < lru[-1] < 1
+    assert expected_hit_rate(100, 1.0, 1.0) == 1.0
+
+
+def test_rowio_python_fallback_matches(tmp_path, monkeypatch):
+    st = SsdStore.create(
+        tmp_path / "r.rows", 50, record_fields("adam", 4), lambda lo, hi: torch.rand(hi - lo, 12)
+    )
+    ids = torch.tensor([0, 1, 2, 7, 30, 31, 49])
+    native = st.read(ids)
+    monkeypatch.setenv("NEOREC_ROWIO", "python")
+    assert torch.equal(st.read(ids), native)
+    assert rowio.native_available() in (True, False)

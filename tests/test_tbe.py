@@ -1,0 +1,527 @@
+"""TBE backends against a float64 oracle (nn.EmbeddingBag + dense autograd + textbook optimizers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+from neorec.ops import cpu as cpu_mod
+from neorec.ops.cpu import CpuBackend
+from neorec.ops.cuda import CudaBackend
+from neorec.ops.row_optim import RowOptimizer, zeros_state
+from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
+
+HAS_CUDA = torch.cuda.is_available()
+BACKENDS = [
+    "reference",
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")),
+]
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "adam"]
+POOLINGS = [PoolingMode.SUM, PoolingMode.MEAN]
+
+
+@dataclass
+class Case:
+    """One random batch on a layout with a shared table and an unused one."""
+
+    layout: TBELayout
+    weights: Tensor  # [total_elems] float32
+    indices: Tensor  # [N] int64
+    offsets: Tensor  # [F*B + 1] int64
+    psw: Tensor  # [N] float32
+    grad: Tensor  # [B, total_dim] float32
+
+    def to(self, device: str) -> Case:
+        """Copy of the case on ``device``."""
+        return Case(
+            self.layout,
+            *(
+                x.to(device)
+                for x in (self.weights, self.indices, self.offsets, self.psw, self.grad)
+            ),
+        )
+
+
+def make_case(seed: int = 0, batch: int = 12, max_len: int = 6, id_range: int = 9) -> Case:
+    """Tables of different dims; features 0 and 2 share table 0; table 3 is never looked up."""
+    layout = TBELayout(rows=(50, 7, 100, 5), dims=(8, 4, 16, 3), feature_table=(0, 2, 0, 1))
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len, (layout.num_features * batch,), generator=gen)
+    lengths[::5] = 0  # plenty of empty bags
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    ids = []
+    for f, t in enumerate(layout.feature_table):
+        n = int(lengths[f * batch : (f + 1) * batch].sum())
+        # a small id range: many duplicates within and across bags and features
+        ids.append(torch.randint(0, min(id_range, layout.rows[t]), (n,), generator=gen))
+    indices = torch.cat(ids)
+    return Case(
+        layout,
+        torch.randn(layout.total_elems, generator=gen),
+        indices,
+        offsets,
+        torch.rand(indices.numel(), generator=gen) + 0.5,
+        torch.randn(batch, layout.total_dim, generator=gen),
+    )
+
+
+def device_of(backend: str) -> str:
+    """Device the backend's tensors live on."""
+    return "cuda" if backend == "cuda" else "cpu"
+
+
+# ---- float64 oracle -----------------------------------------------------------------------------
+
+
+def oracle_bags(lay: TBELayout, weights: Tensor) -> list[torch.nn.EmbeddingBag]:
+    """One float64 nn.EmbeddingBag per table, initialized from the flat weights."""
+    return [
+        torch.nn.EmbeddingBag.from_pretrained(
+            lay.table(weights, t).double().clone(),
+            freeze=False,
+            mode="sum",
+            include_last_offset=True,
+        )
+        for t in range(lay.num_tables)
+    ]
+
+
+def oracle_forward(
+    case: Case, bags: list[torch.nn.EmbeddingBag], psw: Tensor | None, pooling: PoolingMode
+) -> Tensor:
+    """Pooled output [B, total_dim] in float64: each feature through its table's EmbeddingBag."""
+    lay, b = case.layout, case.grad.shape[0]
+    cols = []
+    for f, t in enumerate(lay.feature_table):
+        seg = case.offsets[f * b : (f + 1) * b + 1]
+        lo, hi = int(seg[0]), int(seg[-1])
+        w = psw[lo:hi].double() if psw is not None else None
+        pooled = bags[t](case.indices[lo:hi], seg - lo, per_sample_weights=w)
+        if pooling == PoolingMode.MEAN:
+            pooled = pooled / (seg[1:] - seg[:-1]).clamp(min=1).double().unsqueeze(1)
+        cols.append(pooled)
+    return torch.cat(cols, dim=1)
+
+
+def oracle_step(
+    case: Case,
+    weights: Tensor,
+    state: dict[str, Tensor],
+    psw: Tensor | None,
+    pooling: PoolingMode,
+    opt: RowOptimizer,
+    step: int,
+) -> None:
+    """One training step in float64: dense autograd gradient, then the optimizer on touched rows."""
+    lay, b = case.layout, case.grad.shape[0]
+    bags = oracle_bags(lay, weights)
+    (oracle_forward(case, bags, psw, pooling) * case.grad.double()).sum().backward()
+    for t in range(lay.num_tables):
+        feats = [f for f, tt in enumerate(lay.feature_table) if tt == t]
+        ids = [
+            case.indices[int(case.offsets[f * b]) : int(case.offsets[(f + 1) * b])] for f in feats
+        ]
+        if not ids or not torch.cat(ids).numel():
+            continue
+        rows = torch.unique(torch.cat(ids))  # touched rows (even if their gradient is zero)
+        grad = bags[t].weight.grad
+        assert grad is not None
+        g = grad[rows]  # the dense gradient, summed over every occurrence of the row
+        w = lay.table(weights, t)[rows]
+        if opt.weight_decay:
+            g = g + opt.weight_decay * w
+        if opt.kind == "sgd":
+            w = w - opt.lr * g
+        elif opt.kind == "rowwise_adagrad":
+            s = state["momentum1"][lay.row_offsets[t] + rows] + (g * g).mean(1)
+            state["momentum1"][lay.row_offsets[t] + rows] = s
+            w = w - opt.lr * g / (s.sqrt() + opt.eps).unsqueeze(1)
+        else:
+            m = lay.table(state["exp_avg"], t)[rows] * opt.beta1 + (1 - opt.beta1) * g
+            v = lay.table(state["exp_avg_sq"], t)[rows] * opt.beta2 + (1 - opt.beta2) * g * g
+            lay.table(state["exp_avg"], t)[rows] = m
+            lay.table(state["exp_avg_sq"], t)[rows] = v
+            mh, vh = m / (1 - opt.beta1**step), v / (1 - opt.beta2**step)
+            w = w - opt.lr * mh / (vh.sqrt() + opt.eps)
+        lay.table(weights, t)[rows] = w
+
+
+def oracle_state(kind: str, lay: TBELayout) -> dict[str, Tensor]:
+    """Zero optimizer state in float64."""
+    st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
+    return {k: v.double() for k, v in st.items()}
+
+
+def run_steps(
+    backend: str,
+    case: Case,
+    kind: str,
+    pooling: PoolingMode,
+    use_psw: bool,
+    steps: tuple[int, ...] = (1, 2),
+    wd: float = 0.01,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Weights and state after backward_update at each step count in ``steps`` (same batch)."""
+    dev = device_of(backend)
+    c = case.to(dev)
+    be = get_backend(backend, dev)
+    w = c.weights.clone()
+    st = zeros_state(kind, c.layout.total_rows, c.layout.total_elems, torch.device(dev))
+    opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=wd)
+    for s in steps:
+        be.backward_update(
+            c.layout,
+            w,
+            st,
+            c.indices,
+            c.offsets,
+            c.psw if use_psw else None,
+            pooling,
+            c.grad,
+            opt,
+            s,
+        )
+    return w.cpu(), {k: v.cpu() for k, v in st.items()}
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_psw", [False, True])
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_matches_embedding_bag(backend: str, pooling: PoolingMode, use_psw: bool) -> None:
+    case = make_case(1)
+    dev = device_of(backend)
+    c = case.to(dev)
+    out = get_backend(backend, dev).forward(
+        c.layout, c.weights, c.indices, c.offsets, c.psw if use_psw else None, pooling
+    )
+    bags = oracle_bags(case.layout, case.weights)
+    want = oracle_forward(case, bags, case.psw if use_psw else None, pooling).detach()
+    assert out.dtype == torch.float32 and out.shape == want.shape
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    b = case.grad.shape[0]
+    empty = (case.offsets[1:] - case.offsets[:-1]).view(-1, b) == 0  # [F, B]
+    f, s = (int(x) for x in empty.nonzero()[0])
+    lo, hi = case.layout.out_offsets[f], case.layout.out_offsets[f + 1]
+    assert torch.all(out[s, lo:hi] == 0), "an empty bag pools to zeros"
+
+
+@pytest.mark.parametrize("use_psw", [False, True])
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_update_matches_dense_autograd(
+    backend: str, kind: str, pooling: PoolingMode, use_psw: bool
+) -> None:
+    case = make_case(2)
+    w, st = run_steps(backend, case, kind, pooling, use_psw)
+    opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=0.01)
+    w64 = case.weights.double()
+    st64 = oracle_state(kind, case.layout)
+    for s in (1, 2):
+        oracle_step(case, w64, st64, case.psw if use_psw else None, pooling, opt, s)
+    assert not torch.equal(w, case.weights), "the step changed nothing"
+    torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=2e-6)
+    for k in st:
+        torch.testing.assert_close(st[k].double(), st64[k], rtol=1e-5, atol=1e-6)
+
+
+def test_adam_bias_correction_uses_step_count() -> None:
+    case = make_case(3)
+    opt = RowOptimizer(kind="adam", lr=0.05)
+    w64 = case.weights.double()
+    st64 = oracle_state("adam", case.layout)
+    for s in (1, 2, 7):
+        oracle_step(case, w64, st64, None, PoolingMode.SUM, opt, s)
+    w, _ = run_steps("cpu", case, "adam", PoolingMode.SUM, False, steps=(1, 2, 7), wd=0.0)
+    torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=2e-6)
+    w_wrong, _ = run_steps("cpu", case, "adam", PoolingMode.SUM, False, steps=(1, 2, 3), wd=0.0)
+    assert not torch.allclose(w_wrong, w), "step 7 and step 3 must differ in bias correction"
+
+
+def big_case(seed: int = 5) -> tuple[TBELayout, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A larger skewed batch: (layout, weights, indices, offsets, psw, grad)."""
+    layout = TBELayout(rows=(3000, 500, 2000), dims=(32, 16, 8), feature_table=(0, 1, 0, 2, 2))
+    gen = torch.Generator().manual_seed(seed)
+    b = 256
+    lengths = torch.randint(0, 30, (layout.num_features * b,), generator=gen)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    ids = []
+    for f, t in enumerate(layout.feature_table):
+        n = int(lengths[f * b : (f + 1) * b].sum())
+        # squaring a uniform skews ids towards 0: hot rows with long runs of duplicates
+        ids.append((torch.rand(n, generator=gen) ** 3 * layout.rows[t]).long())
+    indices = torch.cat(ids)
+    return (
+        layout,
+        torch.randn(layout.total_elems, generator=gen),
+        indices,
+        offsets,
+        torch.rand(indices.numel(), generator=gen),
+        torch.randn(b, layout.total_dim, generator=gen),
+    )
+
+
+def cpu_steps(
+    be: CpuBackend, kind: str, threads: int, use_psw: bool = True
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """Two steps of a big case on the cpu backend with ``threads`` threads: weights, state, output."""
+    layout, w, idx, off, psw, grad = big_case()
+    st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+    opt = RowOptimizer(kind=kind, lr=0.03, weight_decay=0.001)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = be.forward(layout, w, idx, off, psw if use_psw else None, PoolingMode.MEAN)
+        for s in (1, 2):
+            be.backward_update(
+                layout, w, st, idx, off, psw if use_psw else None, PoolingMode.MEAN, grad, opt, s
+            )
+    finally:
+        torch.set_num_threads(old)
+    return w, st, out
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_cpu_bitwise_deterministic_across_threads(kind: str) -> None:
+    be = CpuBackend()
+    runs = [cpu_steps(be, kind, n) for n in (2, 2, 1, 3)]
+    for w, st, out in runs[1:]:
+        assert torch.equal(w, runs[0][0])
+        assert torch.equal(out, runs[0][2])
+        for k in st:
+            assert torch.equal(st[k], runs[0][1][k])
+
+
+@pytest.mark.parametrize("use_psw", [False, True])
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_cpu_equals_reference(kind: str, use_psw: bool) -> None:
+    layout, w0, idx, off, psw, grad = big_case(6)
+    p = psw if use_psw else None
+    res = []
+    for be in (get_backend("reference"), get_backend("cpu")):
+        w = w0.clone()
+        st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+        opt = RowOptimizer(kind=kind, lr=0.03, weight_decay=0.001)
+        out = be.forward(layout, w, idx, off, p, PoolingMode.SUM)
+        for s in (1, 2):
+            be.backward_update(layout, w, st, idx, off, p, PoolingMode.SUM, grad, opt, s)
+        res.append((out, w, st))
+    (o_ref, w_ref, st_ref), (o_cpu, w_cpu, st_cpu) = res
+    torch.testing.assert_close(o_cpu, o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w_cpu, w_ref, rtol=1e-6, atol=1e-6)
+    for k in st_ref:
+        torch.testing.assert_close(st_cpu[k], st_ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_payload_pairs_path_matches_packed() -> None:
+    """The (key, payload) sort used for enormous tables gives the same bits as the packed one."""
+    for kind in OPTIMIZERS:
+        for use_psw in (False, True):
+            a = cpu_steps(CpuBackend(), kind, 2, use_psw)
+            b = cpu_steps(CpuBackend(force_pairs=True), kind, 2, use_psw)
+            assert torch.equal(a[0], b[0])
+            for k in a[1]:
+                assert torch.equal(a[1][k], b[1][k])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tbe_lookup_autograd_updates_weights_without_grad(backend: str) -> None:
+    dev = device_of(backend)
+    c = make_case(4).to(dev)
+    be = get_backend(backend, dev)
+    w = c.weights.clone()
+    w0 = w.clone()
+    st = zeros_state(
+        "rowwise_adagrad", c.layout.total_rows, c.layout.total_elems, torch.device(dev)
+    )
+    opt = RowOptimizer(kind="rowwise_adagrad", lr=0.1)
+    anchor = torch.empty(0, requires_grad=True, device=dev)
+    grads: list[Tensor] = []
+
+    def update(g: Tensor) -> None:
+        grads.append(g)
+        be.backward_update(c.layout, w, st, c.indices, c.offsets, None, PoolingMode.SUM, g, opt, 1)
+
+    out = tbe_lookup(anchor, be, c.layout, w, c.indices, c.offsets, None, PoolingMode.SUM, update)
+    assert out.requires_grad
+    (out * c.grad).sum().backward()
+    assert len(grads) == 1 and torch.equal(grads[0], c.grad)
+    assert w.grad is None
+    assert not torch.equal(w, w0)
+    # a touched row moved, an untouched one did not
+    t0 = c.layout.table(w, 0)
+    assert not torch.equal(t0[int(c.indices[0])], c.layout.table(w0, 0)[int(c.indices[0])])
+    assert torch.equal(c.layout.table(w, 3), c.layout.table(w0, 3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_table_without_ids_is_untouched(backend: str) -> None:
+    case = make_case(7)
+    w, st = run_steps(backend, case, "adam", PoolingMode.SUM, True)
+    lay = case.layout
+    assert torch.equal(lay.table(w, 3), lay.table(case.weights, 3))  # table 3: no feature
+    assert torch.all(lay.table(st["exp_avg"], 3) == 0)
+    # table 2 rows beyond the id range were not touched either (lazy update)
+    assert torch.equal(lay.table(w, 2)[9:], lay.table(case.weights, 2)[9:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_inputs(backend: str) -> None:
+    dev = device_of(backend)
+    c = make_case(8).to(dev)
+    be = get_backend(backend, dev)
+    outs, ws = [], []
+    for dt in (torch.int64, torch.int32):
+        w = c.weights.clone()
+        st = zeros_state("sgd", c.layout.total_rows, c.layout.total_elems, torch.device(dev))
+        idx, off = c.indices.to(dt), c.offsets.to(dt)
+        outs.append(be.forward(c.layout, w, idx, off, c.psw, PoolingMode.MEAN))
+        be.backward_update(
+            c.layout, w, st, idx, off, c.psw, PoolingMode.MEAN, c.grad, RowOptimizer(kind="sgd"), 1
+        )
+        ws.append(w)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(ws[0], ws[1])
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=BACKENDS[2].marks)])
+@pytest.mark.parametrize("bad_id", [7, -1, 2**62])
+def test_out_of_range_id_is_refused(backend: str, bad_id: int) -> None:
+    dev = device_of(backend)
+    c = make_case(9).to(dev)
+    lay, b = c.layout, c.grad.shape[0]
+    f = 3  # feature 3 reads table 1, which has 7 rows
+    pos = int(c.offsets[f * b]) + 1
+    assert int(c.offsets[(f + 1) * b]) > pos
+    c.indices[pos] = bad_id
+    be = get_backend(backend, dev)
+    with pytest.raises(IndexError, match=rf"feature 3 \(table 1.*id {bad_id}\b"):
+        be.forward(lay, c.weights, c.indices, c.offsets, None, PoolingMode.SUM)
+    w = c.weights.clone()
+    st = zeros_state("rowwise_adagrad", lay.total_rows, lay.total_elems, torch.device(dev))
+    with pytest.raises(IndexError, match=rf"feature 3 .*id {bad_id}\b"):
+        be.backward_update(
+            lay, w, st, c.indices, c.offsets, None, PoolingMode.SUM, c.grad, RowOptimizer(), 1
+        )
+    assert torch.equal(w, c.weights), "nothing may be written when the batch is refused"
+
+
+def test_cpu_rejects_malformed_inputs() -> None:
+    c = make_case(10)
+    be = get_backend("cpu")
+    with pytest.raises(ValueError, match="float32"):
+        be.forward(c.layout, c.weights.double(), c.indices, c.offsets, None, PoolingMode.SUM)
+    with pytest.raises(ValueError, match="offsets"):
+        be.forward(c.layout, c.weights, c.indices, c.offsets[:-1], None, PoolingMode.SUM)
+    bad = c.offsets.clone()
+    bad[5] = bad[6] + 1
+    with pytest.raises(ValueError, match="decrease"):
+        be.forward(c.layout, c.weights, c.indices, bad, None, PoolingMode.SUM)
+    st = zeros_state("adam", c.layout.total_rows, c.layout.total_elems, torch.device("cpu"))
+    del st["exp_avg_sq"]
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        be.backward_update(
+            c.layout,
+            c.weights,
+            st,
+            c.indices,
+            c.offsets,
+            None,
+            PoolingMode.SUM,
+            c.grad,
+            RowOptimizer(kind="adam"),
+            1,
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_bags_empty(backend: str) -> None:
+    dev = device_of(backend)
+    lay = TBELayout(rows=(4,), dims=(2,), feature_table=(0,))
+    w = torch.randn(lay.total_elems, device=dev)
+    idx = torch.zeros(0, dtype=torch.int64, device=dev)
+    off = torch.zeros(4, dtype=torch.int64, device=dev)
+    be = get_backend(backend, dev)
+    out = be.forward(lay, w, idx, off, None, PoolingMode.MEAN)
+    assert out.shape == (3, 2) and torch.all(out == 0)
+    w0 = w.clone()
+    st = zeros_state("sgd", lay.total_rows, lay.total_elems, torch.device(dev))
+    be.backward_update(
+        lay,
+        w,
+        st,
+        idx,
+        off,
+        None,
+        PoolingMode.MEAN,
+        torch.ones(3, 2, device=dev),
+        RowOptimizer(kind="sgd"),
+        1,
+    )
+    assert torch.equal(w, w0)
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_cuda_backend_logic_on_cpu_tensors(kind: str) -> None:
+    """The CUDA backend's ops are device-generic: check its logic here even without a GPU."""
+    layout, w0, idx, off, psw, grad = big_case(11)
+    res = []
+    for be in (get_backend("reference"), CudaBackend()):
+        w = w0.clone()
+        st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+        out = be.forward(layout, w, idx, off, psw, PoolingMode.MEAN)
+        be.backward_update(
+            layout, w, st, idx, off, psw, PoolingMode.MEAN, grad, RowOptimizer(kind=kind), 1
+        )
+        res.append((out, w, st))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_bitwise_deterministic() -> None:
+    layout, w0, idx, off, psw, grad = big_case(12)
+    be = get_backend("cuda", "cuda")
+    results = []
+    for _ in range(2):
+        w = w0.cuda()
+        st = zeros_state("adam", layout.total_rows, layout.total_elems, torch.device("cuda"))
+        be.backward_update(
+            layout,
+            w,
+            st,
+            idx.cuda(),
+            off.cuda(),
+            psw.cuda(),
+            PoolingMode.SUM,
+            grad.cuda(),
+            RowOptimizer(kind="adam"),
+            1,
+        )
+        results.append((w.cpu(), {k: v.cpu() for k, v in st.items()}))
+    assert torch.equal(results[0][0], results[1][0])
+    for k in results[0][1]:
+        assert torch.equal(results[0][1][k], results[1][1][k])
+
+
+def test_kernel_cache_dir_and_missing_compiler(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NEOREC_CACHE_DIR", str(tmp_path / "cache"))
+    assert cpu_mod.cache_dir() == tmp_path / "cache"
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="no-such-compiler-xyz"):
+        cpu_mod._compiler()
+
+
+def test_kernel_compile_error_includes_stderr(tmp_path) -> None:
+    cc, _ = cpu_mod._compiler()
+    with pytest.raises(RuntimeError, match="error"):
+        cpu_mod._build(tmp_path / "broken.so", "this is not C;", cc)
+    assert not list(tmp_path.glob("*.tmp")), "a failed build leaves no temp files behind"
