@@ -18,8 +18,8 @@ run: $(STAMP)
 	$(BIN)/neorec train $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check neorec tests benchmarks
-	$(BIN)/ruff format --check neorec tests benchmarks
+	$(BIN)/ruff check neorec tests
+	$(BIN)/ruff format --check neorec tests
 	$(BIN)/mypy
 
 test: lint
