@@ -16,6 +16,7 @@ BENCHES = {
     "planner": "neorec.bench.planner",
     "locality": "neorec.bench.locality",
     "dist": "neorec.bench.dist",
+    "costcheck": "neorec.bench.costcheck",
     "cache": "neorec.bench.cache",
     "ckpt": "neorec.bench.ckpt",
     "data": "neorec.bench.data",

@@ -105,3 +105,23 @@ def all_plans(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_sharding_type_equals_single_process(world):
     run_ranks(all_plans, world)
+
+
+def _dp_hooks_see_every_rank(rank: int, world: int) -> None:
+    from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+
+    table = TableConfig(name="a", rows=10, dim=4)
+    plan = plan_by_type([table], world, world, "data_parallel")
+    ebc = ShardedEmbeddingBagCollection([table], plan)
+    seen: list[int] = []
+    ebc.add_update_hook(lambda lay, idx, off: seen.extend(idx.tolist()))
+    before = ebc.gather_table("a").clone()
+    # Rank r looks up only row 3*r: the update (and the dirty-row hooks) must cover all ranks' rows.
+    sparse = SparseFeatures(["a"], torch.tensor([3 * rank]), torch.tensor([1]))
+    ebc(sparse).sum().backward()
+    changed = (ebc.gather_table("a") != before).any(1).nonzero().flatten().tolist()
+    assert sorted(set(seen)) == changed == [3 * r for r in range(world)], (seen, changed)
+
+
+def test_data_parallel_update_hooks_report_rows_of_every_rank():
+    run_ranks(_dp_hooks_see_every_rank, 2)

@@ -5,6 +5,16 @@ bandwidth as TBE sees it), a large memcpy (host <-> device; on CPU the same memo
 between two processes' shared buffers (intra-host all-to-all, approximated by a memcpy through
 shared memory). Inter-host bandwidth cannot be measured on one machine and stays an assumption
 unless given. Prints a table and a JSON line, and writes the topology JSON.
+
+The constants the cost model uses are then measured the way a training step uses them:
+
+- ``device_bw_gbs``: one fused TBE step (the real backend's pooled forward + backward-update with
+  the fused optimizer) on one rank's thread share, run by all ranks of the host at once (they
+  share cores, caches and DRAM; slowest rank), converted to bandwidth with the cost model's own
+  byte accounting (``CostModel.shard_cost`` at 1 GB/s), so predicted = measured on that shape;
+- ``collective_latency_us`` and ``intra_host_bw_gbs``: ``world_size`` gloo processes running the
+  runtime's ``all_to_all`` (tiny messages for the latency, large ones for the bandwidth of the
+  bytes that leave a rank).
 """
 
 from __future__ import annotations
@@ -13,15 +23,19 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from neorec.sharding.topology import GB, Topology
 
-__all__ = ["measure", "calibrate", "main"]
+__all__ = ["measure", "measure_tbe", "measure_comm", "calibrate", "main"]
 
 
 def _best_of(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -57,18 +71,149 @@ def measure(rows: int = 2_000_000, dim: int = 64, ids: int = 500_000) -> dict[st
     }
 
 
+def measure_tbe(
+    threads: int,
+    optimizer: str = "rowwise_adagrad",
+    rows: int = 100_000,
+    dim: int = 32,
+    tables: int = 4,
+    batch: int = 1024,
+    pooling: int = 20,
+    repeat: int = 7,
+) -> dict[str, float]:
+    """Effective bandwidth (GB/s, cost-model bytes) of one fused TBE training step on ``threads``.
+
+    Uniform ids (the cost model's assumption); the median of ``repeat`` steps after a warm-up.
+    """
+    from neorec.ops.row_optim import RowOptimizer, zeros_state
+    from neorec.ops.tbe import PoolingMode, TBELayout, get_backend
+    from neorec.sharding.cost_model import CostModel, TableSpec
+    from neorec.sharding.types import ShardingType
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        layout = TBELayout(
+            rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
+        )
+        weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
+        state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
+        backend = get_backend("auto", "cpu")
+        opt = RowOptimizer(kind=optimizer)
+        ids = torch.randint(0, rows, (tables * batch * pooling,), generator=g)
+        offsets = torch.arange(0, tables * batch * pooling + 1, pooling)
+        grad = torch.randn(batch, tables * dim, generator=g)
+        fwd_t, bwd_t = [], []
+        for step in range(repeat + 1):
+            t0 = time.perf_counter()
+            backend.forward(layout, weights, ids, offsets, None, PoolingMode.SUM)
+            t1 = time.perf_counter()
+            backend.backward_update(
+                layout, weights, state, ids, offsets, None, PoolingMode.SUM, grad, opt, step + 1
+            )
+            t2 = time.perf_counter()
+            if step:
+                fwd_t.append(t1 - t0)
+                bwd_t.append(t2 - t1)
+    finally:
+        torch.set_num_threads(old)
+    fwd, bwd = statistics.median(fwd_t), statistics.median(bwd_t)
+    # The same shape through the cost model at 1 GB/s: its predicted seconds = its bytes / 1e9.
+    unit = Topology(world_size=1, device_bw_gbs=1.0, shard_overhead_us=0.0)
+    spec = TableSpec(name="t", rows=rows, dim=dim, pooling_factor=pooling, optimizer=optimizer)
+    c = CostModel(unit, batch, optimizer).shard_cost(spec, ShardingType.TABLE_WISE, rows, dim)
+    return {
+        "tbe_fwd_ms": 1000 * fwd,
+        "tbe_bwd_ms": 1000 * bwd,
+        "tbe_gbs": tables * (c.fwd_compute_s + c.bwd_compute_s) / (fwd + bwd),
+    }
+
+
+def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str) -> None:
+    from neorec.distributed.comm import all_to_all
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+
+    def run(per_peer: int) -> float:
+        send = torch.zeros(per_peer * world)
+        splits = [per_peer] * world
+        times = []
+        for i in range(repeat + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            all_to_all(send, splits, splits).wait()
+            if i:
+                times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    # The fused step on every rank at once: ranks of a host share its cores, caches and DRAM.
+    dist.barrier()
+    tbe = measure_tbe(torch.get_num_threads(), optimizer)
+    slowest = torch.tensor([tbe["tbe_fwd_ms"] + tbe["tbe_bwd_ms"]])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    tbe["tbe_gbs"] *= (tbe["tbe_fwd_ms"] + tbe["tbe_bwd_ms"]) / float(slowest)
+    small = run(1)
+    big_elems = 4 * 1024 * 1024  # 16 MB to each peer
+    big = run(big_elems)
+    if rank == 0:
+        off_rank = big_elems * 4 * (world - 1)
+        q.put(
+            {
+                "concurrent_tbe_gbs": tbe["tbe_gbs"],
+                "a2a_latency_us": 1e6 * small,
+                "a2a_gbs": off_rank / max(big - small, 1e-9) / GB,
+            }
+        )
+    dist.destroy_process_group()
+
+
+def measure_comm(
+    world_size: int, repeat: int = 9, optimizer: str = "rowwise_adagrad"
+) -> dict[str, float]:
+    """Latency (us) and bandwidth (GB/s of bytes leaving a rank) of gloo all-to-all here, and
+    ``measure_tbe``'s bandwidth with all ``world_size`` processes running it at once (slowest)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    args = (world_size, port, q, repeat, optimizer)
+    mp.spawn(_comm_rank, args=args, nprocs=world_size, join=True)
+    out: dict[str, float] = q.get()
+    return out
+
+
 def calibrate(
-    world_size: int, ranks_per_host: int = 0, inter_host_bw_gbs: float = 0.0
+    world_size: int,
+    ranks_per_host: int = 0,
+    inter_host_bw_gbs: float = 0.0,
+    optimizer: str = "rowwise_adagrad",
+    collectives: bool = True,
 ) -> tuple[Topology, dict[str, float]]:
-    """A Topology for ``world_size`` ranks on this machine, from ``measure()``."""
+    """A Topology for ``world_size`` ranks on this machine, from ``measure()``, ``measure_tbe()``
+    and (when ``collectives`` and ``world_size > 1``) ``measure_comm()``."""
     m = measure()
-    threads = max(1, torch.get_num_threads())
-    # Ranks on one host share memory bandwidth; each gets its share when all run at once.
-    share = max(1, min(world_size, os.cpu_count() or 1)) / threads
     ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     rph = ranks_per_host or world_size
     per_rank_mem = 0.8 * ram_gb / rph
-    device_bw = min(m["gather_gbs"], m["update_gbs"]) * share / max(1, rph)
+    # Row bandwidth of the fused step itself (not the raw gather / index_add above), on the
+    # threads one rank gets when every rank of the host runs at once.
+    rank_threads = max(1, (os.cpu_count() or 1) // max(1, rph))
+    m.update(measure_tbe(rank_threads, optimizer))
+    device_bw = m["tbe_gbs"]
+    intra_bw = m["shm_copy_gbs"] / max(1, rph)
+    latency_us = 200.0
+    if collectives and world_size > 1:
+        # At most one process per core: a plan for a big cluster must not spawn its whole world.
+        procs = max(2, min(rph, os.cpu_count() or 1))
+        m.update(measure_comm(procs, optimizer=optimizer))
+        intra_bw, latency_us = m["a2a_gbs"], m["a2a_latency_us"]
+        device_bw = m["concurrent_tbe_gbs"]
     topo = Topology(
         world_size=world_size,
         ranks_per_host=rph,
@@ -77,10 +222,10 @@ def calibrate(
         host_memory_gb=0.0,
         device_bw_gbs=round(max(device_bw, 1e-3), 4),
         host_device_bw_gbs=round(max(m["memcpy_gbs"] / max(1, rph), 1e-3), 4),
-        intra_host_bw_gbs=round(max(m["shm_copy_gbs"] / max(1, rph), 1e-3), 4),
-        inter_host_bw_gbs=inter_host_bw_gbs or round(max(m["shm_copy_gbs"] / max(1, rph), 1e-3), 4),
+        intra_host_bw_gbs=round(max(intra_bw, 1e-3), 4),
+        inter_host_bw_gbs=inter_host_bw_gbs or round(max(intra_bw, 1e-3), 4),
         shard_overhead_us=20.0,
-        collective_latency_us=200.0,
+        collective_latency_us=round(latency_us, 1),
         name=f"calibrated on {socket.gethostname()} ({os.cpu_count()} cores, torch {torch.__version__})",
     )
     return topo, m
@@ -96,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     topo, m = calibrate(args.world_size, args.ranks_per_host, args.inter_host_bw_gbs)
     topo.save(args.out)
-    print(f"{'measurement':<16} {'GB/s':>10}")
+    print(f"{'measurement':<20} {'value':>10}")
     for k, v in m.items():
-        print(f"{k:<16} {v:>10.3f}")
+        print(f"{k:<20} {v:>10.3f}")
     print(f"topology for {topo.world_size} ranks written to {args.out}")
     print(json.dumps({"bench": "calibrate", **m, "topology": topo.to_dict()}))
     return 0

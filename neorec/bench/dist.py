@@ -6,6 +6,10 @@ batches under plans of one sharding type each (and a mixed plan), for each wire 
 ranks), the time a step waits on communication (median over steps, max over ranks), and the bytes
 each collective sent per step (sum over ranks, bytes that leave a rank; DDP's own fp32 all-reduce
 is counted as a ring: 2(W-1)/W x dense parameter bytes).
+
+``--embedding-only`` times only the embedding part of a step, which is what the planner's cost
+model predicts: the sharded EBC's forward (input_dist -> compute -> output_dist) and backward with
+the fused update, driven by ``(ebc(sparse) * fixed_random_grad).sum()``; no dense arch, no DDP.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ import torch.multiprocessing as mp
 
 from neorec.bench.step import make_batches
 from neorec.config import CommConfig, load_config
+from neorec.distributed.codecs import make_codec
 from neorec.distributed.model_parallel import DistributedModel
-from neorec.sharding.types import plan_by_type
+from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+from neorec.ops.row_optim import RowOptimizer
+from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import make_dense_optimizer, train_step
 
-__all__ = ["main"]
+__all__ = ["main", "run_ranks", "measure_embedding"]
 
 TYPES = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "mixed"]
 
@@ -58,6 +65,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--pipelines", default="overlapped", help="comma-separated: overlapped, sequential"
     )
     p.add_argument("--json-out", default="", help="also write the results here")
+    p.add_argument(
+        "--embedding-only",
+        action="store_true",
+        help="time only the sharded embeddings (forward + backward with the fused update)",
+    )
     return p.parse_args(argv)
 
 
@@ -129,17 +141,92 @@ def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dic
     }
 
 
-def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q) -> None:
+def _sharded_ebc(cfg, plan: ShardingPlan) -> ShardedEmbeddingBagCollection:
+    """The EBC a DistributedModel would build for ``plan`` (same optimizer, codecs), alone."""
+    emb, c = cfg.embedding, cfg.comm
+    opt = RowOptimizer(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
+    ebc = ShardedEmbeddingBagCollection(
+        emb.tables,
+        plan,
+        opt,
+        pooling=emb.pooling,
+        backend=emb.backend,
+        seed=cfg.train.seed,
+        init_scale=emb.init_scale,
+    )
+    ebc.codecs = (
+        make_codec(c.forward, c.fp8_scaling),
+        make_codec(c.backward, c.fp8_scaling, c.loss_scale),
+    )
+    return ebc
+
+
+def measure_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int, a) -> dict:
+    """Embedding part of warmup + iters steps: median ms/step (fwd, bwd) and bytes (all ranks)."""
+    b = a.batch // world
+    ebc = _sharded_ebc(cfg, plan)
+    local = [bt.slice(rank * b, (rank + 1) * b).sparse for bt in batches]
+    g = torch.Generator().manual_seed(1000 + rank)
+    grad = torch.randn(b, ebc.total_dim, generator=g)
+    n = a.warmup + a.iters
+    times, fwds, waits = [], [], []
+    for i in range(n):
+        if i == a.warmup:
+            ebc.stats.reset()
+        dist.barrier()
+        w0 = sum(ebc.stats.wait_s.values())
+        t0 = time.perf_counter()
+        out = ebc(local[i % len(local)])
+        t1 = time.perf_counter()
+        (out * grad).sum().backward()
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
+        fwds.append(t1 - t0)
+        waits.append(sum(ebc.stats.wait_s.values()) - w0)
+    stats = torch.tensor(
+        [1000 * statistics.median(x[a.warmup :]) for x in (times, fwds, waits)]
+        + [1000 * statistics.median([t - f for t, f in zip(times, fwds)][a.warmup :])]
+    )
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    sent = {k: v / a.iters for k, v in ebc.stats.bytes_sent.items()}
+    gathered: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, sent)
+    total = {k: sum(g.get(k, 0) for g in gathered) for k in set().union(*gathered)}
+    ms, fwd_ms, wait_ms, bwd_ms = (round(float(x), 2) for x in stats)
+    return {
+        "ms_per_step": ms,
+        "fwd_ms": fwd_ms,
+        "bwd_ms": bwd_ms,
+        "comm_wait_ms": wait_ms,
+        "bytes_per_step": total,
+        "bytes_total": sum(total.values()),
+    }
+
+
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    a: argparse.Namespace,
+    q,
+    plans: list[tuple[str, ShardingPlan]] | None = None,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     cfg = _config(a)
     batches = make_batches(cfg, 4, a.alpha)
     rows = []
-    for kind in a.types.split(","):
-        plan = _plan(cfg, kind, world, a.ranks_per_host or world)
+    if plans is None:
+        plans = [(k, _plan(cfg, k, world, a.ranks_per_host or world)) for k in a.types.split(",")]
+    embedding_only = getattr(a, "embedding_only", False)
+    for kind, plan in plans:
         for spec in a.codecs.split(","):
             cfg.comm = _comm(spec, a.fp8_scaling)
+            if embedding_only:
+                row = measure_embedding(cfg, plan, batches, rank, world, a)
+                rows.append({"type": kind, "codecs": spec, "pipeline": "embedding_only", **row})
+                continue
             for pipeline in a.pipelines.split(","):
                 row = _measure(cfg, plan, pipeline, batches, rank, world, a)
                 rows.append({"type": kind, "codecs": spec, "pipeline": pipeline, **row})
@@ -148,15 +235,23 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print a table and a JSON line."""
-    a = parse(argv)
+def run_ranks(
+    a: argparse.Namespace, plans: list[tuple[str, ShardingPlan]] | None = None
+) -> list[dict]:
+    """Spawn ``a.nproc`` gloo ranks and measure; ``plans`` (label, plan) replace ``a.types``."""
     if a.batch % a.nproc:
         raise SystemExit(f"--batch {a.batch} must be divisible by --nproc {a.nproc}")
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    mp.spawn(_rank, args=(a.nproc, _free_port(), a, q), nprocs=a.nproc, join=True)
-    rows = q.get()
+    mp.spawn(_rank, args=(a.nproc, _free_port(), a, q, plans), nprocs=a.nproc, join=True)
+    rows: list[dict] = q.get()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table and a JSON line."""
+    a = parse(argv)
+    rows = run_ranks(a)
     names = sorted({k for r in rows for k in r["bytes_per_step"]})
     head = (
         f"{'type':<16}{'codecs':<28}{'pipeline':<12}{'ms/step':>9}{'wait ms':>9}{'total B':>12}"
@@ -183,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "pooling": a.pooling,
         "alpha": a.alpha,
         "fp8_scaling": a.fp8_scaling,
+        "embedding_only": a.embedding_only,
         "results": rows,
     }
     line = json.dumps(result)

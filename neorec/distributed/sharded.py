@@ -502,43 +502,95 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
 
     def _dp_update(self, local: LocalInput, grad: Tensor) -> None:
-        """Sum row gradients over ranks (rank order), then the fused optimizer on touched rows."""
+        """Sum row gradients over ranks (rank order), then the fused optimizer on touched rows.
+
+        Ranks exchange only the rows their batch touched (ids + summed gradients, all-gathered);
+        every rank adds the contributions to zero in rank order, so replicas stay bitwise equal.
+        """
         assert self.dp is not None
         lay = self.dp.layout
-        ref = ReferenceBackend()
-        grads = ref.row_grads(
+        grads = ReferenceBackend().row_grads(
             lay, local.dp_indices, local.dp_offsets, local.dp_weights, PoolingMode.SUM, grad
         )
-        # Dense per-table buffers: DP is for small tables, where this is cheaper than sparse merges.
-        dense = torch.zeros(lay.total_elems + lay.total_rows)
-        g_all, touched = dense[: lay.total_elems], dense[lay.total_elems :]
-        for t, ids, g in grads:
-            lay.table(g_all, t)[ids] = g
-            touched[lay.row_offsets[t] + ids] = 1.0
-        total = ordered_all_reduce(dense, self.group, self.stats)
-        g_all, touched = total[: lay.total_elems], total[lay.total_elems :]
+        per_table = self._gather_dp_grads(lay, grads)
         self.dp_step += 1
         step = int(self.dp_step)
         state = self._state("dp_")
-        for t in range(lay.num_tables):
-            ids = touched[lay.row_offsets[t] : lay.row_offsets[t + 1]].nonzero().flatten()
-            if ids.numel() == 0:
+        touched: list[Tensor] = []
+        for t, (ids_all, g_all) in enumerate(per_table):
+            if ids_all.numel() == 0:
+                touched.append(ids_all)
                 continue
+            ids, inv = torch.unique(ids_all, sorted=True, return_inverse=True)
+            g = torch.zeros(ids.numel(), lay.dims[t]).index_add_(0, inv, g_all)
+            touched.append(ids)
             w_t = lay.table(self.dp_weights, t)
             w = w_t[ids]
             st = {
                 k: (v[lay.row_offsets[t] + ids] if k == "momentum1" else lay.table(v, t)[ids])
                 for k, v in state.items()
             }
-            apply_rows(self.optimizer, w, lay.table(g_all, t)[ids], st, step)
+            apply_rows(self.optimizer, w, g, st, step)
             w_t[ids] = w
             for k, v in state.items():
                 if k == "momentum1":
                     v[lay.row_offsets[t] + ids] = st[k]
                 else:
                     lay.table(v, t)[ids] = st[k]
-        for hook in self._hooks:
-            hook(lay, local.dp_indices, local.dp_offsets)
+        if self._hooks:
+            # Report every row any rank's batch changed: one bag per feature, a table's rows on
+            # its first feature (row trackers map features to tables through the layout).
+            first = {t: f for f, t in reversed(list(enumerate(lay.feature_table)))}
+            bags = [
+                touched[t] if first[t] == f else touched[t][:0]
+                for f, t in enumerate(lay.feature_table)
+            ]
+            offsets = torch.zeros(len(bags) + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(torch.tensor([b.numel() for b in bags]), 0)
+            indices = torch.cat(bags) if bags else torch.empty(0, dtype=torch.int64)
+            for hook in self._hooks:
+                hook(lay, indices, offsets)
+
+    def _gather_dp_grads(
+        self, lay: TBELayout, grads: list[tuple[int, Tensor, Tensor]]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per DP table: (ids, grads) of every rank's touched rows, concatenated in rank order."""
+        t_count = lay.num_tables
+        mine = {t: (ids, g) for t, ids, g in grads}
+        counts = torch.zeros(t_count, dtype=torch.int64)
+        for t, (ids, _) in mine.items():
+            counts[t] = ids.numel()
+        ids_flat = (
+            torch.cat([mine[t][0] for t in sorted(mine)])
+            if mine
+            else torch.empty(0, dtype=torch.int64)
+        )
+        vals_flat = (
+            torch.cat([mine[t][1].reshape(-1) for t in sorted(mine)]) if mine else torch.empty(0)
+        )
+        if self.world == 1:
+            all_counts, all_ids, all_vals = [counts], [ids_flat], [vals_flat]
+        else:
+            all_counts = [torch.empty_like(counts) for _ in range(self.world)]
+            dist.all_gather(all_counts, counts, group=self.group)
+            dims = torch.tensor(lay.dims, dtype=torch.int64)
+            n_ids = [int(c.sum()) for c in all_counts]
+            n_vals = [int((c * dims).sum()) for c in all_counts]
+            all_ids = _all_gather_varlen(ids_flat, n_ids, self.group)
+            all_vals = _all_gather_varlen(vals_flat, n_vals, self.group)
+            self.stats.add(
+                "dp_allgather",
+                (self.world - 1) * (8 * max(n_ids) + 4 * max(n_vals) + 8 * t_count),
+            )
+        out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
+        out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
+        for c, ids_r, vals_r in zip(all_counts, all_ids, all_vals):
+            id_parts = torch.split(ids_r, c.tolist())
+            val_parts = torch.split(vals_r, [int(n) * d for n, d in zip(c.tolist(), lay.dims)])
+            for t in range(t_count):
+                out_ids[t].append(id_parts[t])
+                out_g[t].append(val_parts[t].view(-1, lay.dims[t]))
+        return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
 
     # ---- inspection ------------------------------------------------------------------------
     def gather_table(self, name: str) -> Tensor:
@@ -588,3 +640,15 @@ def _source_major_to_unit_major(
         raise SparseFeatureError(f"received {values.numel()} ids, lengths say {n}")
     w = weights[gather] if weights is not None else None
     return values[gather], offsets, w
+
+
+def _all_gather_varlen(
+    t: Tensor, sizes: list[int], group: dist.ProcessGroup | None
+) -> list[Tensor]:
+    """All-gather 1-D tensors of different lengths (``sizes`` known on every rank)."""
+    n = max(sizes) if sizes else 0
+    padded = torch.zeros(n, dtype=t.dtype)
+    padded[: t.numel()] = t
+    parts = [torch.empty(n, dtype=t.dtype) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:k] for p, k in zip(parts, sizes)]

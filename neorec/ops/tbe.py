@@ -19,6 +19,7 @@ Backends (same interface, same semantics):
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -313,6 +314,8 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> TBEBackend:
     device = torch.device(device)
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "cpu"
+        if name == "cpu" and not _cpu_kernel_available():
+            name = "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown TBE backend '{name}', expected auto or one of {list(_BACKENDS)}")
     if name == "cuda" and device.type != "cuda":
@@ -320,6 +323,24 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> TBEBackend:
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"TBE backend 'cpu' needs weights on the CPU, not {device}")
     return _make(name)
+
+
+@functools.cache
+def _cpu_kernel_available() -> bool:
+    """Whether the C kernel compiles and loads here; warn once and use the reference if not."""
+    try:
+        from neorec.ops.cpu import load_kernel
+
+        load_kernel()
+        return True
+    except (RuntimeError, OSError) as e:
+        warnings.warn(
+            f"neorec: the fast CPU TBE kernel is unavailable ({e}); using the (slow) reference "
+            f"backend. Install a C compiler (cc) for the fast one.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
 
 
 class _TBEFunction(torch.autograd.Function):

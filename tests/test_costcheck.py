@@ -1,0 +1,32 @@
+"""``neorec bench costcheck`` end to end on a tiny table set (2 gloo ranks, a fixed topology)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from neorec.bench.calibrate import measure_tbe
+from neorec.bench.costcheck import main
+from neorec.sharding.topology import Topology
+
+
+def test_costcheck_small(tmp_path: Path) -> None:
+    topo = tmp_path / "topo.json"
+    Topology.local_cpu(2).save(topo)
+    out = tmp_path / "out.json"
+    small = ["--tables", "3", "--rows", "500", "--dim", "8", "--batch", "32", "--pooling", "2"]
+    args = ["--topology", str(topo), "--plans", "table_wise,mixed,planner", "--json-out", str(out)]
+    rc = main([*args, *small, "--iters", "2", "--warmup", "1"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [r["plan"] for r in data["results"]] == ["table_wise", "mixed", "planner"]
+    for r in data["results"]:
+        assert r["predicted_ms"] > 0 and r["measured_ms"] > 0
+        rel = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+        assert abs(r["error"] - rel) < 1e-2
+    assert data["max_abs_error"] >= data["mean_abs_error"] >= 0
+
+
+def test_measure_tbe_small() -> None:
+    m = measure_tbe(1, rows=1000, dim=8, tables=2, batch=32, pooling=2, repeat=2)
+    assert m["tbe_gbs"] > 0 and m["tbe_fwd_ms"] > 0 and m["tbe_bwd_ms"] > 0
