@@ -125,3 +125,22 @@ def _dp_hooks_see_every_rank(rank: int, world: int) -> None:
 
 def test_data_parallel_update_hooks_report_rows_of_every_rank():
     run_ranks(_dp_hooks_see_every_rank, 2)
+
+
+def _reduce_scatter_check(rank: int, world: int) -> None:
+    from neorec.distributed.comm import CommStats, ordered_all_reduce, reduce_scatter
+
+    t = torch.arange(world * 6, dtype=torch.float32).view(world * 2, 3) * (rank + 1)
+    stats = CommStats()
+    got = reduce_scatter(t, stats=stats)
+    full = sum(
+        torch.arange(world * 6, dtype=torch.float32).view(world * 2, 3) * (r + 1)
+        for r in range(world)
+    )
+    assert torch.equal(got, full[2 * rank : 2 * rank + 2])
+    assert torch.equal(ordered_all_reduce(t), full)
+    assert stats.bytes_sent["reduce_scatter"] == 4 * 6 * (world - 1)
+
+
+def test_reduce_scatter_built_from_all_to_all():
+    run_ranks(_reduce_scatter_check, 3)

@@ -103,11 +103,8 @@ class CommStats:
         self.codec_s = 0.0
 
 
-def _off_rank_bytes(t: Tensor, splits: Sequence[int] | None, rank: int, world: int) -> int:
+def _off_rank_bytes(t: Tensor, splits: Sequence[int], rank: int) -> int:
     """Bytes that leave this rank (the part sent to itself stays local)."""
-    per = t.element_size() * (t.numel() // world if splits is None else 0)
-    if splits is None:
-        return per * (world - 1)
     return t.element_size() * (sum(splits) - splits[rank])
 
 
@@ -124,7 +121,7 @@ def all_to_all(
     rank = dist.get_rank(group)
     recv = torch.empty(int(sum(recv_splits)), dtype=send.dtype, device=send.device)
     if stats is not None:
-        stats.add(name, _off_rank_bytes(send, list(send_splits), rank, world))
+        stats.add(name, _off_rank_bytes(send, list(send_splits), rank))
     if world == 1:
         recv.copy_(send)
         return Done(recv)
