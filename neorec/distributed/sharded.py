@@ -39,8 +39,15 @@ from neorec.distributed.comm import (
     ordered_all_reduce,
 )
 from neorec.modules.embedding import UpdateHook, init_rows
-from neorec.ops.row_optim import RowOptimizer, apply_rows, zeros_state
-from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBELayout, get_backend, tbe_lookup
+from neorec.ops.row_optim import RowOptimizer, zeros_state
+from neorec.ops.tbe import (
+    PoolingMode,
+    ReferenceBackend,
+    TBELayout,
+    get_backend,
+    tbe_lookup,
+    update_table_rows,
+)
 from neorec.sharding.types import Shard, ShardingPlan, ShardingType
 from neorec.sparse import SparseFeatureError, SparseFeatures
 
@@ -474,12 +481,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 s = s_all[rows] + mean_sq[ti]
                 w_t[ids] = w_t[ids] - opt.lr * g / (s.sqrt() + opt.eps).unsqueeze(1)
                 s_all[rows] = s
-            else:
-                w = w_t[ids]
-                st = {"momentum1": s_all[rows]}
-                apply_rows(replace(opt, weight_decay=0.0), w, g, st, int(self.step))
-                w_t[ids] = w
-                s_all[rows] = st["momentum1"]
+            else:  # weight decay is already in g
+                no_wd = replace(opt, weight_decay=0.0)
+                update_table_rows(lay, self.weights, state, lt, ids, g, no_wd, int(self.step))
 
     # ---- data-parallel replicas ------------------------------------------------------------
     def _dp_lookup(self, local: LocalInput) -> Tensor:
@@ -524,19 +528,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             ids, inv = torch.unique(ids_all, sorted=True, return_inverse=True)
             g = torch.zeros(ids.numel(), lay.dims[t]).index_add_(0, inv, g_all)
             touched.append(ids)
-            w_t = lay.table(self.dp_weights, t)
-            w = w_t[ids]
-            st = {
-                k: (v[lay.row_offsets[t] + ids] if k == "momentum1" else lay.table(v, t)[ids])
-                for k, v in state.items()
-            }
-            apply_rows(self.optimizer, w, g, st, step)
-            w_t[ids] = w
-            for k, v in state.items():
-                if k == "momentum1":
-                    v[lay.row_offsets[t] + ids] = st[k]
-                else:
-                    lay.table(v, t)[ids] = st[k]
+            update_table_rows(lay, self.dp_weights, state, t, ids, g, self.optimizer, step)
         if self._hooks:
             # Report every row any rank's batch changed: one bag per feature, a table's rows on
             # its first feature (row trackers map features to tables through the layout).

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
-from neorec.ops.tbe import PoolingMode, TBELayout, _gather_state, _scatter_state
+from neorec.ops.row_optim import RowOptimizer, state_shapes
+from neorec.ops.tbe import PoolingMode, TBELayout, update_table_rows
 
 __all__ = ["CudaBackend"]
 
@@ -146,9 +146,4 @@ class CudaBackend:
             uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
             g_sorted = torch.cat(grads_by_table[t])[perm]
             summed = torch.segment_reduce(g_sorted, "sum", lengths=counts, axis=0)
-            w_t = layout.table(weights, t)
-            w = w_t[uniq]
-            st = _gather_state(layout, state, t, uniq)
-            apply_rows(opt, w, summed.to(w.dtype), st, step)
-            w_t[uniq] = w  # unique indices: no write conflicts
-            _scatter_state(layout, state, t, uniq, st)
+            update_table_rows(layout, weights, state, t, uniq, summed, opt, step)

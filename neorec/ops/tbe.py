@@ -38,6 +38,7 @@ __all__ = [
     "get_backend",
     "available_backends",
     "tbe_lookup",
+    "update_table_rows",
 ]
 
 
@@ -252,12 +253,26 @@ class ReferenceBackend:
         """Sum each distinct row's gradients, then apply the optimizer to those rows."""
         grads = self.row_grads(layout, indices, offsets, per_sample_weights, pooling, grad_output)
         for t, uniq, g in grads:
-            w_t = layout.table(weights, t)
-            w = w_t[uniq]
-            st = _gather_state(layout, state, t, uniq)
-            apply_rows(opt, w, g.to(w.dtype), st, step)
-            w_t[uniq] = w
-            _scatter_state(layout, state, t, uniq, st)
+            update_table_rows(layout, weights, state, t, uniq, g, opt, step)
+
+
+def update_table_rows(
+    layout: TBELayout,
+    weights: Tensor,
+    state: dict[str, Tensor],
+    t: int,
+    ids: Tensor,
+    grads: Tensor,
+    opt: RowOptimizer,
+    step: int,
+) -> None:
+    """Apply ``opt`` to distinct rows ``ids`` of table ``t`` (weights and state) in place."""
+    w_t = layout.table(weights, t)
+    w = w_t[ids]
+    st = _gather_state(layout, state, t, ids)
+    apply_rows(opt, w, grads.to(w.dtype), st, step)
+    w_t[ids] = w  # distinct ids: no write conflicts
+    _scatter_state(layout, state, t, ids, st)
 
 
 def _gather_state(layout: TBELayout, state: dict[str, Tensor], t: int, uniq: Tensor) -> dict:
