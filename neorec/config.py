@@ -318,10 +318,21 @@ class StorageConfig:
 
     dir: str = "/tmp/neorec-store"
     """Directory of the SSD row store files (one ``<table>.rows`` per table, created anew)."""
-    io_threads: int = 2
-    """Threads issuing SSD reads/writes (requests in flight)."""
+    io_threads: int = 1
+    """Threads copying records between an SSD store's mapping and the cache. One by default: the
+    copies are latency bound, and on a small machine a second thread competes with the step's."""
+    mapped_mb: int = 1024
+    """Store pages (MiB) a process keeps mapped before dropping them from its RSS (they stay in
+    the page cache); bounds the RSS an SSD store adds, whatever the file's size."""
     prefetch: bool = True
     """Read the next batch's missing rows in the background while the current batch computes."""
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1 or self.mapped_mb < 1:
+            raise ConfigError(
+                f"storage.io_threads and storage.mapped_mb must be >= 1, got {self.io_threads}, "
+                f"{self.mapped_mb}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,7 @@ from neorec.data.ids import zipf_ids
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
-from neorec.storage import rowio
+from neorec.storage import cache_ops, rowio
 from neorec.storage.cached import CacheCapacityError, CachedEmbeddingBagCollection
 from neorec.storage.store import HEADER_BYTES, SsdStore, StoreError, record_fields
 
@@ -299,12 +299,80 @@ def test_expected_hit_rate():
     assert expected_hit_rate(100, 1.0, 1.0) == 1.0
 
 
-def test_rowio_python_fallback_matches(tmp_path, monkeypatch):
+def test_rowio_pread_paths_match_the_mapped_read(tmp_path, monkeypatch):
+    # rowio (pread) is the measured alternative to the mapped reads (bench cache --io).
     st = SsdStore.create(
         tmp_path / "r.rows", 50, record_fields("adam", 4), lambda lo, hi: torch.rand(hi - lo, 12)
     )
     ids = torch.tensor([0, 1, 2, 7, 30, 31, 49])
-    native = st.read(ids)
-    monkeypatch.setenv("NEOREC_ROWIO", "python")
-    assert torch.equal(st.read(ids), native)
+    mapped = st.read(ids)
+    for mode in ("native", "python"):
+        if mode == "python":
+            monkeypatch.setenv("NEOREC_ROWIO", "python")
+        got = torch.empty_like(mapped)
+        rowio.read_records(st.fd, ids, st.record_bytes, HEADER_BYTES, got, 2)
+        assert torch.equal(got, mapped), mode
     assert rowio.native_available() in (True, False)
+
+
+def _cache_state(cached: CachedEmbeddingBagCollection) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for i, c in cached._cached.items():
+        for k in ("slot_of", "id_of", "key", "dirty", "pins", "free"):
+            out[f"{i}.{k}"] = getattr(c, k).clone()
+        out[f"{i}.n_free"] = c.n_free
+        out[f"{i}.counts"] = dict(c.counts)
+    out["weights"] = cached.weights.clone()
+    for k, v in cached.optimizer_state().items():
+        out[k] = v.clone()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_compiled_bookkeeping_takes_the_torch_paths_decisions(tmp_path, monkeypatch, policy):
+    # Same misses, victims, slots and counters, step by step, with prefetch, compiled or not.
+    if cache_ops.native() is None:
+        pytest.skip("no C compiler: only the torch bookkeeping exists")
+    opt = RowOptimizer(kind="rowwise_adagrad", lr=0.05)
+    batches = _batches(10, seed=11)
+    rows = _max_distinct(batches) + 3
+    runs = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("NEOREC_CACHE_NATIVE", native)
+        cached = CachedEmbeddingBagCollection(
+            _with("ssd", rows, policy), opt, backend="cpu", storage_dir=tmp_path / native
+        )
+        g = torch.Generator().manual_seed(1)
+        states = []
+        for i, b in enumerate(batches):
+            out = cached(b)
+            if i % 3 and i + 1 < len(batches):
+                cached.prefetch(batches[i + 1])
+            out.backward(torch.randn(out.shape, generator=g))
+            states.append(_cache_state(cached))
+        runs.append(states)
+    for step, (a, b) in enumerate(zip(*runs, strict=True)):
+        for k in a:
+            same = torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+            assert same, f"step {step}: {k} differs between compiled and torch bookkeeping"
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_copy_rows_matches_indexing(monkeypatch, native):
+    monkeypatch.setenv("NEOREC_CACHE_NATIVE", native)
+    g = torch.Generator().manual_seed(0)
+    src = torch.rand(40, 7, generator=g)
+    wide = torch.zeros(30, 10)
+    dst = wide[:, 2:9]  # a column block: rows strided
+    sidx = torch.tensor([3, 0, 39, 5, 5])
+    didx = torch.tensor([1, -1, 29, 0, 7])  # -1 skips
+    cache_ops.copy_rows(src, sidx, dst, didx)
+    want = torch.zeros(30, 10)
+    keep = didx >= 0
+    want[didx[keep], 2:9] = src[sidx[keep]]
+    assert torch.equal(wide, want)
+    flat = torch.zeros(6)
+    cache_ops.copy_rows(torch.arange(4.0).unsqueeze(1), None, flat, torch.tensor([5, 0, 2, 3]))
+    assert flat.tolist() == [1.0, 0.0, 2.0, 3.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="row widths differ"):
+        cache_ops.copy_rows(src, None, torch.zeros(40, 6), None)

@@ -168,6 +168,7 @@ def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
             seed=cfg.train.seed,
             storage_dir=cfg.storage.dir,
             io_threads=cfg.storage.io_threads,
+            mapped_mb=cfg.storage.mapped_mb,
         )
     return DLRM(
         cfg.model,

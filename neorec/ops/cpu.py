@@ -78,8 +78,13 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "neorec"
 
 
+_SOURCES = ("csrc/tbe_cpu.c", "csrc/row_cache.c")
+"""Compiled together into one library: the TBE kernel and the row cache's bookkeeping."""
+
+
 def _source() -> str:
-    return resources.files("neorec.ops").joinpath("csrc/tbe_cpu.c").read_text()
+    files = resources.files("neorec.ops")
+    return "\n".join(files.joinpath(name).read_text() for name in _SOURCES)
 
 
 def _cpu_id() -> str:
@@ -153,6 +158,21 @@ def load_kernel() -> ctypes.CDLL:
         lib.tbe_backward_workspace.argtypes = [vp, vp, i32, i32, i32, i32]
         lib.tbe_backward_workspace.restype = ctypes.c_int64
         lib.tbe_backward_update.restype = i32
+        i64 = ctypes.c_int64
+        lib.rc_classify.argtypes = [vp, i64, vp, i64, vp, vp, i64, i32, vp, vp, vp]
+        lib.rc_classify.restype = i64
+        lib.rc_select_victims.argtypes = [vp, vp, vp, vp, i64, i64, i64, vp, vp]
+        lib.rc_select_victims.restype = i64
+        lib.rc_evict_commit.argtypes = [vp, i64, vp, vp, vp, vp, i64]
+        lib.rc_evict_commit.restype = i64
+        lib.rc_fill_commit.argtypes = [vp, vp, i64, vp, vp, vp, vp, vp, i64, i32]
+        lib.rc_fill_commit.restype = None
+        lib.rc_match_sorted.argtypes = [vp, i64, vp, i64, vp, vp]
+        lib.rc_match_sorted.restype = i64
+        lib.rc_invalidate_sorted.argtypes = [vp, i64, vp, i64, vp]
+        lib.rc_invalidate_sorted.restype = None
+        lib.rc_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
+        lib.rc_copy_rows.restype = None
         _LIB = lib
         return lib
 

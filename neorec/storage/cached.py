@@ -37,7 +37,15 @@ from neorec.modules.embedding import UpdateHook, init_rows
 from neorec.ops.row_optim import RowOptimizer, zeros_state
 from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
 from neorec.sparse import SparseFeatures
-from neorec.storage.store import DramStore, RowStore, SsdStore, record_fields
+from neorec.storage import cache_ops
+from neorec.storage.store import (
+    DEFAULT_MAPPED_BUDGET,
+    DramStore,
+    Records,
+    RowStore,
+    SsdStore,
+    record_fields,
+)
 
 __all__ = [
     "CachedEmbeddingBagCollection",
@@ -53,7 +61,6 @@ DEFAULT_CACHE_FRACTION = 0.1
 _EVICT_CHUNK = 64
 """When the cache is full, evict at least capacity / _EVICT_CHUNK rows at once: choosing victims
 scans the whole cache, so doing it in chunks keeps that scan off most steps."""
-_NEVER = torch.iinfo(torch.int64).max
 
 
 @contextmanager
@@ -137,7 +144,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         seed: int = 0,
         validate_ids: bool = True,
         storage_dir: str | Path = "",
-        io_threads: int = 2,
+        io_threads: int = 1,
+        mapped_mb: int = DEFAULT_MAPPED_BUDGET >> 20,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
@@ -176,6 +184,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._prefetch_error: BaseException | None = None
         self._cached: dict[int, _Table] = {}
         self._io_threads = io_threads
+        self._mapped_mb = mapped_mb
         for i, spec in enumerate(self.tables):
             storage = getattr(spec, "storage", "memory")
             if storage == "memory":
@@ -203,6 +212,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"table '{spec.name}' has storage = 'ssd' but no storage.dir")
             path = root / f"{spec.name}.rows"
             store = SsdStore.create(path, spec.rows, fields, init, spec.name, self._io_threads)
+            store.mapped_budget = self._mapped_mb << 20
         else:
             raise ValueError(
                 f"table '{spec.name}': storage must be memory, dram or ssd, got '{storage}'"
@@ -291,10 +301,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         for c in self._cached.values():
             slots = torch.nonzero(c.dirty & (c.id_of >= 0)).flatten()
             if slots.numel():
-                ids = c.id_of[slots]
-                order = torch.argsort(ids)  # sorted ids: adjacent rows share system calls
-                slots, ids = slots[order], ids[order]
-                c.store.write(ids, self._gather_records(c, slots))
+                ids, order = torch.sort(c.id_of[slots])  # id order: sequential store writes
+                slots = slots[order]
+                c.store.write(ids, self._record_sources(c, slots))
                 c.dirty[slots] = False
                 c.counts["writebacks"] += slots.numel()
             c.store.flush()
@@ -369,7 +378,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         with _one_thread():
             for i, c in self._cached.items():
                 ids = self._table_ids(i, indices, bounds)
-                wanted[i] = torch.unique(ids[c.slot_of[ids] < 0])
+                wanted[i] = cache_ops.classify(ids, c.slot_of)[0]
         self._staged = {}
         self._prefetch_error = None
 
@@ -484,96 +493,78 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _admit(self, c: _Table, ids: Tensor) -> Tensor:
         """Make ``ids`` of table ``c`` resident; returns their distinct slots."""
-        s = c.slot_of[ids]
-        hit = s >= 0
-        hit_slots = s[hit].to(torch.int64)
-        missing = torch.unique(ids[~hit])
         mark = torch.zeros(c.capacity, dtype=torch.bool)
-        mark[hit_slots] = True
-        n_hit = int(mark.sum())
+        lfu = c.policy == "lfu"
+        missing, n_hit, lookup_hits, fits = cache_ops.classify(
+            ids, c.slot_of, mark, c.key, self._tick, lfu
+        )
         n_miss = missing.numel()
-        if n_hit + n_miss > c.capacity:
+        if not fits:
             raise CacheCapacityError(
                 f"table '{c.name}': a batch needs {n_hit + n_miss} distinct rows but its cache "
                 f"holds {c.capacity}; raise cache_rows / cache_fraction or lower the batch size"
             )
-        self._touch(c, hit_slots)
         if n_miss:
             if n_miss > c.n_free:
                 self._evict(c, n_miss - c.n_free, mark)
             new = c.free[c.n_free - n_miss : c.n_free].clone()
             c.n_free -= n_miss
             self._fill(c, new, missing)
-            self._touch(c, new)
-            mark[new] = True
+            cache_ops.fill_commit(
+                new, missing, c.slot_of, c.id_of, c.dirty, c.key, mark, self._tick, lfu
+            )
         c.counts["hits"] += n_hit
         c.counts["misses"] += n_miss
         c.counts["lookups"] += ids.numel()
-        c.counts["lookup_hits"] += int(hit.sum())
+        c.counts["lookup_hits"] += lookup_hits
         return torch.nonzero(mark).flatten()
-
-    def _touch(self, c: _Table, slots: Tensor) -> None:
-        """Record a use of ``slots`` for the eviction policy."""
-        if c.policy == "lru":
-            c.key[slots] = self._tick
-        else:
-            # LFU: uses (lookups) in the high bits, recency breaks ties in the low 24 bits.
-            c.key.index_add_(0, slots, torch.full_like(slots, 1 << 24))
-            c.key[slots] = (c.key[slots] >> 24 << 24) | (self._tick & ((1 << 24) - 1))
 
     def _evict(self, c: _Table, need: int, keep: Tensor) -> None:
         """Evict at least ``need`` resident slots not in ``keep`` nor pinned (dirty ones written
-        back); up to capacity / _EVICT_CHUNK when that many are evictable."""
-        score = c.key.clone()
-        score[keep | (c.pins > 0) | (c.id_of < 0)] = _NEVER
-        evictable = int((score != _NEVER).sum())
+        back); up to capacity / _EVICT_CHUNK when that many are evictable. Victims are the
+        smallest (key, slot): LRU/LFU order, ties to the lower slot."""
+        victims, evictable = cache_ops.select_victims(
+            c.key, c.pins, c.id_of, keep, need, c.capacity // _EVICT_CHUNK
+        )
         if evictable < need:
             raise CacheCapacityError(
                 f"table '{c.name}': {need} rows must be evicted but only {evictable} are not "
                 f"used by this batch or by batches still awaiting backward; raise cache_rows"
             )
-        n = min(max(need, c.capacity // _EVICT_CHUNK), evictable)
-        victims = torch.topk(score, n, largest=False, sorted=False).indices
-        ids = c.id_of[victims]
         dirty = c.dirty[victims]
-        if bool(dirty.any()):
-            w_slots, w_ids = victims[dirty], ids[dirty]
-            order = torch.argsort(w_ids)
+        n_dirty = int(dirty.sum())
+        if n_dirty:
+            w_slots = victims[dirty]
+            w_ids, order = torch.sort(c.id_of[w_slots])
             # Written before any bookkeeping changes: if the store fails, the cache is untouched.
-            c.store.write(w_ids[order], self._gather_records(c, w_slots[order]))
+            c.store.write(w_ids, self._record_sources(c, w_slots[order]))
             self._invalidate_staged(c.index, w_ids)
-            c.counts["writebacks"] += int(dirty.sum())
-        c.slot_of[ids] = -1
-        c.id_of[victims] = -1
-        c.dirty[victims] = False
-        c.free[c.n_free : c.n_free + n] = victims
-        c.n_free += n
-        c.counts["evictions"] += n
+            c.counts["writebacks"] += n_dirty
+        c.n_free = cache_ops.evict_commit(victims, c.id_of, c.slot_of, c.dirty, c.free, c.n_free)
+        c.counts["evictions"] += victims.numel()
 
     def _fill(self, c: _Table, slots: Tensor, ids: Tensor) -> None:
         """Load rows ``ids`` (sorted, distinct) into ``slots``: staged records first, else read."""
-        rec = torch.empty(ids.numel(), c.store.width)
-        todo = torch.ones(ids.numel(), dtype=torch.bool)
         st = self._staged.get(c.index)
+        todo = slice(None)
         if st is not None and st.ids.numel():
-            pos = torch.searchsorted(st.ids, ids).clamp_(max=st.ids.numel() - 1)
-            found = (st.ids[pos] == ids) & st.valid[pos]
-            rec[found] = st.records[pos[found]]
-            todo &= ~found
-            c.counts["staged"] += int(found.sum())
-        if bool(todo.any()):
-            rec[todo] = c.store.read(ids[todo])
-        self._scatter_records(c, slots, rec)
-        c.slot_of[ids] = slots.to(torch.int32)
-        c.id_of[slots] = ids
-        c.dirty[slots] = False
-        c.key[slots] = 0
+            pos = cache_ops.match_sorted(ids, st.ids, st.valid)
+            found = pos >= 0
+            n_found = int(found.sum())
+            if n_found:
+                self._scatter_records(c, slots, st.records, pos)
+                c.counts["staged"] += n_found
+                if n_found == ids.numel():
+                    return
+                todo = ~found  # type: ignore[assignment]
+        t_ids, t_slots = ids[todo], slots[todo]
+        self._scatter_records(c, t_slots, c.store.read(t_ids))
 
     def _invalidate_staged(self, i: int, written: Tensor) -> None:
-        # A staged copy of a row written since it was read is stale.
+        """A staged copy of a row written since it was read is stale (``written`` sorted)."""
         st = self._staged.get(i)
         if st is not None and st.ids.numel():
-            st.valid &= ~torch.isin(st.ids, written)
+            cache_ops.invalidate_sorted(written, st.ids, st.valid)
 
     # ---- records <-> cache buffers ---------------------------------------------------------------
     def _state_view(self, k: str, s: Tensor, i: int) -> Tensor:
@@ -581,24 +572,40 @@ class CachedEmbeddingBagCollection(nn.Module):
             return s[self.layout.row_offsets[i] : self.layout.row_offsets[i + 1]]
         return self.layout.table(s, i)
 
-    def _gather_records(self, c: _Table, slots: Tensor) -> Tensor:
-        parts = [self.layout.table(self.weights, c.index)[slots]]
-        for k, s in self.optimizer_state().items():
-            v = self._state_view(k, s, c.index)[slots]
-            parts.append(v.unsqueeze(1) if v.dim() == 1 else v)
-        return torch.cat(parts, 1).cpu()
+    def _field_views(self, c: _Table) -> list[Tensor]:
+        """The cache buffers of table ``c``, one per record field ([capacity, w] or [capacity])."""
+        views = []
+        for k, _ in c.store.fields:
+            if k == "weight":
+                views.append(self.layout.table(self.weights, c.index))
+            else:
+                views.append(self._state_view(k, getattr(self, k), c.index))
+        return views
 
-    def _scatter_records(self, c: _Table, slots: Tensor, rec: Tensor) -> None:
-        rec = rec.to(self.weights.device)
+    def _record_sources(self, c: _Table, slots: Tensor) -> Records:
+        """The records of cache ``slots`` for ``RowStore.write``: per field (buffer, slots) on the
+        CPU, so the store copies them straight from the cache; assembled records otherwise."""
+        views = self._field_views(c)
+        if all(v.device.type == "cpu" for v in views):
+            return [(v, slots) for v in views]
         dev_slots = slots.to(self.weights.device)
+        return torch.cat([v[dev_slots].reshape(slots.numel(), -1) for v in views], 1).cpu()
+
+    def _scatter_records(
+        self, c: _Table, slots: Tensor, rec: Tensor, rows: Tensor | None = None
+    ) -> None:
+        """Cache ``slots[i]`` = record ``rows[i]`` of ``rec`` (``i`` without ``rows``; a negative
+        row skips the slot)."""
         col = 0
-        for k, w in c.store.fields:
-            s: Tensor = self.weights if k == "weight" else getattr(self, k)
-            view = (
-                self._state_view(k, s, c.index) if k != "weight" else self.layout.table(s, c.index)
-            )
+        for (_, w), view in zip(c.store.fields, self._field_views(c), strict=True):
             part = rec[:, col : col + w]
-            view[dev_slots] = part.squeeze(1) if view.dim() == 1 else part
+            if view.device.type == "cpu":
+                cache_ops.copy_rows(part, rows, view, slots)
+            else:
+                keep = slice(None) if rows is None else rows >= 0
+                src = part if rows is None else part[rows[keep]]
+                dev_slots = slots[keep].to(view.device)
+                view[dev_slots] = src.to(view.device).reshape(view[dev_slots].shape)
             col += w
 
     def _table_index(self, name: str) -> int:
