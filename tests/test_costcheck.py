@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from neorec.bench.calibrate import measure_tbe
+from neorec.bench.calibrate import measure_row_split, measure_tbe, measure_unfused
 from neorec.bench.costcheck import main
 from neorec.sharding.topology import Topology
 
@@ -16,7 +16,7 @@ def test_costcheck_small(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     small = ["--tables", "3", "--rows", "500", "--dim", "8", "--batch", "32", "--pooling", "2"]
     args = ["--topology", str(topo), "--plans", "table_wise,mixed,planner", "--json-out", str(out)]
-    rc = main([*args, *small, "--iters", "2", "--warmup", "1"])
+    rc = main([*args, *small, "--iters", "2", "--warmup", "1", "--repeats", "2"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert [r["plan"] for r in data["results"]] == ["table_wise", "mixed", "planner"]
@@ -24,9 +24,18 @@ def test_costcheck_small(tmp_path: Path) -> None:
         assert r["predicted_ms"] > 0 and r["measured_ms"] > 0
         rel = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
         assert abs(r["error"] - rel) < 1e-2
+        assert r["measured_min_ms"] <= r["measured_ms"] <= r["measured_max_ms"]
+    assert data["repeats"] == 2
     assert data["max_abs_error"] >= data["mean_abs_error"] >= 0
 
 
 def test_measure_tbe_small() -> None:
     m = measure_tbe(1, rows=1000, dim=8, tables=2, batch=32, pooling=2, repeat=2)
     assert m["tbe_gbs"] > 0 and m["tbe_fwd_ms"] > 0 and m["tbe_bwd_ms"] > 0
+
+
+def test_measure_unfused_and_row_split_small() -> None:
+    m = measure_unfused(1, rows=1000, dim=8, tables=2, batch=32, pooling=2, repeat=2)
+    assert m["unfused_gbs"] > 0 and m["unfused_bwd_ms"] > 0
+    s = measure_row_split(rows=1000, tables=2, batch=32, pooling=2, repeat=2)
+    assert s["row_split_gbs"] > 0 and s["row_split_ms"] > 0

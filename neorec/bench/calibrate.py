@@ -12,6 +12,11 @@ The constants the cost model uses are then measured the way a training step uses
   the fused optimizer) on one rank's thread share, run by all ranks of the host at once (they
   share cores, caches and DRAM; slowest rank), converted to bandwidth with the cost model's own
   byte accounting (``CostModel.shard_cost`` at 1 GB/s), so predicted = measured on that shape;
+- ``unfused_bw_gbs``: the runtime's unfused row update (``ReferenceBackend.row_grads`` +
+  ``update_table_rows``, taken for data-parallel tables and column-wise row-wise Adagrad) on the
+  same shape, the same way (all ranks at once, cost-model bytes);
+- ``row_split_bw_gbs``: the runtime's ``input_dist`` under a row-wise plan minus a table-wise one
+  (bucketing ids by row range), as id bytes per second;
 - ``collective_latency_us`` and ``intra_host_bw_gbs``: ``world_size`` gloo processes running the
   runtime's ``all_to_all`` (tiny messages for the latency, large ones for the bandwidth of the
   bytes that leave a rank).
@@ -35,7 +40,15 @@ import torch.multiprocessing as mp
 
 from neorec.sharding.topology import GB, Topology
 
-__all__ = ["measure", "measure_tbe", "measure_comm", "calibrate", "main"]
+__all__ = [
+    "measure",
+    "measure_tbe",
+    "measure_unfused",
+    "measure_row_split",
+    "measure_comm",
+    "calibrate",
+    "main",
+]
 
 
 def _best_of(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -130,6 +143,117 @@ def measure_tbe(
     }
 
 
+def measure_unfused(
+    threads: int,
+    optimizer: str = "rowwise_adagrad",
+    rows: int = 100_000,
+    dim: int = 32,
+    tables: int = 4,
+    batch: int = 1024,
+    pooling: int = 20,
+    repeat: int = 7,
+) -> dict[str, float]:
+    """Effective bandwidth (GB/s, cost-model bytes) of the runtime's unfused row update.
+
+    The sharded runtime's exact path for column-wise tables under row-wise Adagrad and for
+    data-parallel tables: per-id gradients summed per distinct row with torch ops
+    (``ReferenceBackend.row_grads``), then ``update_table_rows``; on ``measure_tbe``'s shape and
+    uniform ids, converted with the cost model's backward bytes (``unfused=True`` at 1 GB/s).
+    """
+    from neorec.ops.row_optim import RowOptimizer, zeros_state
+    from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBELayout
+    from neorec.sharding.cost_model import CostModel, TableSpec
+    from neorec.sharding.types import ShardingType
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        layout = TBELayout(
+            rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
+        )
+        weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
+        state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
+        ref = ReferenceBackend()
+        opt = RowOptimizer(kind=optimizer)
+        ids = torch.randint(0, rows, (tables * batch * pooling,), generator=g)
+        offsets = torch.arange(0, tables * batch * pooling + 1, pooling)
+        grad = torch.randn(batch, tables * dim, generator=g)
+        times = []
+        for step in range(repeat + 1):
+            t0 = time.perf_counter()
+            ref.backward_update(
+                layout, weights, state, ids, offsets, None, PoolingMode.SUM, grad, opt, step + 1
+            )
+            if step:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    bwd = statistics.median(times)
+    unit = Topology(world_size=1, unfused_bw_gbs=1.0, shard_overhead_us=0.0)
+    spec = TableSpec(name="t", rows=rows, dim=dim, pooling_factor=pooling, optimizer=optimizer)
+    c = CostModel(unit, batch, optimizer).shard_cost(
+        spec, ShardingType.TABLE_WISE, rows, dim, unfused=True
+    )
+    return {"unfused_bwd_ms": 1000 * bwd, "unfused_gbs": tables * c.bwd_compute_s / bwd}
+
+
+def measure_row_split(
+    rows: int = 100_000, tables: int = 4, batch: int = 1024, pooling: int = 20, repeat: int = 9
+) -> dict[str, float]:
+    """Throughput (GB/s of 8-byte ids) of the runtime's row-wise input split.
+
+    ``ShardedEmbeddingBagCollection.input_dist`` of one batch (``batch`` samples, ``pooling``
+    uniform ids per table) under a row-wise plan minus the same under a table-wise plan: the
+    bucketing of ids by row range (and the longer lengths) that only row-split tables pay.
+    Collective over the default group when one is initialized (every rank calls it), else on a
+    one-process gloo group made (and destroyed) here: row-wise with one shard still takes the split
+    path.
+    """
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = dist.get_world_size()
+        return _row_split(world, rows, tables, batch, pooling, repeat)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _row_split(
+    world: int, rows: int, tables: int, batch: int, pooling: int, repeat: int
+) -> dict[str, float]:
+    from neorec.config import TableConfig
+    from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+    from neorec.sharding.types import plan_by_type
+    from neorec.sparse import SparseFeatures
+
+    g = torch.Generator().manual_seed(0)
+    cfgs = [TableConfig(name=f"t{i}", rows=rows, dim=4) for i in range(tables)]
+    n = tables * batch * pooling
+    sparse = SparseFeatures(
+        [c.name for c in cfgs],
+        torch.randint(0, rows, (n,), generator=g),
+        torch.full((tables * batch,), pooling, dtype=torch.int64),
+    )
+    med = {}
+    for kind in ("table_wise", "row_wise"):
+        ebc = ShardedEmbeddingBagCollection(cfgs, plan_by_type(cfgs, world, world, kind))
+        times = []
+        for i in range(repeat + 1):
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            pending = ebc.input_dist(sparse)
+            if i:
+                times.append(time.perf_counter() - t0)
+            pending.wait()
+        med[kind] = statistics.median(times)
+    split = max(med["row_wise"] - med["table_wise"], 1e-6)
+    return {"row_split_ms": 1000 * split, "row_split_gbs": n * 8 / split / GB}
+
+
 def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str) -> None:
     from neorec.distributed.comm import all_to_all
 
@@ -153,10 +277,19 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
 
     # The fused step on every rank at once: ranks of a host share its cores, caches and DRAM.
     dist.barrier()
-    tbe = measure_tbe(torch.get_num_threads(), optimizer)
+    tbe = measure_tbe(torch.get_num_threads(), optimizer, repeat=15)
     slowest = torch.tensor([tbe["tbe_fwd_ms"] + tbe["tbe_bwd_ms"]])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     tbe["tbe_gbs"] *= (tbe["tbe_fwd_ms"] + tbe["tbe_bwd_ms"]) / float(slowest)
+    dist.barrier()
+    unf = measure_unfused(torch.get_num_threads(), optimizer, repeat=15)
+    slowest = torch.tensor([unf["unfused_bwd_ms"]])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    unf["unfused_gbs"] *= unf["unfused_bwd_ms"] / float(slowest)
+    split = measure_row_split(repeat=15)
+    slowest = torch.tensor([split["row_split_ms"]])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    split["row_split_gbs"] *= split["row_split_ms"] / float(slowest)
     small = run(1)
     big_elems = 4 * 1024 * 1024  # 16 MB to each peer
     big = run(big_elems)
@@ -165,6 +298,8 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
         q.put(
             {
                 "concurrent_tbe_gbs": tbe["tbe_gbs"],
+                "concurrent_unfused_gbs": unf["unfused_gbs"],
+                "concurrent_row_split_gbs": split["row_split_gbs"],
                 "a2a_latency_us": 1e6 * small,
                 "a2a_gbs": off_rank / max(big - small, 1e-9) / GB,
             }
@@ -205,7 +340,9 @@ def calibrate(
     # threads one rank gets when every rank of the host runs at once.
     rank_threads = max(1, (os.cpu_count() or 1) // max(1, rph))
     m.update(measure_tbe(rank_threads, optimizer))
-    device_bw = m["tbe_gbs"]
+    m.update(measure_unfused(rank_threads, optimizer))
+    device_bw, unfused_bw = m["tbe_gbs"], m["unfused_gbs"]
+    split_bw = 0.0
     intra_bw = m["shm_copy_gbs"] / max(1, rph)
     latency_us = 200.0
     if collectives and world_size > 1:
@@ -214,6 +351,16 @@ def calibrate(
         m.update(measure_comm(procs, optimizer=optimizer))
         intra_bw, latency_us = m["a2a_gbs"], m["a2a_latency_us"]
         device_bw = m["concurrent_tbe_gbs"]
+        unfused_bw = m["concurrent_unfused_gbs"]
+        split_bw = m["concurrent_row_split_gbs"]
+    if not split_bw:
+        old = torch.get_num_threads()
+        torch.set_num_threads(rank_threads)
+        try:
+            m.update(measure_row_split())
+        finally:
+            torch.set_num_threads(old)
+        split_bw = m["row_split_gbs"]
     topo = Topology(
         world_size=world_size,
         ranks_per_host=rph,
@@ -222,6 +369,8 @@ def calibrate(
         host_memory_gb=0.0,
         device_bw_gbs=round(max(device_bw, 1e-3), 4),
         host_device_bw_gbs=round(max(m["memcpy_gbs"] / max(1, rph), 1e-3), 4),
+        unfused_bw_gbs=round(max(unfused_bw, 1e-3), 4),
+        row_split_bw_gbs=round(max(split_bw, 1e-3), 4),
         intra_host_bw_gbs=round(max(intra_bw, 1e-3), 4),
         inter_host_bw_gbs=inter_host_bw_gbs or round(max(intra_bw, 1e-3), 4),
         shard_overhead_us=20.0,

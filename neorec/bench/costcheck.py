@@ -2,19 +2,25 @@
 
 For a few plans (one per sharding type, a mixed plan, and the planner's own plan) of the
 ``bench dist`` table set, on ``--nproc`` gloo ranks of this machine: the cost model's predicted
-embedding step time (``PlanCost.max_time_s`` on a calibrated topology) next to the measured one
-(``bench dist --embedding-only``: sharded EBC forward + backward with the fused update, median
-over steps, max over ranks). Prints a table and a JSON line with the mean and max absolute error.
+embedding step time (``PlanCost.max_time_s`` on a calibrated topology, ids Zipf(``--alpha``) as
+``bench dist`` draws them) next to the measured one (``bench dist --embedding-only``: sharded EBC
+forward + backward with the update, median over steps, max over ranks). Prints a table and a JSON
+line with the mean and max absolute error.
 
-The topology comes from ``--topology FILE`` or is calibrated here first
-(``neorec.bench.calibrate.calibrate``, measured before the ranks start, so nothing else competes).
+The topology comes from ``--topology FILE`` or is calibrated here (``neorec.bench.calibrate``)
+once per round, just before the round measures every plan: on a shared host the load from other
+processes changes by tens of percent within minutes, so constants and steps are taken under the
+same load. ``--repeats`` rounds; predictions and measurements are medians over rounds (with the
+measured range), so drifting load hits all plans alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from typing import Any
 
 from neorec.bench import dist as bench_dist
 from neorec.bench.calibrate import calibrate
@@ -25,7 +31,15 @@ from neorec.sharding.types import ShardingPlan
 
 __all__ = ["main", "TARGET_ERROR"]
 
-PLANS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "mixed", "planner"]
+PLANS = [
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "data_parallel",
+    "mixed",
+    "planner",
+]
 TARGET_ERROR = 0.25
 """Issue target: predicted within 25% of measured."""
 
@@ -37,6 +51,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--topology", default="", help="topology JSON (default: calibrate now)")
     p.add_argument("--save-topology", default="", help="write the calibrated topology here")
     p.add_argument("--json-out", default="", help="also write the JSON line here")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds: each calibrates (unless --topology) and then measures every plan, so the "
+        "constants and the steps see the same load from other processes, and load drifting "
+        "over time hits all plans alike; predictions and measurements are medians over rounds",
+    )
     return p.parse_known_args(argv)
 
 
@@ -50,10 +72,11 @@ def _topology(args: argparse.Namespace, world: int, rph: int, optimizer: str) ->
 
 
 def predictions(
-    cfg, plans: list[tuple[str, ShardingPlan]], topo: Topology, batch: int
+    cfg, plans: list[tuple[str, ShardingPlan]], topo: Topology, batch: int, alpha: float = 0.0
 ) -> dict[str, dict[str, float]]:
-    """Predicted embedding step (ms) of each plan, with its phase split."""
-    specs = tables_from_config(cfg.embedding.tables)
+    """Predicted embedding step (ms) of each plan, with its phase split (ids Zipf(``alpha``),
+    as ``bench dist`` draws them; 0 = uniform)."""
+    specs = tables_from_config(cfg.embedding.tables, zipf_alpha=alpha)
     cm = CostModel(topo, batch, cfg.embedding.optimizer)
     out = {}
     for label, plan in plans:
@@ -70,6 +93,22 @@ def predictions(
     return out
 
 
+def summarize(
+    rows: list[dict[str, Any]], plans: list[tuple[str, ShardingPlan]]
+) -> dict[str, dict[str, float]]:
+    """Per plan: the median over rounds of each round's measured figures (and the rounds' range)."""
+    out = {}
+    for label, _ in plans:
+        mine = [r for r in rows if r["type"] == label]
+        steps = [r["ms_per_step"] for r in mine]
+        out[label] = {
+            k: round(statistics.median(r[k] for r in mine), 2)
+            for k in ("ms_per_step", "fwd_ms", "bwd_ms", "comm_wait_ms")
+        }
+        out[label].update(min_ms=min(steps), max_ms=max(steps))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Calibrate (or load), predict, measure; print the table and a JSON line."""
     args, rest = parse(argv)
@@ -82,16 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     plans: list[tuple[str, ShardingPlan]] = []
     for label in args.plans.split(","):
         if label == "planner":
-            specs = tables_from_config(cfg.embedding.tables)
+            specs = tables_from_config(cfg.embedding.tables, zipf_alpha=a.alpha)
             plan = plan_tables(specs, topo, a.batch, cfg.embedding.optimizer).plan
         elif label in PLANS:
             plan = bench_dist._plan(cfg, label, world, rph)
         else:
             raise SystemExit(f"unknown plan '{label}'; known: {PLANS}")
         plans.append((label, plan))
-    pred = predictions(cfg, plans, topo, a.batch)
-    measured = {r["type"]: r for r in bench_dist.run_ranks(a, plans)}
-    rows = []
+    rounds = max(1, args.repeats)
+    topos: list[Topology] = []
+    preds: list[dict[str, dict[str, float]]] = []
+    measured_rows: list[dict[str, Any]] = []
+    for rnd in range(rounds):
+        if rnd and not args.topology:
+            topo, _ = calibrate(world, rph, optimizer=cfg.embedding.optimizer)
+        topos.append(topo)
+        preds.append(predictions(cfg, plans, topo, a.batch, a.alpha))
+        measured_rows.extend(bench_dist.run_ranks(a, plans))
+    pred = {
+        label: {k: statistics.median(p[label][k] for p in preds) for k in preds[0][label]}
+        for label, _ in plans
+    }
+    measured = summarize(measured_rows, plans)
+    rows: list[dict[str, Any]] = []
     for label, _ in plans:
         m = measured[label]
         p = pred[label]
@@ -104,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_fwd_ms": m["fwd_ms"],
                 "measured_bwd_ms": m["bwd_ms"],
                 "comm_wait_ms": m["comm_wait_ms"],
+                "measured_min_ms": m["min_ms"],
+                "measured_max_ms": m["max_ms"],
                 "error": round(err, 4),
             }
         )
@@ -113,9 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         f"bench costcheck: {world} gloo ranks, {a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
         f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}, {cfg.embedding.optimizer}"
     )
-    print(f"topology: {topo.name}")
+    print(f"topology: {topos[0].name}")
+    if len(topos) > 1 and not args.topology:
+        keys = ("device_bw_gbs", "unfused_bw_gbs", "row_split_bw_gbs", "intra_host_bw_gbs")
+        spread = ", ".join(
+            f"{k} {min(getattr(t, k) for t in topos):.3g}-{max(getattr(t, k) for t in topos):.3g}"
+            for k in keys
+        )
+        print(f"calibrated {len(topos)} times (once per round): {spread}")
     print(
-        f"{'plan':<16}{'pred ms':>9}{'meas ms':>9}{'error':>8}"
+        f"{'plan':<16}{'pred ms':>9}{'meas ms':>9}{'error':>8}{'meas range':>14}"
         f"{'pred fwd':>10}{'meas fwd':>10}{'pred bwd':>10}{'meas bwd':>10}"
     )
     for r in rows:
@@ -123,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         pb = r["bwd_comm_ms"] + r["bwd_compute_ms"]
         print(
             f"{r['plan']:<16}{r['predicted_ms']:>9.1f}{r['measured_ms']:>9.1f}"
-            f"{100 * r['error']:>7.1f}%{pf:>10.1f}{r['measured_fwd_ms']:>10.1f}"
+            f"{100 * r['error']:>7.1f}%"
+            f"{r['measured_min_ms']:>7.1f}-{r['measured_max_ms']:<6.1f}"
+            f"{pf:>10.1f}{r['measured_fwd_ms']:>10.1f}"
             f"{pb:>10.1f}{r['measured_bwd_ms']:>10.1f}"
         )
     print(
@@ -140,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "pooling": a.pooling,
         "alpha": a.alpha,
         "optimizer": cfg.embedding.optimizer,
-        "topology": topo.to_dict(),
+        "repeats": max(1, args.repeats),
+        "iters": a.iters,
+        "topology": topos[0].to_dict(),
+        "topologies": [t.to_dict() for t in topos[1:]],
         "mean_abs_error": round(mean_err, 4),
         "max_abs_error": round(max_err, 4),
         "target": TARGET_ERROR,

@@ -124,7 +124,10 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
     if tables_file:
         tables = load_tables(tables_file)
     else:
-        tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type)
+        # Synthetic Zipf ids: skew lowers the rows a batch touches (other distributions: uniform).
+        d = cfg.data
+        alpha = d.zipf_alpha if d.source == "synthetic" and d.id_distribution == "zipf" else 0.0
+        tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type, alpha)
     batch = args.batch_size or int(planner.pop("batch_size", cfg.data.batch_size))
     planner.pop("batch_size", None)
     optimizer = str(planner.pop("optimizer", cfg.embedding.optimizer))

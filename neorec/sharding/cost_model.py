@@ -1,30 +1,43 @@
 """Predicted time and memory of embedding shards on a ``Topology`` (a simulation, not a measurement).
 
 Model, per shard and per training step with global batch ``B`` (the same for every method that is
-scored, planner or baseline):
+scored, planner or baseline), following what ``neorec.distributed.sharded`` runs:
 
-- compute: bytes moved by the forward lookups (ids, gathered rows, pooled outputs) and by the
-  backward (pooled grads, per-id grads, read/write of the touched rows and their optimizer state:
-  sgd none, rowwise_adagrad 1 float per row, adam 2 floats per element). Row bytes move at the
-  bandwidth of the tier the rows live in (``device`` HBM, or ``host`` DRAM over the host link);
-  the rest at device bandwidth. Touched rows ``u = r (1 - exp(-h / r))`` for ``h`` uniform hits.
+- touched rows: the distinct rows among a table's ``h`` ids, ``u = r (1 - exp(-h / r))`` for
+  uniform ids, fewer under access skew (``TableSpec.zipf_alpha``, see ``distinct_rows``); a row
+  shard gets its share of them (hot rows are spread over row ranges).
+- compute: bytes moved by the forward lookups (ids, the touched rows gathered once, repeats hit in
+  cache; pooled outputs) and by the backward (pooled grads, per-id grads, read/write of the touched
+  rows and their optimizer state: sgd none, rowwise_adagrad 1 float per row, adam 2 floats per
+  element). Row bytes move at the bandwidth of the tier the rows live in (``device`` HBM, or
+  ``host`` DRAM over the host link); the rest at device bandwidth. The backward runs on the fused
+  kernel (``device_bw_gbs``) or, where the runtime takes the unfused torch-op path, at
+  ``unfused_bw_gbs``: column-wise tables under row-wise Adagrad (and then every model-parallel
+  shard of their ranks, as the runtime updates a rank's shards together) and data-parallel tables.
 - communication on the owner: ids in, pooled outputs out, their gradients back in, split into
-  intra-host and inter-host bytes by where the batch's samples live; data-parallel tables
-  all-reduce their full gradient instead. Table-row-wise reduces partial sums inside the host
-  before anything crosses hosts.
+  intra-host and inter-host bytes by where the batch's samples live. Row shards (row-wise, and
+  table-row-wise over one host's ranks) each send partial sums for all samples; the samples' ranks
+  add them (no in-host reduction first). Column-wise tables under row-wise
+  Adagrad all-gather per-row sums of squares in their slices' subgroup (one collective per table).
+  Data-parallel tables look up the rank's own samples, then all-gather every rank's (row id, row
+  gradient sum) pairs and add them in rank order before the update (no dense all-reduce).
 - sample side (the same on every rank): each rank sends its ids and receives pooled outputs of
-  every sharded table; row-wise tables multiply the outputs, column-wise ones the ids.
+  every sharded table; row-split tables multiply the outputs, column-wise ones the ids; row-split
+  tables (RW, TWRW) first bucketize the rank's ids by row range (``row_split_bw_gbs``); plus the
+  latency of the step's collectives.
 - memory: weights and optimizer state (in the table's storage tier) plus id/output/grad buffers
   (always on the device).
 
 A rank's predicted time is the sum of its shards' times plus the sample-side term; the step's
-predicted embedding time is the slowest rank's. Constants come from the ``Topology`` and can be
-calibrated (``neorec plan --calibrate``); checking them against measured steps is future work.
+predicted embedding time is, per phase, the slowest rank's, summed. Constants come from the
+``Topology`` and can be calibrated (``neorec plan --calibrate``, ``neorec.bench.calibrate``);
+``neorec bench costcheck`` compares predictions with measured steps on this machine.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 from collections.abc import Iterable
@@ -46,6 +59,7 @@ __all__ = [
     "CostModel",
     "load_tables",
     "tables_from_config",
+    "distinct_rows",
 ]
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
@@ -68,12 +82,16 @@ class TableSpec:
     """Pin: the table's shards may only go on these ranks; empty = any."""
     storage: str = ""
     """Force ``device`` or ``host`` storage; empty = the planner chooses."""
+    zipf_alpha: float = 0.0
+    """Access skew: ids drawn with P(k-th most popular row) ~ k^-zipf_alpha; 0 = uniform. Skew
+    lowers the distinct rows a batch touches (rows gathered and updated), not the id count."""
 
     def __post_init__(self) -> None:
-        if self.rows <= 0 or self.dim <= 0 or self.pooling_factor < 0:
+        if self.rows <= 0 or self.dim <= 0 or self.pooling_factor < 0 or self.zipf_alpha < 0:
             raise ValueError(
-                f"table '{self.name}': rows, dim must be > 0 and pooling_factor >= 0, got "
-                f"rows={self.rows}, dim={self.dim}, pooling_factor={self.pooling_factor}"
+                f"table '{self.name}': rows, dim must be > 0 and pooling_factor, zipf_alpha >= 0, "
+                f"got rows={self.rows}, dim={self.dim}, pooling_factor={self.pooling_factor}, "
+                f"zipf_alpha={self.zipf_alpha}"
             )
         if self.optimizer and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"table '{self.name}': optimizer must be one of {OPTIMIZERS}")
@@ -98,14 +116,18 @@ class TableSpec:
 
 
 def tables_from_config(
-    tables: Iterable[TableConfig], types: dict[str, str] | None = None, default_type: str = ""
+    tables: Iterable[TableConfig],
+    types: dict[str, str] | None = None,
+    default_type: str = "",
+    zipf_alpha: float = 0.0,
 ) -> list[TableSpec]:
-    """Planner tables from config tables; ``sharding.types`` / ``default_type`` become constraints."""
+    """Planner tables from config tables; ``sharding.types`` / ``default_type`` become constraints,
+    ``zipf_alpha`` the access skew of every table (0 = uniform ids)."""
     out = []
     for t in tables:
         st = (types or {}).get(t.name, default_type)
         allowed = (parse_sharding_type(st),) if st else ()
-        out.append(TableSpec.from_config(t, allowed_types=allowed))
+        out.append(TableSpec.from_config(t, allowed_types=allowed, zipf_alpha=zipf_alpha))
     return out
 
 
@@ -129,14 +151,16 @@ def _spec_from_record(d: dict[str, Any], where: str) -> TableSpec:
             ),
             ranks=tuple(int(r) for r in (_split_list(ranks) if isinstance(ranks, str) else ranks)),
             storage=str(d.get("storage") or ""),
+            zipf_alpha=float(d.get("zipf_alpha") or 0.0),
         )
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"{where}: bad table record {d}: {e}") from None
 
 
 def load_tables(path: str | Path) -> list[TableSpec]:
-    """Tables from CSV (header ``name,rows,dim,pooling_factor[,optimizer,allowed_types,ranks,storage]``,
-    lists separated by ``;``) or JSON (a list of objects, or ``{"tables": [...]}``)."""
+    """Tables from CSV (header ``name,rows,dim,pooling_factor`` and optionally ``optimizer``,
+    ``allowed_types``, ``ranks``, ``storage``, ``zipf_alpha``; lists separated by ``;``) or JSON
+    (a list of objects, or ``{"tables": [...]}``)."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"table file not found: {p}")
@@ -147,6 +171,47 @@ def load_tables(path: str | Path) -> list[TableSpec]:
     with p.open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("name") and not r["name"].startswith("#")]
     return [_spec_from_record(r, f"{p}:{i + 2}") for i, r in enumerate(rows)]
+
+
+_UNFUSED_ID_WORDS = 8
+"""Id-sized words the unfused update moves per id and per distinct row, besides row bytes: the
+sort behind ``torch.unique`` and its inverse, bag ids, index tensors of every gather / scatter.
+(Its time shrinks far less than its row bytes for narrow rows: ~0.65x from dim 32 to 16 here.)"""
+_ZIPF_HEAD = 64  # ranks summed exactly; the tail is integrated (as neorec.data.ids samples it)
+_ZIPF_GRID = 96  # trapezoid points of the tail integral over log(rank)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def distinct_rows(rows: int, hits: float, zipf_alpha: float = 0.0) -> float:
+    """Expected distinct rows among ``hits`` ids drawn from ``rows`` rows.
+
+    Uniform ids (``zipf_alpha`` 0): ``rows (1 - exp(-hits / rows))``. Zipf ids (P(rank k) ~
+    k^-alpha): ``sum_k 1 - exp(-hits p_k)``, exact over the first ranks and integrated over the
+    tail (within ~1-2% of sampled ``neorec.data.ids.zipf_ids`` batches).
+    """
+    if hits <= 0 or rows <= 0:
+        return 0.0
+    if zipf_alpha <= 0:
+        return rows * -math.expm1(-hits / rows)
+    a = zipf_alpha
+    k = min(rows, _ZIPF_HEAD)
+    head = [(i + 1) ** -a for i in range(k)]
+    lo, hi = k + 0.5, rows + 0.5
+    tail = 0.0
+    if rows > k:
+        tail = math.log(hi / lo) if a == 1.0 else (hi ** (1 - a) - lo ** (1 - a)) / (1 - a)
+    c = hits / (sum(head) + tail)
+    u = sum(-math.expm1(-c * p) for p in head)
+    if rows > k:
+        x0, x1 = math.log(lo), math.log(hi)
+        step = (x1 - x0) / _ZIPF_GRID
+        acc = 0.0
+        for i in range(_ZIPF_GRID + 1):
+            x = math.exp(x0 + i * step)
+            f = -math.expm1(-c * x**-a) * x  # d(rank) = x d(log x)
+            acc += 0.5 * f if i in (0, _ZIPF_GRID) else f
+        u += acc * step
+    return min(u, float(rows), float(hits))
 
 
 PHASES = ("fwd_comm", "fwd_compute", "bwd_comm", "bwd_compute")
@@ -329,6 +394,27 @@ class CostModel:
             nbytes * self._inter_frac / self._inter_bw,
         )
 
+    def optimizer_of(self, table: TableSpec) -> str:
+        """The table's fused optimizer (its own, else the model's default)."""
+        return table.optimizer or self.optimizer
+
+    def cw_unfused(self, table: TableSpec, sharding_type: ShardingType) -> bool:
+        """Whether the runtime updates this table's shards on the exact unfused path: column-wise
+        tables under row-wise Adagrad (each row's mean(g^2) sums over all column slices)."""
+        return (
+            sharding_type is ShardingType.COLUMN_WISE
+            and self.optimizer_of(table) == "rowwise_adagrad"
+        )
+
+    def update_bytes(
+        self, table: TableSpec, touched: float, cols: int, grad_rows: float
+    ) -> tuple[float, float]:
+        """(row bytes, gradient bytes) of a backward update: read + write of ``touched`` distinct
+        rows and their optimizer state; ``grad_rows`` gradient rows read (pooled and per id)."""
+        state = self.state_bytes(table, 1, cols) * touched
+        rows_b = 2 * (touched * cols * self.weight_bytes + state)
+        return rows_b, grad_rows * cols * self.comm_bytes
+
     def shard_cost(
         self,
         table: TableSpec,
@@ -336,51 +422,76 @@ class CostModel:
         rows: int,
         cols: int,
         storage: str = "device",
+        unfused: bool | None = None,
     ) -> ShardCost:
-        """Per-step time and memory of a ``rows`` x ``cols`` shard of ``table`` on its rank."""
-        b, w, k = self.batch, self.topo.world_size, self.topo.ranks_per_host
+        """Per-step time and memory of a ``rows`` x ``cols`` shard of ``table`` on its rank.
+
+        ``unfused``: whether the backward takes the unfused update path; ``None`` = what the
+        runtime does for this shard alone (``cw_unfused``). ``evaluate`` passes True for every
+        model-parallel shard of a rank that holds a column-wise table under row-wise Adagrad,
+        since the runtime then updates all of that rank's shards on the unfused path.
+        """
+        b, w = self.batch, self.topo.world_size
         e, c4 = self.weight_bytes, self.comm_bytes
         st = sharding_type
         dp = st is ShardingType.DATA_PARALLEL
-        hits = (b / w if dp else b) * table.pooling_factor * (rows / table.rows)
+        alpha = table.zipf_alpha
+        share = rows / table.rows
         out_rows = b / w if dp else b  # pooled rows this shard produces
-        touched = rows if dp else rows * -math.expm1(-hits / rows)
+        table_hits = out_rows * table.pooling_factor  # ids of the table this rank looks up
+        hits = table_hits * share
+        # Hot rows spread over row ranges (ids are scattered), so a row shard sees its share of
+        # the table's distinct rows.
+        touched = distinct_rows(table.rows, table_hits, alpha) * share
         state = self.state_bytes(table, rows, cols)
-        state_touched = state * touched / rows
+        if unfused is None:
+            unfused = self.cw_unfused(table, st)
         # Row traffic at the storage tier; ids, pooled outputs and grads at device bandwidth.
         sto_bw, dev_bw = self._bw[storage], self._bw["device"]
+        unf_bw = self.topo.unfused_bw_gbs * GB
         overhead = self.topo.shard_overhead_us * 1e-6 / 2
-        # Forward: read ids, gather rows (storage tier), write pooled outputs.
+        # Forward: read ids, gather rows (storage tier; repeats of a row within the batch hit in
+        # cache, so distinct rows), write pooled outputs.
         fwd = (
-            hits * cols * e / sto_bw
+            touched * cols * e / sto_bw
             + (hits * self.id_bytes + out_rows * cols * c4) / dev_bw
             + overhead
         )
-        # Backward: read pooled grads, per-id grads, read+write touched rows and their state.
-        bwd = (
-            2 * (touched * cols * e + state_touched) / sto_bw
-            + (out_rows * cols * c4 + hits * cols * c4) / dev_bw
-            + overhead
-        )
         if dp:
-            grad = rows * cols * c4
-            ring = 2 * (w - 1) / w * grad
-            bw = self._inter_bw if self.topo.num_hosts > 1 else self._intra_bw
-            fwd_comm, bwd_comm = 0.0, ring / bw
-            inter = bwd_comm if self.topo.num_hosts > 1 else 0.0
-            buffers = hits * self.id_bytes + 2 * out_rows * cols * c4 + grad
+            # Per-id grads summed per row on the unfused path, (ids, row sums) all-gathered from
+            # every rank and summed in rank order, optimizer on the batch's distinct rows.
+            merged = w * touched  # gathered (id, row sum) pairs this rank adds up
+            glob = distinct_rows(table.rows, b * table.pooling_factor, alpha)
+            rows_b, grad_b = self.update_bytes(table, glob, cols, out_rows + hits + merged)
+            ids_b = _UNFUSED_ID_WORDS * self.id_bytes * (hits + merged + glob)
+            bwd = (rows_b + grad_b + ids_b) / unf_bw + overhead
+            pairs = merged * (self.id_bytes + cols * c4)
+            ii, ie = self._a2a_s(pairs)
+            fwd_comm, bwd_comm = 0.0, ii + ie
+            inter = ie
+            buffers = hits * self.id_bytes + 2 * out_rows * cols * c4 + pairs + glob * cols * c4
         else:
+            # Backward: read pooled grads, per-id grads, read+write touched rows and their state.
+            path_bw = unf_bw if unfused else dev_bw
+            rows_b, grad_b = self.update_bytes(table, touched, cols, out_rows + hits)
+            if unfused:
+                grad_b += _UNFUSED_ID_WORDS * self.id_bytes * (hits + touched)
+            bwd = rows_b / min(sto_bw, path_bw) + grad_b / path_bw + overhead
             ids = hits * self.id_bytes + b * 4  # ids + lengths in
             out = b * cols * c4  # pooled out (forward) = grads back (backward)
             ii, ie = self._a2a_s(ids)
-            if st is ShardingType.TABLE_ROW_WISE and k > 1:
-                # Partial sums reduce-scattered inside the host; 1/k of them leave it.
-                oi, oe = self._a2a_s(out / k)
-                oi += out * (k - 1) / k / self._intra_bw
-            else:
-                oi, oe = self._a2a_s(out)
+            # Row shards (RW, and TWRW on its host's ranks) send their partial sums straight to
+            # the samples' ranks, which add them: the runtime has no in-host reduction step.
+            oi, oe = self._a2a_s(out)
             fwd_comm, bwd_comm = ii + ie + oi + oe, oi + oe
             inter = ie + 2 * oe
+            if self.cw_unfused(table, st):
+                # The slices' per-row sums of squares, all-gathered in the table's subgroup:
+                # n - 1 vectors of ``touched`` floats in (spread over peers like an all-to-all).
+                n = max(1, round(table.dim / cols))
+                si, se = self._a2a_s((n - 1) * touched * 4.0 * w / max(1, w - 1))
+                bwd_comm += self.topo.collective_latency_us * 1e-6 + si + se
+                inter += se
             buffers = hits * self.id_bytes + 2 * out_rows * cols * c4
         weights = rows * cols * e + state
         dev = buffers + (weights if storage == "device" else 0.0)
@@ -388,44 +499,59 @@ class CostModel:
         return ShardCost(fwd_comm, fwd, bwd_comm, bwd, dev, host, inter)
 
     def sample_side_s(self, table: TableSpec, sharding_type: ShardingType, n_shards: int) -> float:
-        """Per-rank time of sending ids of ``table`` and receiving its pooled outputs and grads."""
+        """Per-rank time of sending ids of ``table`` and receiving its pooled outputs and grads
+        (and of splitting the ids by row range first, for row-split tables)."""
         st = sharding_type
         if st is ShardingType.DATA_PARALLEL:
             return 0.0
         lb = self.batch / self.topo.world_size
         ids = lb * table.pooling_factor * self.id_bytes + lb * 4
         outs = 2 * lb * table.dim * self.comm_bytes
+        split = 0.0
         if st is ShardingType.COLUMN_WISE:
             ids *= n_shards
-        elif st is ShardingType.ROW_WISE:
-            outs *= n_shards
+        elif st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+            outs *= n_shards  # a partial sum from every row shard
             ids += lb * 4 * (n_shards - 1)  # lengths go to every row shard
-        elif st is ShardingType.TABLE_ROW_WISE:
-            ids += lb * 4 * (n_shards - 1)
+            split = lb * table.pooling_factor * self.id_bytes / (self.topo.row_split_bw_gbs * GB)
         intra, inter = self._a2a_s(ids + outs)
-        return intra + inter
+        return intra + inter + split
 
-    def fixed_s(self) -> float:
-        """Per-step latency of the embedding collectives (same on every rank)."""
-        return 6 * self.topo.collective_latency_us * 1e-6
+    def fixed_s(self, sharded: bool = True, data_parallel: bool = False) -> float:
+        """Per-step latency of the embedding collectives (same on every rank): ~6 with sharded
+        tables (lengths, ids, outputs, grads), 3 all-gathers (counts, ids, row sums) with
+        data-parallel tables."""
+        n = (6 if sharded else 0) + (3 if data_parallel else 0)
+        return n * self.topo.collective_latency_us * 1e-6
+
+    def unfused_ranks(self, plan: ShardingPlan, specs: dict[str, TableSpec]) -> set[int]:
+        """Ranks whose model-parallel shards all take the unfused update path (``cw_unfused``)."""
+        out: set[int] = set()
+        for tp in plan.tables:
+            spec = specs.get(tp.name)
+            if spec is not None and self.cw_unfused(spec, tp.sharding_type):
+                out.update(s.rank for s in tp.shards)
+        return out
 
     # ---- plans --------------------------------------------------------------------------------
     def evaluate(self, plan: ShardingPlan, tables: Iterable[TableSpec]) -> PlanCost:
         """Predicted per-rank time and memory of ``plan`` (tables looked up by name)."""
         specs = {t.name: t for t in tables}
         ranks = [RankCost(r) for r in range(plan.world_size)]
-        sample = (
-            self.fixed_s()
-            if any(t.sharding_type is not ShardingType.DATA_PARALLEL for t in plan.tables)
-            else 0.0
-        )
+        types = {t.sharding_type for t in plan.tables}
+        sharded = any(t is not ShardingType.DATA_PARALLEL for t in types)
+        dp = ShardingType.DATA_PARALLEL in types
+        sample = self.fixed_s(sharded, dp)
+        slow = self.unfused_ranks(plan, specs)
         for tp in plan.tables:
             spec = specs.get(tp.name)
             if spec is None:
                 raise KeyError(f"plan table '{tp.name}' has no spec; known: {sorted(specs)}")
             sample += self.sample_side_s(spec, tp.sharding_type, len(tp.shards))
+            mp = tp.sharding_type is not ShardingType.DATA_PARALLEL
             for s in tp.shards:
-                c = self.shard_cost(spec, tp.sharding_type, s.rows, s.cols, tp.storage)
+                unf = True if mp and s.rank in slow else None
+                c = self.shard_cost(spec, tp.sharding_type, s.rows, s.cols, tp.storage, unf)
                 rc = ranks[s.rank]
                 for p, v in enumerate(c.phases):
                     rc.phases[p] += v

@@ -15,7 +15,10 @@ Steps (all deterministic, pure Python):
    rank getting as slow.
 
 The objective is the slowest rank's predicted time (``CostModel``), subject to every rank's device
-and host memory. Predictions are a simulation, not measurements.
+and host memory. Predictions are a simulation, not measurements. One cost is not per shard: under
+row-wise Adagrad a rank holding a column-wise shard updates all its shards on the slower unfused
+path (``CostModel.evaluate``); the search tracks that per rank, so its loads equal the evaluated
+plan's.
 """
 
 from __future__ import annotations
@@ -67,11 +70,23 @@ class _Option:
 
 
 class _Piece:
-    """One shard being placed: geometry, predicted cost and current rank (-1 = unplaced)."""
+    """One shard being placed: geometry, predicted cost and current rank (-1 = unplaced).
 
-    __slots__ = ("table", "rows", "cols", "ph", "tot", "dev", "host", "rank")
+    ``cw``: the shard puts its rank on the unfused update path (``CostModel.cw_unfused``);
+    ``extra``: backward seconds this shard adds when its rank is on that path.
+    """
 
-    def __init__(self, table: int, rows: tuple[int, int], cols: tuple[int, int], c: ShardCost):
+    __slots__ = ("table", "rows", "cols", "ph", "tot", "dev", "host", "rank", "cw", "extra")
+
+    def __init__(
+        self,
+        table: int,
+        rows: tuple[int, int],
+        cols: tuple[int, int],
+        c: ShardCost,
+        cw: bool = False,
+        extra: float = 0.0,
+    ):
         self.table = table
         self.rows = rows
         self.cols = cols
@@ -80,6 +95,8 @@ class _Piece:
         self.dev = c.device_bytes
         self.host = c.host_bytes
         self.rank = -1
+        self.cw = cw
+        self.extra = extra
 
 
 @dataclass
@@ -311,6 +328,7 @@ class Planner:
 
 
 _NPH = 4  # phases: fwd comm, fwd compute, bwd comm, bwd compute (cost_model.PHASES)
+_BWD = 3  # the backward compute phase (where the unfused update path lands)
 _Geo = list[tuple[tuple[int, int], tuple[int, int], ShardCost]]
 
 
@@ -326,6 +344,9 @@ class _Search:
         self.dev_cap = p.topo.device_capacity_bytes
         self.host_cap = p.topo.host_capacity_bytes if p.allow_host else 0.0
         self.ph = [[0.0] * _NPH for _ in range(self.w)]
+        """Per rank and phase: load, with the unfused-path extra while the rank is on it."""
+        self.ncw = [0] * self.w  # pieces that put the rank on the unfused path
+        self.extra = [0.0] * self.w  # what the unfused path adds to the rank's other pieces
         self.dev = [0.0] * self.w
         self.host = [0.0] * self.w
         self.rank_pieces: list[list[_Piece]] = [[] for _ in range(self.w)]
@@ -336,6 +357,7 @@ class _Search:
         self.uniform = 0.0
         self._sample = [0.0] * len(tables)
         self._cache: dict[tuple[int, _Option], _Geo] = {}
+        self._extra_cache: dict[tuple[int, _Option, tuple[int, int]], float] = {}
 
     # ---- pieces of an option ------------------------------------------------------------------
     def geometry(self, i: int, o: _Option) -> _Geo:
@@ -361,6 +383,25 @@ class _Search:
                 costs[shape] = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage)
             out.append((rows, cols, costs[shape]))
         self._cache[(i, o)] = out
+        return out
+
+    def make_pieces(self, i: int, o: _Option) -> list[_Piece]:
+        """Unplaced pieces of option ``o`` of table ``i`` (see ``_Piece`` for cw / extra)."""
+        t = self.tables[i]
+        cw = self.cm.cw_unfused(t, o.stype)
+        mp = o.stype is not ShardingType.DATA_PARALLEL
+        out = []
+        for rows, cols, c in self.geometry(i, o):
+            extra = 0.0
+            if mp and not cw:
+                shape = (rows[1] - rows[0], cols[1] - cols[0])
+                key = (i, o, shape)
+                hit = self._extra_cache.get(key)
+                if hit is None:
+                    u = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage, True)
+                    hit = self._extra_cache[key] = u.bwd_compute_s - c.bwd_compute_s
+                extra = hit
+            out.append(_Piece(i, rows, cols, c, cw, extra))
         return out
 
     def total_time(self, i: int, o: _Option) -> float:
@@ -425,6 +466,14 @@ class _Search:
         row = self.ph[r]
         for p in range(_NPH):
             row[p] += pc.ph[p]
+        if pc.cw:
+            if self.ncw[r] == 0:
+                row[_BWD] += self.extra[r]
+            self.ncw[r] += 1
+        elif pc.extra:
+            self.extra[r] += pc.extra
+            if self.ncw[r]:
+                row[_BWD] += pc.extra
         self.dev[r] += pc.dev
         self.host[r] += pc.host
         self.rank_pieces[r].append(pc)
@@ -434,10 +483,47 @@ class _Search:
         row = self.ph[r]
         for p in range(_NPH):
             row[p] -= pc.ph[p]
+        if pc.cw:
+            self.ncw[r] -= 1
+            if self.ncw[r] == 0:
+                row[_BWD] -= self.extra[r]
+        elif pc.extra:
+            self.extra[r] -= pc.extra
+            if self.ncw[r]:
+                row[_BWD] -= pc.extra
         self.dev[r] -= pc.dev
         self.host[r] -= pc.host
         self.rank_pieces[r].remove(pc)
         pc.rank = -1
+
+    def _inc(self, pc: _Piece, r: int) -> tuple[float, ...]:
+        """What adding unplaced ``pc`` to rank ``r`` adds to its phase loads."""
+        if pc.cw:
+            if self.ncw[r]:
+                return pc.ph
+            return (*pc.ph[:_BWD], pc.ph[_BWD] + self.extra[r])
+        if pc.extra and self.ncw[r]:
+            return (*pc.ph[:_BWD], pc.ph[_BWD] + pc.extra)
+        return pc.ph
+
+    def _after(self, r: int, out: _Piece | None, inn: _Piece | None) -> list[float]:
+        """Rank ``r``'s phase loads with ``out`` taken off it and ``inn`` put on it."""
+        row = list(self.ph[r])
+        ncw, extra = self.ncw[r], self.extra[r]
+        if ncw:
+            row[_BWD] -= extra
+        for pc, sign in ((out, -1.0), (inn, 1.0)):
+            if pc is None:
+                continue
+            for p in range(_NPH):
+                row[p] += sign * pc.ph[p]
+            if pc.cw:
+                ncw += int(sign)
+            else:
+                extra += sign * pc.extra
+        if ncw:
+            row[_BWD] += extra
+        return row
 
     def unassign(self, i: int) -> None:
         """Take table ``i`` off the ranks."""
@@ -450,7 +536,7 @@ class _Search:
 
     def assign(self, i: int, o: _Option) -> bool:
         """Place table ``i`` with option ``o`` greedily; False (state unchanged) if it does not fit."""
-        pieces = [_Piece(i, rows, cols, c) for rows, cols, c in self.geometry(i, o)]
+        pieces = self.make_pieces(i, o)
         ranks = self._choose_ranks(i, o, pieces)
         if ranks is None:
             return False
@@ -481,8 +567,9 @@ class _Search:
                 continue
             new = list(m)
             for pc, r in zip(pieces, ranks):
+                inc = self._inc(pc, r)
                 for p in range(_NPH):
-                    new[p] = max(new[p], self.ph[r][p] + pc.ph[p])
+                    new[p] = max(new[p], self.ph[r][p] + inc[p])
             score = sum(new)
             if best is None or score < best[0] - _EPS:
                 best = (score, ranks)
@@ -500,10 +587,11 @@ class _Search:
                 if r in used or not self._fits(r, pc.dev, pc.host):
                     continue
                 row = self.ph[r]
+                inc = self._inc(pc, r)
                 crit = 0.0
                 tot = 0.0
                 for p in range(_NPH):
-                    v = row[p] + pc.ph[p]
+                    v = row[p] + inc[p]
                     crit += v if v > m[p] else m[p]
                     tot += v
                 key = (crit, tot, r)
@@ -514,8 +602,9 @@ class _Search:
             r = best[2]
             out[j] = r
             used.add(r)
+            inc = self._inc(pc, r)
             for p in range(_NPH):  # later siblings see this piece in the maxima
-                m[p] = max(m[p], self.ph[r][p] + pc.ph[p])
+                m[p] = max(m[p], self.ph[r][p] + inc[p])
         return out
 
     # ---- initial solution ---------------------------------------------------------------------
@@ -581,6 +670,10 @@ class _Search:
                 and a.stype is not ShardingType.DATA_PARALLEL
                 and self.fits_empty(i, a)
             ]
+            # Splits that put their ranks on the unfused update path slow every other shard
+            # there too (not in their own time): only when nothing else splits the table.
+            fused = [a for a in alts if not self.cm.cw_unfused(self.tables[i], a.stype)]
+            alts = fused or alts
             ok = [a for a in alts if excess(i, a) <= 0]
             if ok:
                 start[i] = min(ok, key=partial(self._time_key, i))
@@ -657,6 +750,43 @@ class _Search:
             dsq += vc * vc - rc[p] * rc[p] + vt * vt - rt[p] * rt[p]
         return crit, dsq
 
+    def _delta_to(
+        self,
+        top: list[list[tuple[float, int]]],
+        c: int,
+        t: int,
+        new_c: Sequence[float],
+        new_t: Sequence[float],
+    ) -> tuple[float, float]:
+        """(new sum of phase maxima, change of squared loads) if ranks ``c`` and ``t`` get the
+        phase loads ``new_c`` and ``new_t``."""
+        rc, rt = self.ph[c], self.ph[t]
+        crit = 0.0
+        dsq = 0.0
+        for p in range(_NPH):
+            vc, vt = new_c[p], new_t[p]
+            m = vc if vc > vt else vt
+            for v, r in top[p]:
+                if r != c and r != t:
+                    m = v if v > m else m
+                    break
+            crit += m
+            dsq += vc * vc - rc[p] * rc[p] + vt * vt - rt[p] * rt[p]
+        return crit, dsq
+
+    def _plain(self, c: int, t: int, pc: _Piece, q: _Piece | None = None) -> bool:
+        """Whether moving ``pc`` (and ``q`` back) leaves both ranks' unfused-path state alone."""
+        return not (self.ncw[c] or self.ncw[t] or pc.cw or (q is not None and q.cw))
+
+    def _move_delta(
+        self, top: list[list[tuple[float, int]]], c: int, t: int, pc: _Piece, q: _Piece | None
+    ) -> tuple[float, float]:
+        """``_delta`` of moving ``pc`` from ``c`` to ``t`` (and ``q`` from ``t`` to ``c``)."""
+        if self._plain(c, t, pc, q):
+            x = pc.ph if q is None else tuple(a - b for a, b in zip(pc.ph, q.ph))
+            return self._delta(top, c, t, x)
+        return self._delta_to(top, c, t, self._after(c, pc, q), self._after(t, q, pc))
+
     def _better(self, crit: float, dsq: float, obj: tuple[float, float]) -> bool:
         cur = obj[0] - self.uniform
         tol = 1e-9 * max(cur, 1e-12)
@@ -675,7 +805,7 @@ class _Search:
                 for pc in mine:
                     if not self._fits(t, pc.dev, pc.host) or not self._may_hold(pc, t):
                         continue
-                    crit, dsq = self._delta(top, c, t, pc.ph)
+                    crit, dsq = self._move_delta(top, c, t, pc, None)
                     if self._better(crit, dsq, obj) and (best is None or (crit, dsq) < best[:2]):
                         best = (crit, dsq, pc, None, t)
                 for q in self.rank_pieces[t]:
@@ -684,8 +814,7 @@ class _Search:
                     for pc in mine:
                         if pc.tot <= q.tot or pc.table == q.table:
                             continue
-                        x = tuple(a - b for a, b in zip(pc.ph, q.ph))
-                        crit, dsq = self._delta(top, c, t, x)
+                        crit, dsq = self._move_delta(top, c, t, pc, q)
                         if not self._better(crit, dsq, obj):
                             continue
                         if best is not None and (crit, dsq) >= best[:2]:

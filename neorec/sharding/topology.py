@@ -36,6 +36,17 @@ class Topology:
     """Effective device-memory bandwidth of random row gathers and updates."""
     host_device_bw_gbs: float = 25.0
     """Effective bandwidth of rows in host memory read/updated by the device (PCIe, UVM)."""
+    unfused_bw_gbs: float = 250.0
+    """Effective bandwidth (same byte accounting as ``device_bw_gbs``) of the unfused row update:
+    per-row gradients summed with torch ops, then the optimizer on the distinct rows. The runtime
+    takes it for data-parallel tables and, under row-wise Adagrad, for every shard of a rank that
+    holds a column-wise table (full-row mean(g^2) needs the other slices' sums first). Default: an
+    assumption (several torch-op passes over ids and rows instead of one fused kernel, ~1/4 of
+    ``device_bw_gbs``); measured by calibrate (~1/10 of the fused step on this CPU)."""
+    row_split_bw_gbs: float = 100.0
+    """Throughput (id bytes per second) of splitting a rank's ids by row range for row-wise and
+    table-row-wise tables before they are sent (bucketize, count per bag, stable sort). Default:
+    an assumption; measured by calibrate."""
     intra_host_bw_gbs: float = 150.0
     """All-to-all bandwidth of one rank to the ranks of its own host (NVLink, shared memory)."""
     inter_host_bw_gbs: float = 12.5
@@ -122,6 +133,8 @@ class Topology:
             host_memory_gb=0.0,
             device_bw_gbs=2.0,
             host_device_bw_gbs=1.0,
+            unfused_bw_gbs=0.2,
+            row_split_bw_gbs=0.1,
             intra_host_bw_gbs=1.0,
             inter_host_bw_gbs=1.0,
             shard_overhead_us=20.0,
