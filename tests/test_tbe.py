@@ -322,6 +322,48 @@ def test_cpu_equals_reference(kind: str, use_psw: bool) -> None:
         torch.testing.assert_close(st_cpu[k], st_ref[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("use_psw", [False, True])
+def test_cpu_row_grads_and_emitted_tables(use_psw: bool, pooling: PoolingMode) -> None:
+    # The kernel's summed row gradients equal the reference's bitwise (same order of sums), for
+    # any thread count; emitting some tables leaves them untouched and updates the rest exactly
+    # as the full fused update does.
+    layout, w0, idx, off, psw, grad = big_case(7)
+    p = psw if use_psw else None
+    want = get_backend("reference").row_grads(layout, idx, off, p, pooling, grad)
+    be = CpuBackend()
+    old = torch.get_num_threads()
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        try:
+            got = be.row_grads(layout, idx, off, p, pooling, grad)
+        finally:
+            torch.set_num_threads(old)
+        assert [t for t, _, _ in got] == [t for t, _, _ in want]
+        for (_, ids_g, g_g), (_, ids_w, g_w) in zip(got, want, strict=True):
+            assert torch.equal(ids_g, ids_w)
+            assert torch.equal(g_g, g_w)
+    opt = RowOptimizer(kind="rowwise_adagrad", lr=0.03, weight_decay=0.001)
+    full_w = w0.clone()
+    full_st = zeros_state(opt.kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+    be.backward_update(layout, full_w, full_st, idx, off, p, pooling, grad, opt, 1)
+    part_w = w0.clone()
+    part_st = zeros_state(opt.kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+    emitted = be.backward_update(
+        layout, part_w, part_st, idx, off, p, pooling, grad, opt, 1, emit_tables=[1]
+    )
+    assert [t for t, _, _ in emitted] == [1]
+    assert torch.equal(emitted[0][1], want[1][1]) and torch.equal(emitted[0][2], want[1][2])
+    for t in range(layout.num_tables):
+        lo, hi = layout.row_offsets[t], layout.row_offsets[t + 1]
+        if t == 1:
+            assert torch.equal(layout.table(part_w, t), layout.table(w0, t))
+            assert not part_st["momentum1"][lo:hi].any()
+        else:
+            assert torch.equal(layout.table(part_w, t), layout.table(full_w, t))
+            assert torch.equal(part_st["momentum1"][lo:hi], full_st["momentum1"][lo:hi])
+
+
 def test_cpu_payload_pairs_path_matches_packed() -> None:
     """The (key, payload) sort used for enormous tables gives the same bits as the packed one."""
     for kind in OPTIMIZERS:

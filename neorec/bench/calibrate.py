@@ -12,7 +12,7 @@ The constants the cost model uses are then measured the way a training step uses
   the fused optimizer) on one rank's thread share, run by all ranks of the host at once (they
   share cores, caches and DRAM; slowest rank), converted to bandwidth with the cost model's own
   byte accounting (``CostModel.shard_cost`` at 1 GB/s), so predicted = measured on that shape;
-- ``unfused_bw_gbs``: the runtime's unfused row update (``ReferenceBackend.row_grads`` +
+- ``unfused_bw_gbs``: the runtime's unfused row update (the backend's ``row_grads`` +
   ``update_table_rows``, taken for data-parallel tables and column-wise row-wise Adagrad) on the
   same shape, the same way (all ranks at once, cost-model bytes);
 - ``row_split_bw_gbs``: the runtime's ``input_dist`` under a row-wise plan minus a table-wise one
@@ -156,12 +156,13 @@ def measure_unfused(
     """Effective bandwidth (GB/s, cost-model bytes) of the runtime's unfused row update.
 
     The sharded runtime's exact path for column-wise tables under row-wise Adagrad and for
-    data-parallel tables: per-id gradients summed per distinct row with torch ops
-    (``ReferenceBackend.row_grads``), then ``update_table_rows``; on ``measure_tbe``'s shape and
-    uniform ids, converted with the cost model's backward bytes (``unfused=True`` at 1 GB/s).
+    data-parallel tables: per-id gradients summed per distinct row (``row_grads`` of the default
+    backend: the cpu kernel's, without the update), then ``update_table_rows``; on
+    ``measure_tbe``'s shape and uniform ids, converted with the cost model's backward bytes
+    (``unfused=True`` at 1 GB/s).
     """
     from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBELayout
+    from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, row_grads, update_table_rows
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
@@ -174,7 +175,7 @@ def measure_unfused(
         )
         weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
         state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
-        ref = ReferenceBackend()
+        be = get_backend("auto")
         opt = RowOptimizer(kind=optimizer)
         ids = torch.randint(0, rows, (tables * batch * pooling,), generator=g)
         offsets = torch.arange(0, tables * batch * pooling + 1, pooling)
@@ -182,9 +183,8 @@ def measure_unfused(
         times = []
         for step in range(repeat + 1):
             t0 = time.perf_counter()
-            ref.backward_update(
-                layout, weights, state, ids, offsets, None, PoolingMode.SUM, grad, opt, step + 1
-            )
+            for t, rows_t, g_t in row_grads(be, layout, ids, offsets, None, PoolingMode.SUM, grad):
+                update_table_rows(layout, weights, state, t, rows_t, g_t, opt, step + 1)
             if step:
                 times.append(time.perf_counter() - t0)
     finally:

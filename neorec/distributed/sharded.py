@@ -39,12 +39,13 @@ from neorec.distributed.comm import (
     ordered_all_reduce,
 )
 from neorec.modules.embedding import UpdateHook, init_rows
+from neorec.ops.cpu import CpuBackend
 from neorec.ops.row_optim import RowOptimizer, zeros_state
 from neorec.ops.tbe import (
     PoolingMode,
-    ReferenceBackend,
     TBELayout,
     get_backend,
+    row_grads,
     tbe_lookup,
     update_table_rows,
 )
@@ -455,11 +456,37 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return Done(out)
 
     def _update_with_cw_rowwise(self, local: LocalInput, grad: Tensor) -> None:
-        """Unfused update whose column-wise tables use full-row mean(g^2) (see _build_cw_groups)."""
+        """Update whose column-wise tables use full-row mean(g^2) (see _build_cw_groups).
+
+        With the cpu kernel the other local tables take the fused update and only the column-wise
+        slices come back as summed row gradients; other backends sum every table's rows first.
+        """
         lay, opt, state = self.layout, self.optimizer, self._state()
-        grads = ReferenceBackend().row_grads(
-            lay, local.indices, local.offsets, local.weights, PoolingMode.SUM, grad
-        )
+        cw_local = [lt for lt, (t, _) in enumerate(self.local_tables) if t in self._cw_groups]
+        if isinstance(self.backend, CpuBackend):
+            grads = self.backend.backward_update(
+                lay,
+                self.weights,
+                state,
+                local.indices,
+                local.offsets,
+                local.weights,
+                PoolingMode.SUM,
+                grad,
+                opt,
+                int(self.step),
+                emit_tables=cw_local,
+            )
+        else:
+            grads = row_grads(
+                self.backend,
+                lay,
+                local.indices,
+                local.offsets,
+                local.weights,
+                PoolingMode.SUM,
+                grad,
+            )
         eff: dict[int, tuple[Tensor, Tensor]] = {}
         for lt, ids, g in grads:
             w = lay.table(self.weights, lt)[ids]
@@ -513,9 +540,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """
         assert self.dp is not None
         lay = self.dp.layout
-        grads = ReferenceBackend().row_grads(
-            lay, local.dp_indices, local.dp_offsets, local.dp_weights, PoolingMode.SUM, grad
-        )
+        grads = row_grads(
+            self.backend, lay, local.dp_indices, local.dp_offsets, local.dp_weights,
+            PoolingMode.SUM, grad,
+        )  # fmt: skip
         per_table = self._gather_dp_grads(lay, grads)
         self.dp_step += 1
         step = int(self.dp_step)

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -154,7 +155,7 @@ def load_kernel() -> ctypes.CDLL:
         lib.tbe_forward.argtypes = [vp, vp, vp, vp, vp, i32, vp, i32, vp]
         lib.tbe_forward.restype = i32
         lib.tbe_backward_update.argtypes = [vp, vp, vp, vp, vp, i32, vp, vp, vp, vp, vp, i32, i32]
-        lib.tbe_backward_update.argtypes += [vp, ctypes.c_int64, vp]
+        lib.tbe_backward_update.argtypes += [vp, ctypes.c_int64, vp, vp, vp, vp, ctypes.c_int64, vp]
         lib.tbe_backward_workspace.argtypes = [vp, vp, i32, i32, i32, i32]
         lib.tbe_backward_workspace.restype = ctypes.c_int64
         lib.tbe_backward_update.restype = i32
@@ -306,8 +307,13 @@ class CpuBackend:
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
-    ) -> None:
-        """Sum each distinct row's gradients, then apply the optimizer to those rows, in place."""
+        emit_tables: Sequence[int] = (),
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """Sum each distinct row's gradients, then apply the optimizer to those rows, in place.
+
+        Rows of the tables in ``emit_tables`` are not updated: their summed gradients are
+        returned instead, as ``row_grads`` does (for updates that need a collective first).
+        """
         lib = load_kernel()
         lay, idx, off, psw, b = self._prepare(layout, weights, indices, offsets, per_sample_weights)
         if tuple(grad_output.shape) != (b, layout.total_dim):
@@ -316,13 +322,17 @@ class CpuBackend:
                 f"expected {(b, layout.total_dim)}"
             )
         _check_f32("grad_output", grad_output, b * layout.total_dim)
+        emit = sorted(set(emit_tables))
         shapes = state_shapes(opt.kind, layout.total_rows, layout.total_elems)
-        for k, n in shapes.items():
-            if k not in state:
-                raise ValueError(f"cpu TBE backend: optimizer '{opt.kind}' needs state '{k}'")
-            _check_f32(f"state['{k}']", state[k], n)
-        if opt.kind == "adam" and step < 1:
-            raise ValueError(f"adam step count must be >= 1 (1-based), got {step}")
+        if len(emit) < layout.num_tables:
+            for k, n in shapes.items():
+                if k not in state:
+                    raise ValueError(f"cpu TBE backend: optimizer '{opt.kind}' needs state '{k}'")
+                _check_f32(f"state['{k}']", state[k], n)
+            if opt.kind == "adam" and step < 1:
+                raise ValueError(f"adam step count must be >= 1 (1-based), got {step}")
+        else:
+            shapes = {}  # nothing is updated: no state needed
         o = _Optim(
             _OPT_CODES[opt.kind],
             opt.lr,
@@ -335,6 +345,18 @@ class CpuBackend:
             1.0 - opt.beta1 ** max(step, 1),
             1.0 - opt.beta2 ** max(step, 1),
         )
+        emit_mask = emit_rows = emit_grads = None
+        stride = 0
+        if emit:
+            emit_mask = torch.zeros(layout.num_tables, dtype=torch.uint8)
+            emit_mask[emit] = 1
+            # Upper bound of the distinct rows: the emitted tables' occurrences.
+            feats = [f for f, t in enumerate(layout.feature_table) if emit_mask[t]]
+            occ = sum(int(off[(f + 1) * b] - off[f * b]) for f in feats)
+            stride = max(layout.dims[t] for t in emit)
+            emit_rows = torch.empty(occ, dtype=torch.int64)
+            emit_grads = torch.empty(occ, stride)
+        count = ctypes.c_int64(0)
         err = (ctypes.c_int64 * 2)()
         nt = torch.get_num_threads()
         mean = int(PoolingMode(pooling) == PoolingMode.MEAN)
@@ -360,8 +382,53 @@ class CpuBackend:
                 ws.data_ptr(),
                 ws.numel(),
                 err,
+                _ptr(emit_mask),
+                _ptr(emit_rows),
+                _ptr(emit_grads),
+                stride,
+                ctypes.byref(count),
             )
         _raise(rc, err, layout, idx, off, b)
+        if not emit:
+            return []
+        assert emit_rows is not None and emit_grads is not None
+        n_rows = count.value
+        rows, grads = emit_rows[:n_rows], emit_grads[:n_rows]
+        # Sorted by global row, so grouped by table in table order.
+        bounds = torch.searchsorted(rows, torch.tensor(layout.row_offsets, dtype=torch.int64))
+        out = []
+        for t in emit:
+            lo, hi = int(bounds[t]), int(bounds[t + 1])
+            if hi > lo:
+                ids = rows[lo:hi] - layout.row_offsets[t]
+                out.append((t, ids, grads[lo:hi, : layout.dims[t]]))
+        return out
+
+    def row_grads(
+        self,
+        layout: TBELayout,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]); the same
+        sums, in the same order, as the fused update uses (and ``ReferenceBackend.row_grads``)."""
+        dummy = torch.empty(layout.total_elems)  # read by nothing: every table is emitted
+        return self.backward_update(
+            layout,
+            dummy,
+            {},
+            indices,
+            offsets,
+            per_sample_weights,
+            pooling,
+            grad_output,
+            RowOptimizer(kind="sgd"),
+            1,
+            emit_tables=range(layout.num_tables),
+        )
 
 
 def _raise(rc: int, err: ctypes.Array, layout: TBELayout, idx: Tensor, off: Tensor, b: int) -> None:

@@ -256,6 +256,24 @@ class ReferenceBackend:
             update_table_rows(layout, weights, state, t, uniq, g, opt, step)
 
 
+def row_grads(
+    backend: Any,
+    layout: TBELayout,
+    indices: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Tensor | None,
+    pooling: PoolingMode,
+    grad_output: Tensor,
+) -> list[tuple[int, Tensor, Tensor]]:
+    """Per looked-up table (t, sorted distinct ids, summed gradients): ``backend``'s own when it
+    has one (the cpu kernel), else the reference's; the same sums in the same order."""
+    impl = getattr(backend, "row_grads", None) or ReferenceBackend().row_grads
+    out: list[tuple[int, Tensor, Tensor]] = impl(
+        layout, indices, offsets, per_sample_weights, pooling, grad_output
+    )
+    return out
+
+
 def update_table_rows(
     layout: TBELayout,
     weights: Tensor,

@@ -331,6 +331,12 @@ typedef struct {
     int kshift;
     uint64_t vmask;
     int packed;
+    /* Tables with emit_table[t] set are not updated: each distinct row's summed gradient goes to
+     * emit_grads[k * emit_stride ...] and its global row to emit_rows[k], k in sorted row order. */
+    const uint8_t *emit_table;
+    int64_t *emit_rows;
+    float *emit_grads;
+    int64_t emit_stride;
 } update_t;
 
 static inline uint64_t payload(const update_t *U, int64_t j) {
@@ -373,8 +379,34 @@ static inline __attribute__((always_inline)) int64_t accum_vec(const update_t *U
     return i;
 }
 
-/* Sum and apply the rows whose occurrences are sorted positions [beg, end), whole rows only. */
-static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc) {
+/* Chunk c of `chunks` over the n sorted occurrences, moved to row boundaries. */
+static inline void chunk_bounds(const uint64_t *keys, int kshift, int64_t n, int64_t c,
+                                int64_t chunks, int64_t *beg_out, int64_t *end_out) {
+    int64_t beg = n * c / chunks, end = n * (c + 1) / chunks;
+    while (beg > 0 && beg < n && (keys[beg] >> kshift) == (keys[beg - 1] >> kshift)) ++beg;
+    while (end < n && (keys[end] >> kshift) == (keys[end - 1] >> kshift)) ++end;
+    *beg_out = beg;
+    *end_out = end;
+}
+
+/* Distinct rows of emitted tables among sorted positions [beg, end) (whole rows). */
+static int64_t count_emitted(const update_t *U, int64_t beg, int64_t end) {
+    const layout_t *L = U->L;
+    const int ks = U->kshift;
+    int64_t t = 0, count = 0;
+    for (int64_t i = beg; i < end;) {
+        const uint64_t row = U->keys[i] >> ks;
+        while ((uint64_t)L->row_offsets[t + 1] <= row) ++t;
+        if (U->emit_table[t]) ++count;
+        while (i < end && (U->keys[i] >> ks) == row) ++i;
+    }
+    return count;
+}
+
+/* Sum and apply (or emit, from index emit_at) the rows whose occurrences are sorted positions
+ * [beg, end), whole rows only. */
+static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc,
+                        int64_t emit_at) {
     const layout_t *L = U->L;
     const int ks = U->kshift;
     const uint64_t *keys = U->keys;
@@ -426,6 +458,12 @@ static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc
                     }
                 }
         }
+        if (U->emit_table && U->emit_table[t]) {
+            U->emit_rows[emit_at] = (int64_t)row;
+            memcpy(U->emit_grads + emit_at * U->emit_stride, gacc, (size_t)D * sizeof(float));
+            ++emit_at;
+            continue;
+        }
         apply_row(U->opt, U->weights + eo, gacc, D, U->momentum1 ? U->momentum1 + row : NULL,
                   U->exp_avg ? U->exp_avg + eo : NULL, U->exp_avg_sq ? U->exp_avg_sq + eo : NULL);
     }
@@ -437,7 +475,7 @@ typedef struct {
     int64_t n;             /* occurrences */
     int rbits, vbits;      /* bits of the global row and of the payload */
     int packed;            /* payload packed below the row bits of one word */
-    int64_t keys, tmp, vals, vtmp, gofs_of, hist, scaled, gbuf, segs, total; /* bytes */
+    int64_t keys, tmp, vals, vtmp, gofs_of, hist, scaled, gbuf, segs, ecnt, total; /* bytes */
 } plan_t;
 
 static int64_t align64(int64_t x) { return (x + 63) & ~(int64_t)63; }
@@ -470,6 +508,7 @@ static plan_t make_plan(const layout_t *L, int64_t n, int has_psw, int mean, int
     P.segs = at, at += align64((L->F + T + 3 * max_chunks + 1) * 8);
     if (mean) P.scaled = at, at += align64(B * TD * (int64_t)sizeof(float));
     P.gbuf = at, at += align64((int64_t)nthreads * max_dim * (int64_t)sizeof(float));
+    P.ecnt = at, at += align64((CHUNKS_PER_THREAD * (int64_t)nthreads + 1) * 8);
     P.total = at;
     return P;
 }
@@ -485,8 +524,11 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
                         const int64_t *offsets, const float *psw, int mean,
                         const float *grad_out, const optim_t *opt, float *momentum1,
                         float *exp_avg, float *exp_avg_sq, int nthreads, int force_pairs,
-                        char *ws, int64_t ws_bytes, int64_t *err) {
+                        char *ws, int64_t ws_bytes, int64_t *err, const uint8_t *emit_table,
+                        int64_t *emit_rows, float *emit_grads, int64_t emit_stride,
+                        int64_t *emit_count) {
     const int64_t F = L->F, B = L->B, TD = L->total_dim, nbags = F * B;
+    if (emit_count) *emit_count = 0;
     int rc = check_offsets(offsets, nbags, err);
     if (rc != TBE_OK) return rc;
     const int64_t base = offsets[0];
@@ -600,18 +642,33 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
             /* 3. The sorted occurrences are cut into chunks moved to row boundaries, so every
              * row is summed and updated by exactly one thread, in sorted order: bitwise the same
              * result for any thread count or schedule. */
-            const update_t U = {L,        weights, momentum1, exp_avg, exp_avg_sq, keys,
-                                vals,     gofs_of, G,         psw,     opt,        base,
-                                kshift,   vmask,   packed};
+            const update_t U = {L,        weights,    momentum1, exp_avg,    exp_avg_sq,
+                                keys,     vals,       gofs_of,   G,          psw,
+                                opt,      base,       kshift,    vmask,      packed,
+                                emit_table, emit_rows, emit_grads, emit_stride};
             float *gacc = (float *)(ws + P.gbuf) + (int64_t)tid * max_dim;
             const int64_t chunks = CHUNKS_PER_THREAD * (int64_t)nt;
+            int64_t *ecnt = (int64_t *)(ws + P.ecnt); /* [chunks + 1]: first emit index */
+            if (emit_table) {
+                /* Emitted rows keep sorted row order: count per chunk, then prefix. */
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t c = 0; c < chunks; ++c) {
+                    int64_t beg, end;
+                    chunk_bounds(keys, kshift, n, c, chunks, &beg, &end);
+                    ecnt[c + 1] = count_emitted(&U, beg, end);
+                } /* implicit barrier */
+#pragma omp single
+                {
+                    ecnt[0] = 0;
+                    for (int64_t c = 0; c < chunks; ++c) ecnt[c + 1] += ecnt[c];
+                    *emit_count = ecnt[chunks];
+                } /* implicit barrier */
+            }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t c = 0; c < chunks; ++c) {
-                int64_t beg = n * c / chunks, end = n * (c + 1) / chunks;
-                while (beg > 0 && beg < n && (keys[beg] >> kshift) == (keys[beg - 1] >> kshift))
-                    ++beg;
-                while (end < n && (keys[end] >> kshift) == (keys[end - 1] >> kshift)) ++end;
-                update_rows(&U, beg, end, gacc);
+                int64_t beg, end;
+                chunk_bounds(keys, kshift, n, c, chunks, &beg, &end);
+                update_rows(&U, beg, end, gacc, emit_table ? ecnt[c] : 0);
             }
         }
     }
