@@ -302,6 +302,13 @@ class PlannerConfig:
     """Bytes per stored weight element."""
     allow_host: bool = True
     """Tables may live in host DRAM (UVM-like tier)."""
+    allow_cached_tiers: bool = True
+    """``neorec plan`` may place tables in the cached tiers: rows in host DRAM (``dram``) or on
+    SSD (``ssd``, with ``topology.ssd_capacity_gb``) behind a row cache in device memory. Read by
+    ``neorec plan`` only: the distributed runtime plans without cached tiers (it does not run
+    cached tables)."""
+    cache_fractions: list[float] = field(default_factory=lambda: [0.01, 0.05, 0.1, 0.25])
+    """Row cache sizes (share of a shard's rows) the planner tries for the cached tiers."""
     max_cw_slices: int = 0
     """Most column slices per table (0 = planner default)."""
     optimizer: str = ""

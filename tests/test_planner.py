@@ -303,3 +303,199 @@ def test_planner_accounts_for_unfused_ranks() -> None:
         ],
     )
     assert res.cost.max_time_s <= cm.evaluate(naive, tables).max_time_s
+
+
+# ---- cached tiers (dram / ssd behind a row cache) -----------------------------------------------
+def _tier_topo(world: int, rph: int, mem_gb: float, host_gb: float, ssd_gb: float) -> Topology:
+    return Topology(
+        world_size=world,
+        ranks_per_host=rph,
+        device_memory_gb=mem_gb + 0.5,
+        device_reserve_gb=0.5,
+        host_memory_gb=host_gb,
+        ssd_capacity_gb=ssd_gb,
+        host_device_bw_gbs=20.0,
+        ssd_bw_gbs=3.0,
+    )
+
+
+def _check_tiers(result, tables: list[TableSpec]) -> None:
+    _check(result, tables)  # fits device, host and SSD memory on every rank
+    c = result.cost
+    for r in c.ranks:
+        assert r.device_bytes <= c.device_capacity_bytes
+        assert r.host_bytes <= c.host_capacity_bytes
+        assert r.ssd_bytes <= c.ssd_capacity_bytes
+    for tp in result.plan.cached_tables():
+        assert 0 < tp.cache_fraction < 1
+        assert tp.sharding_type in (
+            ShardingType.TABLE_WISE,
+            ShardingType.ROW_WISE,
+            ShardingType.TABLE_ROW_WISE,
+        )
+
+
+def test_hit_rates_are_the_storage_model() -> None:
+    from neorec.config import TableConfig
+    from neorec.sharding.cost_model import cache_hit_rates
+    from neorec.storage.model import expected_hit_rate
+
+    for alpha, dist in [(1.05, ""), (0.0, ""), (0.0, "uniform")]:
+        t = TableSpec(
+            name="t",
+            rows=2_000_000,
+            dim=8,
+            pooling_factor=4,
+            zipf_alpha=alpha,
+            id_distribution=dist,
+        )
+        cfg = TableConfig(name="t", rows=t.rows, dim=8, pooling_factor=4)
+        want = [
+            expected_hit_rate(cfg, f, None if (alpha == 0 and not dist) else alpha)
+            for f in (0.01, 0.1)
+        ]
+        assert cache_hit_rates(t, [0.01, 0.1]) == pytest.approx(want, abs=1e-9)
+
+
+def test_cached_shard_cost_memory_per_tier_and_misses() -> None:
+    topo = _tier_topo(2, 2, 10.0, 100.0, 1000.0)
+    cm = CostModel(topo, 4096)
+    tw = ShardingType.TABLE_WISE
+    t = TableSpec(name="t", rows=10_000_000, dim=64, pooling_factor=10, zipf_alpha=1.05)
+    dev = cm.shard_cost(t, tw, t.rows, t.dim)
+    rec = 64 * 4 + 4  # row + rowwise_adagrad state
+    ssd = cm.shard_cost(t, tw, t.rows, t.dim, "ssd", cache_fraction=0.05)
+    buffers = dev.device_bytes - t.rows * rec
+    book = t.rows * 4 + 500_000 * 29
+    assert ssd.device_bytes == pytest.approx(buffers + 500_000 * rec + book)
+    assert ssd.ssd_bytes == pytest.approx(t.rows * rec) and ssd.host_bytes == 0
+    dram = cm.shard_cost(t, tw, t.rows, t.dim, "dram", cache_fraction=0.05)
+    assert dram.host_bytes == pytest.approx(t.rows * rec) and dram.ssd_bytes == 0
+    # Same lookups and updates as in device memory, plus the misses at the tier's bandwidth.
+    assert dev.time_s < dram.time_s < ssd.time_s
+    assert ssd.bwd_compute_s == pytest.approx(dev.bwd_compute_s)
+    assert cm.shard_cost(t, tw, t.rows, t.dim, "ssd", cache_fraction=0.25).time_s < ssd.time_s
+    # Less skew, more misses: uniform ids hit at the cache fraction.
+    u = TableSpec(name="u", rows=t.rows, dim=64, pooling_factor=10, id_distribution="uniform")
+    assert cm.hit_rate(u, 0.05) == pytest.approx(0.05)
+    assert cm.hit_rate(t, 0.05) > 0.5
+    assert cm.shard_cost(u, tw, u.rows, u.dim, "ssd", cache_fraction=0.05).time_s > ssd.time_s
+    # A plan with a cached table is evaluated per tier.
+    tp = table_wise(t, 1, storage="ssd")
+    tp.cache_fraction = 0.05
+    cost = cm.evaluate(ShardingPlan(2, 2, [tp]), [t])
+    assert cost.ranks[1].ssd_bytes == pytest.approx(ssd.ssd_bytes) and cost.fits
+    small = CostModel(_tier_topo(2, 2, 10.0, 100.0, 1.0), 4096).evaluate(
+        ShardingPlan(2, 2, [tp]), [t]
+    )
+    assert any("ssd" in o for o in small.overflows())
+
+
+def _ssd_tables() -> list[TableSpec]:
+    big = TableSpec(name="big", rows=60_000_000, dim=64, pooling_factor=4, zipf_alpha=1.05)
+    small = [
+        TableSpec(name=f"s{i}", rows=100_000 * (i + 1), dim=32, pooling_factor=2 + i)
+        for i in range(6)
+    ]
+    return [big, *small]
+
+
+def test_ssd_tier_used_only_when_the_tables_do_not_fit_otherwise() -> None:
+    tables = _ssd_tables()  # ~15.6 GB with optimizer state
+    topo = _tier_topo(4, 4, mem_gb=2.0, host_gb=4.0, ssd_gb=100.0)  # 8 GB HBM + 4 GB DRAM
+    res = plan_tables(tables, topo, 1024, allow_cached_tiers=True)
+    _check_tiers(res, tables)
+    assert res.plan.table("big").storage == "ssd"
+    assert sum(r.ssd_bytes for r in res.cost.ranks) > 0
+    report = format_report(res)
+    assert "SIMULATION" in report and "ssd GB" in report and "SSD" in report
+    assert "cached tiers: " in report and "zipf 1.05" in report
+    rep = res.to_dict()
+    assert rep["tiers"]["ssd"]["used_gb"] > 0
+    assert rep["cached_tables"][0]["table"] == "big"
+    assert 0.5 < rep["cached_tables"][0]["expected_hit_rate"] < 1
+    # Deterministic, and the plan round-trips through JSON with its cache fractions.
+    again = plan_tables(list(tables), topo, 1024, allow_cached_tiers=True)
+    assert again.plan.to_json() == res.plan.to_json()
+    assert ShardingPlan.from_json(res.plan.to_json()) == res.plan
+    # Without the cached tiers (the distributed runtime's planner) it does not fit; the
+    # diagnostic names the SSD tier.
+    with pytest.raises(PlanningError, match="SSD tier"):
+        plan_tables(tables, topo, 1024)
+    # With room in HBM, no cached tier; with room in host DRAM, no SSD.
+    roomy = plan_tables(tables, _tier_topo(4, 4, 8.0, 4.0, 100.0), 1024, allow_cached_tiers=True)
+    assert not roomy.plan.cached_tables()
+    dram = plan_tables(tables, _tier_topo(4, 4, 2.0, 64.0, 100.0), 1024, allow_cached_tiers=True)
+    _check_tiers(dram, tables)
+    assert all(t.storage != "ssd" for t in dram.plan.tables)
+
+
+def test_cached_tiers_random_tasks_fit_every_tier() -> None:
+    rng = random.Random(2)
+    on_ssd = 0
+    for _ in range(6):
+        world, rph = rng.choice([(4, 2), (4, 4), (8, 4)])
+        tables = _tables(rng, rng.randint(4, 16))
+        for t in tables:
+            t.id_distribution = "uniform"  # hit rate = cache fraction: no torch in the loop
+        tables[0].rows, tables[0].zipf_alpha = 30_000_000, 1.1
+        need = sum(t.rows * t.dim * 4 + t.rows * 4 for t in tables) / 1e9
+        topo = _tier_topo(world, rph, need * 0.3 / world, need * 0.2, need * 2)
+        try:
+            res = plan_tables(tables, topo, 2048, allow_cached_tiers=True)
+        except PlanningError as e:
+            assert "fixes:" in str(e)
+            continue
+        _check_tiers(res, tables)
+        on_ssd += any(t.storage == "ssd" for t in res.plan.tables)
+    assert on_ssd >= 3
+
+
+def test_forced_cached_storage_and_the_runtime_default() -> None:
+    t = TableSpec(name="t", rows=1_000_000, dim=16, storage="ssd", cache_fraction=0.1)
+    topo = _tier_topo(2, 2, 4.0, 8.0, 50.0)
+    res = plan_tables([t], topo, 1024, allow_cached_tiers=True)
+    tp = res.plan.table("t")
+    assert (tp.storage, tp.cache_fraction) == ("ssd", 0.1)
+    # The runtime plans without cached tiers: a forced one is an error, never silently dropped.
+    with pytest.raises(ValueError, match="cached tiers are not allowed"):
+        plan_tables([t], topo, 1024)
+    tiny = TableSpec(name="t", rows=10_000, dim=16, pooling_factor=20, storage="dram")
+    with pytest.raises(ValueError, match="needs a row cache of at least"):
+        plan_tables([tiny], topo, 4096, allow_cached_tiers=True)
+
+
+def test_cli_paper_scale_ssd_uses_the_ssd_tier(capsys) -> None:
+    cfg = ROOT / "configs" / "paper_scale_ssd.toml"
+    args = _args(config=str(cfg), world_size=128, ranks_per_host=8, json=True)
+    assert run_plan(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert "simulation" in rep["note"]
+    tiers = rep["tiers"]
+    assert tiers["ssd"]["used_gb"] > 0 and tiers["host"]["capacity_gb"] < 9000
+    assert all(r["ssd_gb"] <= rep["ssd_capacity_gb"] + 1e-9 for r in rep["ranks"])
+    assert any(x["storage"] == "ssd" for x in rep["cached_tables"])
+    args.json, args.no_cached_tiers = False, True
+    assert run_plan(args) == 2
+    assert "an SSD tier" in capsys.readouterr().err
+
+
+def test_cli_config_table_storage_is_kept(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[[embedding.tables]]\nname = "a"\nrows = 200000\ndim = 16\nstorage = "ssd"\n'
+        "cache_fraction = 0.05\n"
+        '[[embedding.tables]]\nname = "b"\nrows = 1000\ndim = 16\n'
+        "[model]\nbottom_mlp = [32, 16]\n"
+        "[planner.topology]\ndevice_memory_gb = 2.0\ndevice_reserve_gb = 0.5\n"
+        "ssd_capacity_gb = 10.0\n"
+    )
+    out = tmp_path / "plan.json"
+    assert run_plan(_args(config=str(cfg), world_size=2, out=str(out))) == 0
+    assert "SSD" in capsys.readouterr().out
+    tp = ShardingPlan.load(out).table("a")
+    assert (tp.storage, tp.cache_fraction) == ("ssd", 0.05)
+    # As the distributed runtime plans: the table's single-process storage is not a constraint.
+    args = _args(config=str(cfg), world_size=2, out=str(out), no_cached_tiers=True)
+    assert run_plan(args) == 0
+    assert ShardingPlan.load(out).table("a").storage == "device"

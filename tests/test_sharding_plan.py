@@ -170,3 +170,45 @@ def test_plan_by_type_from_config_types() -> None:
     kinds = [t.sharding_type.short for t in plan.tables]
     assert kinds == ["TW", "RW", "CW", "TWRW"]
     assert len(plan.table("t1").shards) == 3  # 3 rows on 4 ranks
+
+
+def test_cached_storage_json_round_trip_validation_and_runtime_check(tmp_path) -> None:
+    ssd = row_wise(_t("ssd", rows=100), [0, 1, 2, 3], storage="ssd")
+    ssd.cache_fraction = 0.05
+    dram = table_wise(_t("dram", rows=50), 1, storage="dram")
+    dram.cache_fraction = 0.25
+    plain = table_wise(_t("dev"), 2)
+    plan = ShardingPlan(4, 2, [ssd, dram, plain])
+    plan.validate()
+    d = plan.to_dict()
+    assert d["tables"][0]["cache_fraction"] == 0.05 and "cache_fraction" not in d["tables"][2]
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan and again.table("ssd").cache_fraction == 0.05
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert ShardingPlan.load(path) == plan
+    assert [t.name for t in plan.cached_tables()] == ["ssd", "dram"]
+    text = plan.format_table()
+    assert "ssd@5%" in text and "dram@25%" in text
+    # The distributed runtime runs device / host only: a cached tier is refused, not ignored.
+    with pytest.raises(PlanValidationError, match="storage 'ssd@5%' is not supported"):
+        plan.check_storage(who="the distributed runtime")
+    ShardingPlan(4, 2, [plain]).check_storage()
+    # ... also when it arrives as a hand-written plan file (sharding.plan).
+    from neorec.config import Config, EmbeddingConfig, ModelConfig
+    from neorec.distributed.model_parallel import resolve_plan
+
+    tables = [_t("ssd", rows=100), _t("dram", rows=50), _t("dev")]
+    cfg = Config(model=ModelConfig(bottom_mlp=[16, 8]), embedding=EmbeddingConfig(tables=tables))
+    cfg.sharding.plan = str(path)
+    with pytest.raises(PlanValidationError, match="not supported by the distributed runtime"):
+        resolve_plan(cfg, 4, 2)
+    # A cached tier needs a cache fraction; other tiers must not have one; no DP / CW caches.
+    bad = table_wise(_t("x"), 0, storage="ssd")
+    assert "needs cache_fraction in (0, 1]" in _bad(bad)
+    bad = table_wise(_t("x"), 0)
+    bad.cache_fraction = 0.1
+    assert "only for storage dram or ssd" in _bad(bad)
+    bad = data_parallel(_t("x"), 4, storage="dram")
+    bad.cache_fraction = 0.1
+    assert "table-wise and row-split" in _bad(bad)

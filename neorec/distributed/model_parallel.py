@@ -109,6 +109,7 @@ def resolve_plan(cfg: Config, world_size: int, ranks_per_host: int | None = None
         if not path.exists():
             raise ConfigError(f"sharding.plan: file not found: {path}")
         plan = ShardingPlan.load(path)
+        plan.check_storage(who="the distributed runtime")  # no cached tier it would ignore
         if plan.world_size != world_size:
             raise ConfigError(
                 f"sharding.plan {path} is for world_size {plan.world_size}, "

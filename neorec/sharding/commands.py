@@ -8,15 +8,24 @@ what the planner needs beyond it::
     batch_size = 65536                       # default: data.batch_size
     weight_bytes = 4                         # bytes per stored weight element
     allow_host = true                        # may put tables in host memory (UVM-like tier)
+    allow_cached_tiers = true                # may put tables in dram / ssd behind a row cache
+    cache_fractions = [0.01, 0.05, 0.1, 0.25]  # row cache sizes the planner tries
     [planner.topology]                       # any Topology field (GB, GB/s, us)
     ranks_per_host = 8
     device_memory_gb = 80.0
+    ssd_capacity_gb = 30720.0                # per host; 0 = no SSD tier
+
+``neorec plan`` allows the cached tiers (``dram`` / ``ssd``) unless ``allow_cached_tiers = false``
+or ``--no-cached-tiers``; the distributed runtime plans without them (it does not run cached
+tables), so that flag shows the plan ``neorec train`` on several ranks would make. Tables of the
+config with ``storage = "dram" | "ssd"`` keep that tier (and their cache size) in ``neorec plan``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +49,7 @@ from neorec.config import (
 from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
 from neorec.sharding.planner import PlanningError, format_report, plan_tables
 from neorec.sharding.topology import Topology
+from neorec.sharding.types import CACHED_STORAGES
 
 __all__ = ["add_plan_arguments", "run_plan", "PlanInputs", "load_plan_inputs"]
 
@@ -70,6 +80,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--out", help="write the ShardingPlan JSON here")
     parser.add_argument("--show-plan", action="store_true", help="also print the plan table")
+    parser.add_argument(
+        "--no-cached-tiers",
+        action="store_true",
+        help="no dram/ssd tiers behind a row cache (as the distributed runtime plans)",
+    )
 
 
 class PlanInputs:
@@ -121,13 +136,21 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
     )
     planner.pop("tables_file", None)
     sh = cfg.sharding
+    cached = bool(planner.get("allow_cached_tiers", True)) and not getattr(
+        args, "no_cached_tiers", False
+    )
+    planner["allow_cached_tiers"] = cached
     if tables_file:
         tables = load_tables(tables_file)
     else:
         # Synthetic Zipf ids: skew lowers the rows a batch touches (other distributions: uniform).
         d = cfg.data
-        alpha = d.zipf_alpha if d.source == "synthetic" and d.id_distribution == "zipf" else 0.0
-        tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type, alpha)
+        synthetic = d.source == "synthetic"
+        alpha = d.zipf_alpha if synthetic and d.id_distribution == "zipf" else 0.0
+        dist = d.id_distribution if synthetic else ""
+        tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type, alpha, dist)
+        if cached:
+            _config_storage(tables, cfg)
     batch = args.batch_size or int(planner.pop("batch_size", cfg.data.batch_size))
     planner.pop("batch_size", None)
     optimizer = str(planner.pop("optimizer", cfg.embedding.optimizer))
@@ -145,11 +168,27 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
             topo = Topology.local_cpu(args.world_size).with_world(
                 args.world_size, args.ranks_per_host or args.world_size
             )
-    known = {"weight_bytes", "allow_host", "max_cw_slices"}
+    if "cache_fractions" in planner:
+        planner["cache_fractions"] = tuple(float(f) for f in planner["cache_fractions"])
+    known = {"weight_bytes", "allow_host", "max_cw_slices", "allow_cached_tiers", "cache_fractions"}
     bad = sorted(set(planner) - known)
     if bad:
         raise ConfigError(f"unknown [planner] key(s) {bad}; known: {sorted(known)}")
     return PlanInputs(tables, topo, batch, optimizer, planner)
+
+
+def _config_storage(tables: list[TableSpec], cfg: Config) -> None:
+    """Config tables with ``storage = "dram" | "ssd"`` keep that tier and cache size."""
+    by_name = {t.name: t for t in cfg.embedding.tables}
+    for spec in tables:
+        t = by_name[spec.name]
+        if t.storage not in CACHED_STORAGES:
+            continue
+        spec.storage = t.storage
+        spec.cache_policy = t.cache_policy
+        # cache_rows / cache_fraction as the runtime sizes the cache (default 10%)
+        rows = t.cache_rows or math.ceil((t.cache_fraction or 0.1) * t.rows)
+        spec.cache_fraction = min(1.0, max(1, rows) / t.rows)
 
 
 def _calibrate(args: argparse.Namespace) -> None:

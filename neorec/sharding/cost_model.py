@@ -27,6 +27,18 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   latency of the step's collectives.
 - memory: weights and optimizer state (in the table's storage tier) plus id/output/grad buffers
   (always on the device).
+- cached tiers (``dram`` / ``ssd``: rows in a store in host DRAM or on SSD behind a row cache of
+  a fraction ``f`` of the shard's rows in device memory, as ``neorec.storage.cached`` runs one):
+  device memory holds the cache (cache rows x (row + optimizer state)) and its bookkeeping (a
+  4-byte slot per shard row, ~29 bytes per cache row); the store holds the rows with their state
+  in host DRAM or on SSD. Lookups and updates run on the cache at device bandwidth as for a
+  ``device`` shard; on top, each step moves its misses at the tier's bandwidth: the lookups x
+  the miss rate (a missed row is read once per batch: at most the touched rows) x the record
+  bytes, read in and (every resident row has been updated, so evictions are dirty) written back. The miss rate is ``1 - expected_hit_rate`` of
+  ``neorec.storage.model`` for the table's skew (``TableSpec.zipf_alpha``; the locality-calibrated
+  distribution when unknown) and cache policy; a row shard sees the table's hit rate (hot rows
+  are spread over row ranges). Plus the slot lookups of every id (bookkeeping at device
+  bandwidth).
 
 A rank's predicted time is the sum of its shards' times plus the sample-side term; the step's
 predicted embedding time is, per phase, the slowest rank's, summed. Constants come from the
@@ -47,7 +59,14 @@ from typing import Any
 
 from neorec.config import TableConfig
 from neorec.sharding.topology import GB, Topology
-from neorec.sharding.types import STORAGES, Shard, ShardingPlan, ShardingType, parse_sharding_type
+from neorec.sharding.types import (
+    CACHED_STORAGES,
+    STORAGES,
+    Shard,
+    ShardingPlan,
+    ShardingType,
+    parse_sharding_type,
+)
 
 __all__ = [
     "OPTIMIZERS",
@@ -60,9 +79,16 @@ __all__ = [
     "load_tables",
     "tables_from_config",
     "distinct_rows",
+    "cache_hit_rates",
+    "cache_rows",
+    "ID_DISTRIBUTIONS",
 ]
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+ID_DISTRIBUTIONS = ("", "uniform", "zipf", "locality")
+"""How a table's ids are drawn, for cache hit rates: empty = unknown (locality-calibrated, the
+production-like default), or as ``data.id_distribution``."""
+CACHE_POLICIES = ("lru", "lfu")
 
 
 @dataclass(kw_only=True)
@@ -81,10 +107,19 @@ class TableSpec:
     ranks: tuple[int, ...] = ()
     """Pin: the table's shards may only go on these ranks; empty = any."""
     storage: str = ""
-    """Force ``device`` or ``host`` storage; empty = the planner chooses."""
+    """Force a storage tier (``device``, ``host``, or the cached ``dram`` / ``ssd``); empty = the
+    planner chooses."""
     zipf_alpha: float = 0.0
     """Access skew: ids drawn with P(k-th most popular row) ~ k^-zipf_alpha; 0 = uniform. Skew
     lowers the distinct rows a batch touches (rows gathered and updated), not the id count."""
+    cache_fraction: float = 0.0
+    """Cache size of a forced ``dram`` / ``ssd`` storage as a share of rows; 0 = the planner
+    chooses among its candidate fractions."""
+    cache_policy: str = "lru"
+    """Row cache eviction policy (``lru`` or ``lfu``) assumed for the cached tiers' hit rates."""
+    id_distribution: str = ""
+    """Id distribution for cache hit rates when ``zipf_alpha`` is 0: ``uniform``, ``locality``, or
+    empty = unknown (taken as the locality-calibrated, production-like distribution)."""
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.pooling_factor < 0 or self.zipf_alpha < 0:
@@ -97,6 +132,20 @@ class TableSpec:
             raise ValueError(f"table '{self.name}': optimizer must be one of {OPTIMIZERS}")
         if self.storage and self.storage not in STORAGES:
             raise ValueError(f"table '{self.name}': storage must be one of {STORAGES}")
+        if not 0.0 <= self.cache_fraction <= 1.0 or (
+            self.cache_fraction and self.storage not in CACHED_STORAGES
+        ):
+            raise ValueError(
+                f"table '{self.name}': cache_fraction must be in [0, 1] and is only for storage "
+                f"dram or ssd, got {self.cache_fraction} with storage '{self.storage}'"
+            )
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"table '{self.name}': cache_policy must be one of {CACHE_POLICIES}")
+        if self.id_distribution not in ID_DISTRIBUTIONS:
+            raise ValueError(
+                f"table '{self.name}': id_distribution must be one of {ID_DISTRIBUTIONS[1:]} "
+                f"or empty, got '{self.id_distribution}'"
+            )
         self.allowed_types = tuple(
             t if isinstance(t, ShardingType) else parse_sharding_type(str(t))
             for t in self.allowed_types
@@ -107,6 +156,14 @@ class TableSpec:
     def params(self) -> int:
         """Number of parameters (rows x dim)."""
         return self.rows * self.dim
+
+    @property
+    def hit_alpha(self) -> float | None:
+        """Zipf exponent for cache hit rates: ``zipf_alpha`` when set, 0 for uniform ids, None for
+        the locality-calibrated distribution (``locality`` or unknown)."""
+        if self.zipf_alpha > 0:
+            return self.zipf_alpha
+        return 0.0 if self.id_distribution in ("uniform", "zipf") else None
 
     @classmethod
     def from_config(cls, t: TableConfig, **kw: Any) -> TableSpec:
@@ -120,14 +177,21 @@ def tables_from_config(
     types: dict[str, str] | None = None,
     default_type: str = "",
     zipf_alpha: float = 0.0,
+    id_distribution: str = "",
 ) -> list[TableSpec]:
     """Planner tables from config tables; ``sharding.types`` / ``default_type`` become constraints,
-    ``zipf_alpha`` the access skew of every table (0 = uniform ids)."""
+    ``zipf_alpha`` the access skew of every table (0 = uniform ids), ``id_distribution`` what
+    cache hit rates assume (empty = unknown). A table's own ``storage`` (memory / dram / ssd of
+    single-process training) is not a planner constraint here (see ``neorec plan``)."""
     out = []
     for t in tables:
         st = (types or {}).get(t.name, default_type)
         allowed = (parse_sharding_type(st),) if st else ()
-        out.append(TableSpec.from_config(t, allowed_types=allowed, zipf_alpha=zipf_alpha))
+        out.append(
+            TableSpec.from_config(
+                t, allowed_types=allowed, zipf_alpha=zipf_alpha, id_distribution=id_distribution
+            )
+        )
     return out
 
 
@@ -152,6 +216,9 @@ def _spec_from_record(d: dict[str, Any], where: str) -> TableSpec:
             ranks=tuple(int(r) for r in (_split_list(ranks) if isinstance(ranks, str) else ranks)),
             storage=str(d.get("storage") or ""),
             zipf_alpha=float(d.get("zipf_alpha") or 0.0),
+            cache_fraction=float(d.get("cache_fraction") or 0.0),
+            cache_policy=str(d.get("cache_policy") or "lru"),
+            id_distribution=str(d.get("id_distribution") or ""),
         )
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"{where}: bad table record {d}: {e}") from None
@@ -159,8 +226,9 @@ def _spec_from_record(d: dict[str, Any], where: str) -> TableSpec:
 
 def load_tables(path: str | Path) -> list[TableSpec]:
     """Tables from CSV (header ``name,rows,dim,pooling_factor`` and optionally ``optimizer``,
-    ``allowed_types``, ``ranks``, ``storage``, ``zipf_alpha``; lists separated by ``;``) or JSON
-    (a list of objects, or ``{"tables": [...]}``)."""
+    ``allowed_types``, ``ranks``, ``storage``, ``zipf_alpha``, ``cache_fraction``,
+    ``cache_policy``, ``id_distribution``; lists separated by ``;``) or JSON (a list of objects,
+    or ``{"tables": [...]}``)."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"table file not found: {p}")
@@ -214,6 +282,64 @@ def distinct_rows(rows: int, hits: float, zipf_alpha: float = 0.0) -> float:
     return min(u, float(rows), float(hits))
 
 
+_CACHE_SLOT_MAP_BYTES = 4
+"""Cache bookkeeping per row of the shard: the slot map (``slot_of``, int32)."""
+_CACHE_ROW_BOOK_BYTES = 29
+"""Cache bookkeeping per cache row: id (int64), eviction key (int64), free-slot stack entry
+(int64), pin count (int32), dirty flag (bool), as ``neorec.storage.cached`` keeps them."""
+_CACHE_ID_WORDS = 3
+"""Id-sized words of bookkeeping per id and per touched row of a cached shard (slot lookup,
+remap, recency / frequency update)."""
+CACHE_MIN_BATCHES = 2.0
+"""A cache must hold this many batches' distinct rows of its shard (a batch's rows stay pinned
+until its backward; the next batch's are prefetched); smaller caches are not offered."""
+
+_HIT_MEMO: dict[tuple[int, float | None, str, float, float], float] = {}
+
+
+def _hit_key(table: TableSpec, fraction: float) -> tuple[int, float | None, str, float, float]:
+    alpha = table.hit_alpha
+    pooling = table.pooling_factor if alpha is None else 0.0  # only the locality model uses it
+    return (table.rows, alpha, table.cache_policy, pooling, float(fraction))
+
+
+def cache_hit_rates(table: TableSpec, fractions: Iterable[float]) -> list[float]:
+    """Expected per-lookup hit rates of row caches of ``fractions`` of ``table``'s rows
+    (``neorec.storage.model.expected_hit_rates`` for the table's skew and policy; memoized).
+
+    Uniform ids hit at the cache fraction; other distributions are computed with torch, imported
+    here on first use and run on one thread (many small ops; other threads only contend).
+    """
+    fr = [float(f) for f in fractions]
+    alpha = table.hit_alpha
+    if alpha == 0.0:
+        return [min(1.0, max(0.0, f)) for f in fr]
+    todo = sorted({f for f in fr if _hit_key(table, f) not in _HIT_MEMO})
+    if todo:
+        import torch
+
+        from neorec.storage.model import expected_hit_rates
+
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            rates = expected_hit_rates(
+                table.rows, todo, alpha, table.cache_policy, max(table.pooling_factor, 1e-3)
+            )
+        finally:
+            torch.set_num_threads(n)
+        if len(_HIT_MEMO) > 1 << 16:
+            _HIT_MEMO.clear()
+        for f, h in zip(todo, rates):
+            _HIT_MEMO[_hit_key(table, f)] = h
+    return [_HIT_MEMO[_hit_key(table, f)] for f in fr]
+
+
+def cache_rows(rows: int, fraction: float) -> int:
+    """Rows of a cache of ``fraction`` of ``rows`` (at least one, at most all), as the runtime."""
+    return max(1, min(rows, math.ceil(fraction * rows)))
+
+
 PHASES = ("fwd_comm", "fwd_compute", "bwd_comm", "bwd_compute")
 """Step phases separated by collectives; each ends when its slowest rank does."""
 
@@ -230,6 +356,8 @@ class ShardCost:
     host_bytes: float
     inter_s: float = 0.0
     """Part of the communication time spent on inter-host links."""
+    ssd_bytes: float = 0.0
+    """Bytes on SSD (the row store of an ``ssd``-tier shard)."""
 
     @property
     def phases(self) -> tuple[float, float, float, float]:
@@ -261,6 +389,7 @@ class RankCost:
     """Seconds in each of ``PHASES``."""
     device_bytes: float = 0.0
     host_bytes: float = 0.0
+    ssd_bytes: float = 0.0
     shards: list[tuple[str, Shard, float]] = field(default_factory=list)
     """(table, shard, predicted seconds) held by this rank."""
 
@@ -292,6 +421,7 @@ class PlanCost:
     sample_side_s: float
     device_capacity_bytes: float
     host_capacity_bytes: float
+    ssd_capacity_bytes: float = 0.0
 
     def rank_time(self, rank: int) -> float:
         """Predicted embedding time of ``rank`` per step if it never waited for another rank."""
@@ -336,6 +466,11 @@ class PlanCost:
                     f"rank {r.rank}: host {r.host_bytes / GB:.2f} GB > "
                     f"{self.host_capacity_bytes / GB:.2f} GB"
                 )
+            if r.ssd_bytes > self.ssd_capacity_bytes * (1 + 1e-9):
+                out.append(
+                    f"rank {r.rank}: ssd {r.ssd_bytes / GB:.2f} GB > "
+                    f"{self.ssd_capacity_bytes / GB:.2f} GB"
+                )
         return out
 
     @property
@@ -373,9 +508,14 @@ class CostModel:
         self._bw = {
             "device": topology.device_bw_gbs * GB,
             "host": topology.host_device_bw_gbs * GB,
+            # cache misses of the cached tiers (records between the store and the cache)
+            "dram": topology.host_device_bw_gbs * GB,
+            "ssd": min(topology.ssd_bw_gbs, topology.host_device_bw_gbs) * GB,
         }
         self._intra_bw = topology.intra_host_bw_gbs * GB
         self._inter_bw = topology.inter_host_bw_gbs * GB
+        self.cache_fractions: tuple[float, ...] = ()
+        """Candidate cache fractions (set by the planner): hit rates are computed together."""
 
     # ---- pieces -------------------------------------------------------------------------------
     def state_bytes(self, table: TableSpec, rows: int, cols: int) -> float:
@@ -406,6 +546,22 @@ class CostModel:
             and self.optimizer_of(table) == "rowwise_adagrad"
         )
 
+    def record_bytes(self, table: TableSpec, cols: int) -> float:
+        """Bytes of one row with its optimizer state (a record of a cached tier's store)."""
+        return cols * self.weight_bytes + self.state_bytes(table, 1, cols)
+
+    def min_cache_fraction(self, table: TableSpec) -> float:
+        """Smallest cache fraction the cached tiers may use for ``table``: the cache must hold
+        ``CACHE_MIN_BATCHES`` batches' distinct rows (row shards get their share of both)."""
+        touched = distinct_rows(table.rows, self.batch * table.pooling_factor, table.zipf_alpha)
+        return min(1.0, CACHE_MIN_BATCHES * touched / table.rows)
+
+    def hit_rate(self, table: TableSpec, fraction: float) -> float:
+        """Expected per-lookup hit rate of a ``fraction`` row cache over ``table``
+        (``cache_hit_rates``); computed with every fraction in ``self.cache_fractions`` at once."""
+        fr = [fraction, *(f for f in self.cache_fractions if f != fraction)]
+        return cache_hit_rates(table, fr)[0]
+
     def update_bytes(
         self, table: TableSpec, touched: float, cols: int, grad_rows: float
     ) -> tuple[float, float]:
@@ -423,6 +579,7 @@ class CostModel:
         cols: int,
         storage: str = "device",
         unfused: bool | None = None,
+        cache_fraction: float = 0.0,
     ) -> ShardCost:
         """Per-step time and memory of a ``rows`` x ``cols`` shard of ``table`` on its rank.
 
@@ -430,6 +587,7 @@ class CostModel:
         runtime does for this shard alone (``cw_unfused``). ``evaluate`` passes True for every
         model-parallel shard of a rank that holds a column-wise table under row-wise Adagrad,
         since the runtime then updates all of that rank's shards on the unfused path.
+        ``cache_fraction``: the row cache of a cached ``storage`` (``dram`` / ``ssd``).
         """
         b, w = self.batch, self.topo.world_size
         e, c4 = self.weight_bytes, self.comm_bytes
@@ -446,8 +604,15 @@ class CostModel:
         state = self.state_bytes(table, rows, cols)
         if unfused is None:
             unfused = self.cw_unfused(table, st)
-        # Row traffic at the storage tier; ids, pooled outputs and grads at device bandwidth.
-        sto_bw, dev_bw = self._bw[storage], self._bw["device"]
+        cached = storage in CACHED_STORAGES
+        if cached and (dp or not 0.0 < cache_fraction <= 1.0):
+            raise ValueError(
+                f"table '{table.name}': cached storage '{storage}' needs a model-parallel shard "
+                f"and cache_fraction in (0, 1], got {st.value}, {cache_fraction}"
+            )
+        # Row traffic at the storage tier (a cached tier's rows are read and updated in the
+        # cache, in device memory); ids, pooled outputs and grads at device bandwidth.
+        sto_bw, dev_bw = self._bw["device" if cached else storage], self._bw["device"]
         unf_bw = self.topo.unfused_bw_gbs * GB
         overhead = self.topo.shard_overhead_us * 1e-6 / 2
         # Forward: read ids, gather rows (storage tier; repeats of a row within the batch hit in
@@ -494,6 +659,21 @@ class CostModel:
                 inter += se
             buffers = hits * self.id_bytes + 2 * out_rows * cols * c4
         weights = rows * cols * e + state
+        if cached:
+            # Misses read from the store, and as many dirty evictions written back to it (each
+            # resident row was updated by the step that touched it); slot lookups of every id.
+            # A missed row is read once per batch however often the batch repeats it: the
+            # lookups' misses, at most the touched rows.
+            rec = self.record_bytes(table, cols)
+            misses = min(touched, hits * (1.0 - self.hit_rate(table, cache_fraction)))
+            fwd += 2 * misses * rec / self._bw[storage]
+            fwd += _CACHE_ID_WORDS * self.id_bytes * (hits + touched) / dev_bw
+            crows = cache_rows(rows, cache_fraction)
+            book = rows * _CACHE_SLOT_MAP_BYTES + crows * _CACHE_ROW_BOOK_BYTES
+            dev = buffers + crows * rec + book
+            host = weights if storage == "dram" else 0.0
+            ssd = weights if storage == "ssd" else 0.0
+            return ShardCost(fwd_comm, fwd, bwd_comm, bwd, dev, host, inter, ssd)
         dev = buffers + (weights if storage == "device" else 0.0)
         host = weights if storage == "host" else 0.0
         return ShardCost(fwd_comm, fwd, bwd_comm, bwd, dev, host, inter)
@@ -551,13 +731,20 @@ class CostModel:
             mp = tp.sharding_type is not ShardingType.DATA_PARALLEL
             for s in tp.shards:
                 unf = True if mp and s.rank in slow else None
-                c = self.shard_cost(spec, tp.sharding_type, s.rows, s.cols, tp.storage, unf)
+                c = self.shard_cost(
+                    spec, tp.sharding_type, s.rows, s.cols, tp.storage, unf, tp.cache_fraction
+                )
                 rc = ranks[s.rank]
                 for p, v in enumerate(c.phases):
                     rc.phases[p] += v
                 rc.device_bytes += c.device_bytes
                 rc.host_bytes += c.host_bytes
+                rc.ssd_bytes += c.ssd_bytes
                 rc.shards.append((tp.name, s, c.time_s))
         return PlanCost(
-            ranks, sample, self.topo.device_capacity_bytes, self.topo.host_capacity_bytes
+            ranks,
+            sample,
+            self.topo.device_capacity_bytes,
+            self.topo.host_capacity_bytes,
+            self.topo.ssd_capacity_bytes,
         )

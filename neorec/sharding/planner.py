@@ -4,18 +4,25 @@ Steps (all deterministic, pure Python):
 
 1. **Enumerate** per table the options its constraints allow: data-parallel, table-wise,
    column-wise in 2, 4, 8, ... slices, table-row-wise over one host, row-wise over all ranks; each
-   with ``device`` or (when the topology has host memory) ``host`` storage.
-2. **Estimate** every option's shard times and memory with ``CostModel``.
-3. **Propose**: each table starts at its cheapest option in total time; when the tables do not fit
-   in device memory, the tables that lose least time per byte moved go to host storage.
+   with ``device`` or (when the topology has host memory) ``host`` storage; with
+   ``allow_cached_tiers``, table-wise and row-split options also in the cached tiers: rows in host
+   DRAM (``dram``) or on SSD (``ssd``, when the topology has ``ssd_capacity_gb``) behind a row
+   cache of each candidate fraction (``cache_fractions``) in device memory.
+2. **Estimate** every option's shard times and memory with ``CostModel`` (a cached tier's miss
+   traffic from the table's expected hit rate; computed only for options the search considers).
+3. **Propose**: each table starts at its cheapest option in total time (never a cached one: they
+   are never faster than the same split in device memory); when the tables do not fit in device
+   memory, the tables that lose least time per device byte freed move to a slower tier (host,
+   dram or ssd, whichever loses least per byte, within the host DRAM and SSD left). So the cached
+   tiers are used only when the tables do not fit otherwise, or where they beat the host tier.
 4. **Partition**: LPT greedy (largest first, onto the least-loaded rank that fits), escalating a
    table to finer splits / the slower tier when it does not fit anywhere.
 5. **Improve**: local search on the slowest rank: move a shard, swap two shards, or re-split a
    table (by columns or rows), accepted only when the slowest rank gets faster without any other
    rank getting as slow.
 
-The objective is the slowest rank's predicted time (``CostModel``), subject to every rank's device
-and host memory. Predictions are a simulation, not measurements. One cost is not per shard: under
+The objective is the slowest rank's predicted time (``CostModel``), subject to every rank's device,
+host and SSD memory. Predictions are a simulation, not measurements. One cost is not per shard: under
 row-wise Adagrad a rank holding a column-wise shard updates all its shards on the slower unfused
 path (``CostModel.evaluate``); the search tracks that per rank, so its loads equal the evaluated
 plan's.
@@ -30,9 +37,19 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from neorec.sharding.cost_model import PHASES, CostModel, PlanCost, ShardCost, TableSpec
+from neorec.sharding.cost_model import (
+    CACHE_MIN_BATCHES,
+    PHASES,
+    CostModel,
+    PlanCost,
+    ShardCost,
+    TableSpec,
+    cache_hit_rates,
+    cache_rows,
+)
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
+    CACHED_STORAGES,
     Shard,
     ShardingPlan,
     ShardingType,
@@ -40,12 +57,23 @@ from neorec.sharding.types import (
     split_evenly,
 )
 
-__all__ = ["PlanningError", "PlanResult", "Planner", "plan_tables", "format_report"]
+__all__ = [
+    "PlanningError",
+    "PlanResult",
+    "Planner",
+    "plan_tables",
+    "format_report",
+    "DEFAULT_CACHE_FRACTIONS",
+]
 
 SIMULATION_NOTE = (
     "predicted by neorec's cost model (a simulation from Topology constants, not a measurement)"
 )
 _EPS = 1e-12
+DEFAULT_CACHE_FRACTIONS = (0.01, 0.05, 0.10, 0.25)
+"""Row cache sizes (share of a shard's rows) the planner tries for the cached tiers."""
+_CACHED_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+"""Sharding types offered with a cached tier (whole rows per shard, one cache per shard)."""
 
 
 class PlanningError(ValueError):
@@ -58,15 +86,22 @@ class PlanningError(ValueError):
 
 @dataclass(frozen=True)
 class _Option:
-    """One way to shard a table: type, storage tier and number of shards."""
+    """One way to shard a table: type, storage tier, number of shards and (cached tiers) the
+    row cache fraction."""
 
     stype: ShardingType
     storage: str
     n: int
+    frac: float = 0.0
+
+    @property
+    def cached(self) -> bool:
+        return self.storage in CACHED_STORAGES
 
     def label(self) -> str:
         extra = f"x{self.n}" if self.stype not in (ShardingType.TABLE_WISE,) else ""
-        return f"{self.stype.short}{extra}/{self.storage}"
+        sto = f"{self.storage}@{self.frac * 100:g}%" if self.cached else self.storage
+        return f"{self.stype.short}{extra}/{sto}"
 
 
 class _Piece:
@@ -76,7 +111,19 @@ class _Piece:
     ``extra``: backward seconds this shard adds when its rank is on that path.
     """
 
-    __slots__ = ("table", "rows", "cols", "ph", "tot", "dev", "host", "rank", "cw", "extra")
+    __slots__ = (
+        "table",
+        "rows",
+        "cols",
+        "ph",
+        "tot",
+        "dev",
+        "host",
+        "ssd",
+        "rank",
+        "cw",
+        "extra",
+    )
 
     def __init__(
         self,
@@ -94,6 +141,7 @@ class _Piece:
         self.tot = c.time_s
         self.dev = c.device_bytes
         self.host = c.host_bytes
+        self.ssd = c.ssd_bytes
         self.rank = -1
         self.cw = cw
         self.extra = extra
@@ -126,6 +174,43 @@ class PlanResult:
         items.sort(key=lambda x: (-x[2], x[0]))
         return [(name, str(shard), t) for name, shard, t in items[:top]]
 
+    def tiers(self) -> dict[str, dict[str, float]]:
+        """Memory per tier: GB used over all ranks, their capacity, and the fullest rank's GB."""
+        c = self.cost
+        w = len(c.ranks)
+        out = {}
+        for tier, cap, used in (
+            ("device", c.device_capacity_bytes, [r.device_bytes for r in c.ranks]),
+            ("host", c.host_capacity_bytes, [r.host_bytes for r in c.ranks]),
+            ("ssd", c.ssd_capacity_bytes, [r.ssd_bytes for r in c.ranks]),
+        ):
+            out[tier] = {
+                "used_gb": sum(used) / GB,
+                "capacity_gb": cap * w / GB,
+                "max_rank_gb": max(used) / GB,
+                "rank_capacity_gb": cap / GB,
+            }
+        return out
+
+    def cached_tables(self) -> list[dict[str, Any]]:
+        """Tables in a cached tier: storage, cache fraction and expected hit rate (simulation)."""
+        specs = {t.name: t for t in self.tables}
+        out = []
+        for tp in self.plan.cached_tables():
+            spec = specs[tp.name]
+            out.append(
+                {
+                    "table": tp.name,
+                    "type": tp.sharding_type.value,
+                    "storage": tp.storage,
+                    "cache_fraction": tp.cache_fraction,
+                    "cache_rows": sum(cache_rows(s.rows, tp.cache_fraction) for s in tp.shards),
+                    "expected_hit_rate": cache_hit_rates(spec, [tp.cache_fraction])[0],
+                    "skew": _skew_label(spec),
+                }
+            )
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (per-rank time, memory, tables; imbalance; critical path; plan)."""
         c = self.cost
@@ -148,6 +233,9 @@ class PlanResult:
             "phases": [{"phase": n, "rank": r, "seconds": t} for n, r, t in self.critical_ranks()],
             "device_capacity_gb": c.device_capacity_bytes / GB,
             "host_capacity_gb": c.host_capacity_bytes / GB,
+            "ssd_capacity_gb": c.ssd_capacity_bytes / GB,
+            "tiers": self.tiers(),
+            "cached_tables": self.cached_tables(),
             "types": types,
             "planning_s": self.planning_s,
             "iterations": self.iterations,
@@ -162,6 +250,7 @@ class PlanResult:
                     "comm_s": r.comm_s,
                     "device_gb": r.device_bytes / GB,
                     "host_gb": r.host_bytes / GB,
+                    "ssd_gb": r.ssd_bytes / GB,
                     "tables": sorted({name for name, _, _ in r.shards}),
                 }
                 for r in c.ranks
@@ -170,19 +259,54 @@ class PlanResult:
         }
 
 
+def _skew_label(t: TableSpec) -> str:
+    a = t.hit_alpha
+    if a is None:
+        return "locality" if t.id_distribution else "locality-calibrated as skew is unknown"
+    return "uniform" if a == 0 else f"zipf {a:g}"
+
+
 def format_report(result: PlanResult, max_ranks: int = 32) -> str:
-    """Readable report: per-rank time, memory and tables, imbalance and critical path."""
+    """Readable report: per-rank time, memory per tier and tables, imbalance and critical path."""
     c, p = result.cost, result.plan
     params = sum(t.params for t in result.tables)
-    dev = sum(r.device_bytes for r in c.ranks)
-    host = sum(r.host_bytes for r in c.ranks)
+    tiers = result.tiers()
+    dev, host, ssd = (tiers[k]["used_gb"] for k in ("device", "host", "ssd"))
+    ssd_on = c.ssd_capacity_bytes > 0 or ssd > 0
+    ssd_cap = f", ssd {c.ssd_capacity_bytes / GB:.1f} GB/rank" if ssd_on else ""
     lines = [
         f"SIMULATION: all times and memory below are {SIMULATION_NOTE}.",
         f"topology: {result.topology.name or 'custom'}; {p.world_size} ranks, "
         f"{p.ranks_per_host} per host; device {c.device_capacity_bytes / GB:.1f} GB/rank for "
-        f"tables, host {c.host_capacity_bytes / GB:.1f} GB/rank",
+        f"tables, host {c.host_capacity_bytes / GB:.1f} GB/rank{ssd_cap}",
         f"tables: {len(result.tables)}, params: {params:,} ({params / 1e12:.3f} T), "
-        f"batch {result.batch_size}; memory used: device {dev / GB:,.1f} GB, host {host / GB:,.1f} GB",
+        f"batch {result.batch_size}; memory used: device {dev:,.1f} GB, host {host:,.1f} GB"
+        + (f", ssd {ssd:,.1f} GB" if ssd_on else ""),
+        "memory per tier (used / capacity over all ranks; fullest rank / its capacity): "
+        + "; ".join(
+            f"{name} {tiers[k]['used_gb']:,.1f} / {tiers[k]['capacity_gb']:,.1f} GB "
+            f"({tiers[k]['max_rank_gb']:.2f} / {tiers[k]['rank_capacity_gb']:.2f} GB)"
+            for k, name in (("device", "device"), ("host", "host DRAM"), ("ssd", "SSD"))
+            if k != "ssd" or ssd_on
+        ),
+    ]
+    cached = result.cached_tables()
+    if cached:
+        by = {k: [x for x in cached if x["storage"] == k] for k in CACHED_STORAGES}
+        hits = [x["expected_hit_rate"] for x in cached]
+        fr = sorted({x["cache_fraction"] for x in cached})
+        skews: dict[str, int] = {}
+        for x in cached:
+            skews[x["skew"]] = skews.get(x["skew"], 0) + 1
+        lines.append(
+            f"cached tiers: {len(cached)} table(s) behind a row cache in device memory ("
+            + ", ".join(f"{len(v)} in {k}" for k, v in by.items() if v)
+            + f"); cache fractions {', '.join(f'{f * 100:g}%' for f in fr)}; expected hit rates "
+            f"{min(hits):.3f}..{max(hits):.3f} from the tables' skew ("
+            + ", ".join(f"{n} {k}" for k, n in sorted(skews.items()))
+            + "; simulation, not measured)"
+        )
+    lines += [
         f"predicted embedding time per step: {c.max_time_s * 1e3:.3f} ms (sum over phases of the "
         f"slowest rank), mean rank {c.mean_time_s * 1e3:.3f} ms, imbalance (step/mean) "
         f"{c.imbalance:.3f}, sample-side {c.sample_side_s * 1e3:.3f} ms",
@@ -191,7 +315,8 @@ def format_report(result: PlanResult, max_ranks: int = 32) -> str:
         f"planned in {result.planning_s:.2f} s ({result.iterations} local-search steps)",
         "",
         f"{'rank':>5} {'time ms':>9} {'compute':>9} {'comm':>9} {'dev GB':>8} {'host GB':>8} "
-        f"{'shards':>6}  tables",
+        + (f"{'ssd GB':>8} " if ssd_on else "")
+        + f"{'shards':>6}  tables",
     ]
     order = sorted(c.ranks, key=lambda r: (-c.rank_time(r.rank), r.rank))
     shown = order if len(order) <= max_ranks else order[: max_ranks // 2] + order[-max_ranks // 2 :]
@@ -203,14 +328,16 @@ def format_report(result: PlanResult, max_ranks: int = 32) -> str:
         lines.append(
             f"{r.rank:>5} {c.rank_time(r.rank) * 1e3:>9.3f} {r.compute_s * 1e3:>9.3f} "
             f"{r.comm_s * 1e3:>9.3f} {r.device_bytes / GB:>8.2f} {r.host_bytes / GB:>8.2f} "
-            f"{len(r.shards):>6}  {tabs}"
+            + (f"{r.ssd_bytes / GB:>8.2f} " if ssd_on else "")
+            + f"{len(r.shards):>6}  {tabs}"
         )
     lines.append("")
     lines.append("critical path (largest shards on the ranks that set a phase's time):")
     for name, shard, t in result.critical_path():
         tp = p.table(name)
         lines.append(
-            f"  {name:<24} {tp.sharding_type.short:<5} {tp.storage:<7} {shard:<32} {t * 1e3:.3f} ms"
+            f"  {name:<24} {tp.sharding_type.short:<5} {tp.storage_label:<7} {shard:<32} "
+            f"{t * 1e3:.3f} ms"
         )
     return "\n".join(lines)
 
@@ -226,13 +353,33 @@ class Planner:
         *,
         weight_bytes: int = 4,
         allow_host: bool = True,
+        allow_cached_tiers: bool = False,
+        cache_fractions: Sequence[float] = DEFAULT_CACHE_FRACTIONS,
         max_cw_slices: int = 64,
         max_iters: int | None = None,
     ) -> None:
+        """``allow_host``: the host tier (and the ``dram`` cached tier) may hold rows, where the
+        topology has host memory. ``allow_cached_tiers``: offer the cached tiers (``dram`` with
+        host memory and ``allow_host``, ``ssd`` with ``ssd_capacity_gb``) with a row cache of
+        each of ``cache_fractions``. Off by default: the distributed runtime does not run cached
+        tables (``neorec plan`` turns it on; ``planner.allow_cached_tiers``)."""
         self.topo = topology
         self.cm = CostModel(topology, batch_size, optimizer, weight_bytes=weight_bytes)
         self.batch = batch_size
         self.allow_host = allow_host and topology.host_capacity_bytes > 0
+        self.allow_cached = allow_cached_tiers
+        fr = sorted({float(f) for f in cache_fractions})
+        if any(not 0.0 < f < 1.0 for f in fr) or (allow_cached_tiers and not fr):
+            raise ValueError(f"cache_fractions must be in (0, 1), got {list(cache_fractions)}")
+        self.cache_fractions = tuple(fr)
+        self.cm.cache_fractions = self.cache_fractions
+        self.cached_tiers: list[str] = []
+        """Cached tiers this topology offers (``dram``, ``ssd``) when they are allowed."""
+        if allow_cached_tiers:
+            if self.allow_host:
+                self.cached_tiers.append("dram")
+            if topology.ssd_capacity_bytes > 0:
+                self.cached_tiers.append("ssd")
         self.max_cw = max_cw_slices
         self.max_iters = max_iters
 
@@ -268,6 +415,11 @@ class Planner:
             "imbalance": cost.imbalance,
             "batch_size": self.batch,
         }
+        if plan.cached_tables():
+            plan.meta["cached_tiers"] = (
+                "tables with storage dram/ssd run behind a row cache (neorec.storage.cached); "
+                "the distributed runtime does not run them"
+            )
         return PlanResult(plan, cost, list(tables), self.topo, self.batch, dt, iters)
 
     def _split_shares(self, tables: Sequence[TableSpec]) -> list[float | None]:
@@ -290,39 +442,78 @@ class Planner:
             return sorted(set(t.ranks))
         return list(range(self.topo.world_size))
 
+    def cache_choices(self, t: TableSpec) -> list[float]:
+        """Cache fractions offered for ``t`` in a cached tier: its own (a forced dram / ssd
+        storage with a cache fraction), else the candidates large enough to hold
+        ``CACHE_MIN_BATCHES`` batches' distinct rows and smaller than the table."""
+        if t.cache_fraction:
+            return [t.cache_fraction]
+        lo = self.cm.min_cache_fraction(t)
+        return [f for f in self.cache_fractions if f >= lo and cache_rows(t.rows, f) < t.rows]
+
+    def _storages(self, t: TableSpec) -> list[tuple[str, float]]:
+        """(storage, cache fraction) pairs the table may use, fastest tier first."""
+        if t.storage in CACHED_STORAGES:
+            if not self.allow_cached:
+                raise ValueError(
+                    f"table '{t.name}': storage '{t.storage}' is a cached tier, but cached tiers "
+                    "are not allowed here (allow_cached_tiers; the distributed runtime does not "
+                    "run them)"
+                )
+            fr = self.cache_choices(t)
+            if not fr:
+                raise ValueError(
+                    f"table '{t.name}': storage '{t.storage}' needs a row cache of at least "
+                    f"{self.cm.min_cache_fraction(t):.3g} of its rows (the distinct rows of "
+                    f"{CACHE_MIN_BATCHES:g} batches of {self.batch}); candidates: "
+                    f"{list(self.cache_fractions)}"
+                )
+            return [(t.storage, f) for f in fr]
+        if t.storage:
+            return [(t.storage, 0.0)]
+        out = [("device", 0.0)] + ([("host", 0.0)] if self.allow_host else [])
+        if self.cached_tiers:
+            fr = self.cache_choices(t)
+            out += [(tier, f) for tier in self.cached_tiers for f in fr]
+        return out
+
     def options(self, t: TableSpec) -> list[_Option]:
         """Every option the table's constraints allow."""
         w, k = self.topo.world_size, self.topo.ranks_per_host
         cands = self.candidate_ranks(t)
         allowed = set(t.allowed_types) if t.allowed_types else set(ShardingType)
-        storages = (
-            [t.storage] if t.storage else (["device", "host"] if self.allow_host else ["device"])
-        )
+        storages = self._storages(t)
         out: list[_Option] = []
-        if ShardingType.DATA_PARALLEL in allowed and len(cands) == w and "device" in storages:
+        if (
+            ShardingType.DATA_PARALLEL in allowed
+            and len(cands) == w
+            and ("device", 0.0) in storages
+        ):
             out.append(_Option(ShardingType.DATA_PARALLEL, "device", w))
         full_hosts = [
             h
             for h in range(self.topo.num_hosts)
             if all(r in cands for r in range(h * k, (h + 1) * k))
         ]
-        for sto in storages:
+        for sto, fr in storages:
+            cached = sto in CACHED_STORAGES
             if ShardingType.TABLE_WISE in allowed:
-                out.append(_Option(ShardingType.TABLE_WISE, sto, 1))
-            if ShardingType.COLUMN_WISE in allowed:
+                out.append(_Option(ShardingType.TABLE_WISE, sto, 1, fr))
+            if ShardingType.COLUMN_WISE in allowed and not cached:
                 n = 2
                 while n <= min(len(cands), self.max_cw, t.dim) and t.dim // n >= min(4, t.dim):
                     out.append(_Option(ShardingType.COLUMN_WISE, sto, n))
                     n *= 2
             if ShardingType.TABLE_ROW_WISE in allowed and k > 1 and full_hosts:
-                out.append(_Option(ShardingType.TABLE_ROW_WISE, sto, min(k, t.rows)))
+                out.append(_Option(ShardingType.TABLE_ROW_WISE, sto, min(k, t.rows), fr))
             if ShardingType.ROW_WISE in allowed and len(cands) > 1:
-                out.append(_Option(ShardingType.ROW_WISE, sto, min(len(cands), t.rows)))
+                out.append(_Option(ShardingType.ROW_WISE, sto, min(len(cands), t.rows), fr))
         if not out:
             raise ValueError(
                 f"table '{t.name}': no sharding option satisfies its constraints "
                 f"(allowed types {[a.value for a in allowed]}, ranks {t.ranks or 'any'}, "
-                f"storage {t.storage or 'any'})"
+                f"storage {t.storage or 'any'}; cached storage is for "
+                f"{', '.join(x.short for x in _CACHED_TYPES)} only)"
             )
         return out
 
@@ -343,12 +534,14 @@ class _Search:
         self.k = p.topo.ranks_per_host
         self.dev_cap = p.topo.device_capacity_bytes
         self.host_cap = p.topo.host_capacity_bytes if p.allow_host else 0.0
+        self.ssd_cap = p.topo.ssd_capacity_bytes if "ssd" in p.cached_tiers else 0.0
         self.ph = [[0.0] * _NPH for _ in range(self.w)]
         """Per rank and phase: load, with the unfused-path extra while the rank is on it."""
         self.ncw = [0] * self.w  # pieces that put the rank on the unfused path
         self.extra = [0.0] * self.w  # what the unfused path adds to the rank's other pieces
         self.dev = [0.0] * self.w
         self.host = [0.0] * self.w
+        self.ssd = [0.0] * self.w
         self.rank_pieces: list[list[_Piece]] = [[] for _ in range(self.w)]
         self.cands = [p.candidate_ranks(t) for t in tables]
         self.opts = [p.options(t) for t in tables]
@@ -380,7 +573,9 @@ class _Search:
         for rows, cols in geo:
             shape = (rows[1] - rows[0], cols[1] - cols[0])
             if shape not in costs:
-                costs[shape] = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage)
+                costs[shape] = self.cm.shard_cost(
+                    t, o.stype, shape[0], shape[1], o.storage, None, o.frac
+                )
             out.append((rows, cols, costs[shape]))
         self._cache[(i, o)] = out
         return out
@@ -398,7 +593,7 @@ class _Search:
                 key = (i, o, shape)
                 hit = self._extra_cache.get(key)
                 if hit is None:
-                    u = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage, True)
+                    u = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage, True, o.frac)
                     hit = self._extra_cache[key] = u.bwd_compute_s - c.bwd_compute_s
                 extra = hit
             out.append(_Piece(i, rows, cols, c, cw, extra))
@@ -413,24 +608,35 @@ class _Search:
     def _time_key(self, i: int, o: _Option) -> tuple[float, int]:
         return (self.total_time(i, o), o.n)
 
-    def _rest_key(self, i: int, storage: str, o: _Option) -> tuple[bool, float, int]:
-        return (o.storage != storage, self.total_time(i, o), o.n)
+    def _rest_key(self, i: int, storage: str, o: _Option) -> tuple[bool, float, int, float]:
+        return (o.storage != storage, self.total_time(i, o), o.n, o.frac)
 
     def _excess_key(
         self, excess: Callable[[int, _Option], float], i: int, o: _Option
     ) -> tuple[float, float]:
         return (excess(i, o), self.total_time(i, o))
 
-    def _split_key(self, i: int, o: _Option) -> tuple[float, int, str, str]:
-        return (self.total_time(i, o), o.n, o.stype.value, o.storage)
+    def _max_shard_s(self, i: int, o: _Option) -> float:
+        return max(c.time_s for *_, c in self.geometry(i, o))
 
-    def _mem_need(self, i: int, o: _Option) -> float:
-        return max(c.device_bytes + c.host_bytes for *_, c in self.geometry(i, o))
+    def _peak_key(self, i: int, o: _Option) -> tuple[float, float, int]:
+        return (self._max_shard_s(i, o), self.total_time(i, o), o.n)
+
+    def _split_key(self, i: int, o: _Option) -> tuple[float, int, str, str, float]:
+        return (self.total_time(i, o), o.n, o.stype.value, o.storage, o.frac)
+
+    def _mem_need(self, i: int, o: _Option) -> tuple[float, float]:
+        return (
+            max(c.device_bytes + c.host_bytes + c.ssd_bytes for *_, c in self.geometry(i, o)),
+            o.frac,
+        )
 
     def fits_empty(self, i: int, o: _Option) -> bool:
         """Whether each shard of the option fits on an empty rank."""
         return all(
-            c.device_bytes <= self.dev_cap and c.host_bytes <= self.host_cap
+            c.device_bytes <= self.dev_cap
+            and c.host_bytes <= self.host_cap
+            and c.ssd_bytes <= self.ssd_cap
             for _, _, c in self.geometry(i, o)
         )
 
@@ -458,8 +664,12 @@ class _Search:
         return out
 
     # ---- assignment ---------------------------------------------------------------------------
-    def _fits(self, r: int, dev: float, host: float) -> bool:
-        return self.dev[r] + dev <= self.dev_cap and self.host[r] + host <= self.host_cap
+    def _fits(self, r: int, dev: float, host: float, ssd: float = 0.0) -> bool:
+        return (
+            self.dev[r] + dev <= self.dev_cap
+            and self.host[r] + host <= self.host_cap
+            and self.ssd[r] + ssd <= self.ssd_cap
+        )
 
     def _add(self, pc: _Piece, r: int) -> None:
         pc.rank = r
@@ -476,6 +686,7 @@ class _Search:
                 row[_BWD] += pc.extra
         self.dev[r] += pc.dev
         self.host[r] += pc.host
+        self.ssd[r] += pc.ssd
         self.rank_pieces[r].append(pc)
 
     def _remove(self, pc: _Piece) -> None:
@@ -493,6 +704,7 @@ class _Search:
                 row[_BWD] -= pc.extra
         self.dev[r] -= pc.dev
         self.host[r] -= pc.host
+        self.ssd[r] -= pc.ssd
         self.rank_pieces[r].remove(pc)
         pc.rank = -1
 
@@ -551,7 +763,7 @@ class _Search:
     def _choose_ranks(self, i: int, o: _Option, pieces: list[_Piece]) -> list[int] | None:
         cands = self.cands[i]
         if o.stype is ShardingType.DATA_PARALLEL:
-            ok = all(self._fits(r, pieces[0].dev, pieces[0].host) for r in cands)
+            ok = all(self._fits(r, pieces[0].dev, pieces[0].host, pieces[0].ssd) for r in cands)
             return list(cands) if ok else None
         if o.stype is not ShardingType.TABLE_ROW_WISE:
             return self._greedy_distinct(pieces, cands)
@@ -584,7 +796,7 @@ class _Search:
             pc = pieces[j]
             best: tuple[float, float, int] | None = None
             for r in cands:
-                if r in used or not self._fits(r, pc.dev, pc.host):
+                if r in used or not self._fits(r, pc.dev, pc.host, pc.ssd):
                     continue
                 row = self.ph[r]
                 inc = self._inc(pc, r)
@@ -617,7 +829,14 @@ class _Search:
         n = len(self.tables)
         start: list[_Option] = []
         for i in range(n):
-            fitting = [o for o in self.opts[i] if self.fits_empty(i, o)] or self.opts[i]
+            # Cached options (never faster than the same split in device memory) are looked at
+            # only when nothing else fits: their hit rates are computed on demand.
+            plain = [o for o in self.opts[i] if not o.cached] or self.opts[i]
+            fitting = (
+                [o for o in plain if self.fits_empty(i, o)]
+                or [o for o in self.opts[i] if o.cached and self.fits_empty(i, o)]
+                or self.opts[i]
+            )
             device = [o for o in fitting if o.storage == "device"] or fitting
             start.append(min(device, key=partial(self._time_key, i)))
         self._tier(start)
@@ -667,6 +886,7 @@ class _Search:
                 a
                 for a in self.opts[i]
                 if a.storage == o.storage
+                and a.frac == o.frac
                 and a.stype is not ShardingType.DATA_PARALLEL
                 and self.fits_empty(i, a)
             ]
@@ -680,32 +900,77 @@ class _Search:
             elif alts:
                 start[i] = min(alts, key=partial(self._excess_key, excess, i))
 
+    def _bytes(self, i: int, o: _Option) -> tuple[float, float, float]:
+        """(device, host, ssd) bytes of option ``o`` of table ``i`` over all its shards."""
+        geo = self.geometry(i, o)
+        return (
+            sum(c.device_bytes for *_, c in geo),
+            sum(c.host_bytes for *_, c in geo),
+            sum(c.ssd_bytes for *_, c in geo),
+        )
+
     def _tier(self, start: list[_Option]) -> None:
-        """Move tables to host storage (least time lost per device byte freed) until they fit."""
-        if not self.p.allow_host:
+        """Move tables to a slower tier until they fit in device memory: host (UVM-like), or a
+        cached tier (dram / ssd behind a row cache), whichever loses least time per device byte
+        freed, greedily over all tables, within the host DRAM and SSD left."""
+        slower = (["host"] if self.p.allow_host else []) + self.p.cached_tiers
+        if not slower:
             return
         cap = 0.92 * self.dev_cap * self.w
-        used = [sum(c.device_bytes for *_, c in self.geometry(i, o)) for i, o in enumerate(start)]
+        mem = [self._bytes(i, o) for i, o in enumerate(start)]
+        used = [m[0] for m in mem]
         need = sum(used) - cap
         if need <= 0:
             return
+        room = {
+            "host": 0.95 * self.host_cap * self.w - sum(m[1] for m in mem),
+            "ssd": 0.95 * self.ssd_cap * self.w - sum(m[2] for m in mem),
+        }
+        # A cached tier moves misses at one rank's share of its host's bandwidth: its split is
+        # the fastest whose largest shard stays within half a rank's mean load (else the finest): a
+        # hot table is spread over ranks (their SSDs and links) rather than left to local search.
+        limit = 0.5 * sum(self.total_time(i, o) for i, o in enumerate(start)) / self.w
         moves = []
         for i, o in enumerate(start):
             if o.storage != "device" or self.tables[i].storage:
                 continue
-            alt = [h for h in self.opts[i] if h.storage == "host" and self.fits_empty(i, h)]
-            if not alt:
-                continue
-            h = min(alt, key=partial(self._time_key, i))
-            freed = used[i] - sum(c.device_bytes for *_, c in self.geometry(i, h))
-            if freed > 0:
-                extra = self.total_time(i, h) - self.total_time(i, o)
-                moves.append((extra / freed, self.tables[i].name, i, h, freed))
-        for _, _, i, h, freed in sorted(moves):
+            by: dict[tuple[str, float], list[_Option]] = {}  # options per tier and fraction
+            for h in self.opts[i]:
+                if h.storage in slower and self.fits_empty(i, h):
+                    by.setdefault((h.storage, h.frac), []).append(h)
+            best: dict[tuple[str, float], _Option] = {}
+            for key, hs in by.items():
+                if key[0] in CACHED_STORAGES:
+                    ok = [h for h in hs if self._max_shard_s(i, h) <= limit]
+                    best[key] = (
+                        min(ok, key=partial(self._time_key, i))
+                        if ok
+                        else min(hs, key=partial(self._peak_key, i))
+                    )
+                else:
+                    best[key] = min(hs, key=partial(self._time_key, i))
+            for (sto, frac), h in best.items():
+                dev, host, ssd = self._bytes(i, h)
+                freed = used[i] - dev
+                if freed > 0:
+                    extra = self.total_time(i, h) - self.total_time(i, o)
+                    moves.append(
+                        (extra / freed, self.tables[i].name, slower.index(sto), frac, i, h)
+                    )
+        moved: set[int] = set()
+        for *_, i, h in sorted(moves, key=lambda m: m[:4]):
             if need <= 0:
                 break
+            if i in moved:
+                continue
+            dev, host, ssd = self._bytes(i, h)
+            if self.p.cached_tiers and (host > room["host"] or ssd > room["ssd"]):
+                continue  # the next-best tier of this table may still fit
             start[i] = h
-            need -= freed
+            moved.add(i)
+            need -= used[i] - dev
+            room["host"] -= host
+            room["ssd"] -= ssd
 
     # ---- local search -------------------------------------------------------------------------
     def improve(self) -> int:
@@ -803,7 +1068,7 @@ class _Search:
                 if t == c:
                     continue
                 for pc in mine:
-                    if not self._fits(t, pc.dev, pc.host) or not self._may_hold(pc, t):
+                    if not self._fits(t, pc.dev, pc.host, pc.ssd) or not self._may_hold(pc, t):
                         continue
                     crit, dsq = self._move_delta(top, c, t, pc, None)
                     if self._better(crit, dsq, obj) and (best is None or (crit, dsq) < best[:2]):
@@ -835,8 +1100,8 @@ class _Search:
     def _swap_ok(self, pc: _Piece, q: _Piece, c: int, r: int) -> bool:
         if not (self._may_hold(pc, r, q) and self._may_hold(q, c, pc)):
             return False
-        dd, dh = pc.dev - q.dev, pc.host - q.host
-        return self._fits(r, dd, dh) and self._fits(c, -dd, -dh)
+        dd, dh, ds = pc.dev - q.dev, pc.host - q.host, pc.ssd - q.ssd
+        return self._fits(r, dd, dh, ds) and self._fits(c, -dd, -dh, -ds)
 
     def _resplit(self, sources: list[int], obj: tuple[float, float], tables: int = 3) -> bool:
         seen: list[int] = []
@@ -848,10 +1113,14 @@ class _Search:
             cur = self.choice[i]
             assert cur is not None
             biggest = max(p.tot for p in self.pieces[i])
+            # A table in device memory is not moved to a cached tier here (never faster at the
+            # same split; ``_tier`` moves tables for memory).
             alts = [
                 o
                 for o in self.opts[i]
-                if o != cur and max(g[2].time_s for g in self.geometry(i, o)) < biggest - _EPS
+                if o != cur
+                and not (o.cached and cur.storage == "device")
+                and max(g[2].time_s for g in self.geometry(i, o)) < biggest - _EPS
             ]
             alts.sort(key=partial(self._split_key, i))
             for o in alts[:4]:
@@ -888,48 +1157,49 @@ class _Search:
                 Shard(pc.rank, pc.rows[0], pc.rows[1], pc.cols[0], pc.cols[1])
                 for pc in sorted(self.pieces[i], key=lambda p: (p.rows, p.cols, p.rank))
             ]
-            out.append(TablePlan(t.name, t.rows, t.dim, o.stype, shards, o.storage))
+            out.append(TablePlan(t.name, t.rows, t.dim, o.stype, shards, o.storage, o.frac))
         return ShardingPlan(self.w, self.k, out)
 
     def _diagnose(self, failed: list[int]) -> str:
         """Which tables do not fit where, and what would make them fit."""
         topo = self.p.topo
+        ssd_tier = "ssd" in self.p.cached_tiers
+        ssd_txt = f", {self.ssd_cap / GB:.2f} GB SSD" if ssd_tier else ""
         lines = [
             f"no feasible sharding plan: {len(failed)} table(s) do not fit in memory on "
             f"{self.w} ranks ({self.k} per host; {self.dev_cap / GB:.2f} GB device for tables "
-            f"and {self.host_cap / GB:.2f} GB host per rank):"
+            f"and {self.host_cap / GB:.2f} GB host{ssd_txt} per rank):"
         ]
         free_dev = max(self.dev_cap - d for d in self.dev)
         free_host = max(self.host_cap - h for h in self.host)
+        free_ssd = max(self.ssd_cap - x for x in self.ssd)
+        free_ssd_txt = f", ssd {free_ssd / GB:.2f} GB" if ssd_tier else ""
         total_need = 0.0
         for i in failed[:20]:
             t = self.tables[i]
             best = min(self.opts[i], key=partial(self._mem_need, i))
             geo = self.geometry(i, best)
-            per = max(c.device_bytes + c.host_bytes for *_, c in geo)
-            whole = sum(c.device_bytes + c.host_bytes for *_, c in geo)
+            per = self._mem_need(i, best)[0]
+            whole = sum(c.device_bytes + c.host_bytes + c.ssd_bytes for *_, c in geo)
             total_need += whole
             lines.append(
                 f"  - table '{t.name}' ({t.rows:,} x {t.dim}, {whole / GB:.2f} GB with optimizer "
                 f"state and buffers): its smallest option {best.label()} needs {per / GB:.2f} GB "
                 f"on each of {len(geo)} rank(s); most free: device {free_dev / GB:.2f} GB, host "
-                f"{free_host / GB:.2f} GB"
+                f"{free_host / GB:.2f} GB{free_ssd_txt}"
             )
         if len(failed) > 20:
             lines.append(f"  ... and {len(failed) - 20} more")
         all_need = sum(
-            min(
-                sum(c.device_bytes + c.host_bytes for *_, c in self.geometry(i, o))
-                for o in self.opts[i]
-            )
-            for i in range(len(self.tables))
+            min(sum(self._bytes(i, o)) for o in self.opts[i]) for i in range(len(self.tables))
         )
-        cap_all = (self.dev_cap + self.host_cap) * self.w
+        per_rank = self.dev_cap + self.host_cap + self.ssd_cap
+        cap_all = per_rank * self.w
+        tiers = "device + host" + (" + ssd" if ssd_tier else "")
         lines.append(
             f"all tables need at least {all_need / GB:,.1f} GB; the ranks offer "
-            f"{cap_all / GB:,.1f} GB (device + host)."
+            f"{cap_all / GB:,.1f} GB ({tiers})."
         )
-        per_rank = self.dev_cap + self.host_cap
         more = math.ceil(all_need / (0.9 * per_rank)) if per_rank > 0 else 0
         pinned = [
             self.tables[i].name
@@ -946,10 +1216,34 @@ class _Search:
         if topo.host_memory_gb <= 0 or not self.p.allow_host:
             lines.append(
                 "  - a slower tier: give the topology host memory (host_memory_gb) so rows can "
-                "live in host DRAM (UVM-like), or allow storage = host"
+                "live in host DRAM (UVM-like, or behind a row cache), or allow storage = host"
             )
         else:
             lines.append("  - a slower tier: more host memory per host (host_memory_gb)")
+        if ssd_tier:
+            lines.append(
+                "  - the SSD tier: more SSD per host (ssd_capacity_gb), or smaller row caches "
+                f"(cache_fractions, now {', '.join(f'{f:g}' for f in self.p.cache_fractions)})"
+            )
+        else:
+            allow = (
+                "allow cached tiers ([planner] allow_cached_tiers = true; `neorec plan` does "
+                "unless --no-cached-tiers)"
+            )
+            if topo.ssd_capacity_gb > 0:
+                how = (
+                    f"the topology's SSD ({topo.ssd_capacity_gb:,.0f} GB per host) is unused: "
+                    f"{allow}"
+                )
+            else:
+                how = "" if self.p.allow_cached else f"{allow} and "
+                how += "give the topology SSD per host (ssd_capacity_gb, ssd_bw_gbs)"
+            lines.append(
+                f"  - an SSD tier: {how}; rows then live on SSD behind a row cache of "
+                f"{self.p.cache_fractions[0] * 100:g}-{self.p.cache_fractions[-1] * 100:g}% of "
+                "their rows in device memory (MTrainS; simulated: the distributed runtime does "
+                "not run cached tiers)"
+            )
         if pinned:
             lines.append(
                 f"  - row-wise splits: allow row_wise / table_row_wise for {pinned[:5]} "

@@ -35,7 +35,15 @@ class Topology:
     device_bw_gbs: float = 1000.0
     """Effective device-memory bandwidth of random row gathers and updates."""
     host_device_bw_gbs: float = 25.0
-    """Effective bandwidth of rows in host memory read/updated by the device (PCIe, UVM)."""
+    """Effective bandwidth of rows in host memory read/updated by the device (PCIe, UVM); also
+    what cache misses of a ``dram``-tier table move at (records between host DRAM and the cache)."""
+    ssd_capacity_gb: float = 0.0
+    """SSD per host usable for the row stores of ``ssd``-tier tables (rows on SSD behind a row
+    cache in device memory, MTrainS-style); 0 = no SSD tier."""
+    ssd_bw_gbs: float = 3.0
+    """Effective bandwidth of one rank's share of its host's SSDs for cache-miss record reads and
+    dirty write-backs (random 4 KiB-page I/O; lower than the drives' sequential rating). Misses of
+    an ``ssd`` table move at min(this, ``host_device_bw_gbs``)."""
     unfused_bw_gbs: float = 250.0
     """Effective bandwidth (same byte accounting as ``device_bw_gbs``) of the unfused row update:
     per-row gradients summed with torch ops, then the optimizer on the distinct rows. The runtime
@@ -98,6 +106,11 @@ class Topology:
         """Bytes of host memory available to one rank's host-stored shards (its host's share)."""
         return self.host_memory_gb * GB / self.ranks_per_host
 
+    @property
+    def ssd_capacity_bytes(self) -> float:
+        """Bytes of SSD available to one rank's ssd-tier shards (its host's share)."""
+        return self.ssd_capacity_gb * GB / self.ranks_per_host
+
     def host_of(self, rank: int) -> int:
         """Host index of ``rank``."""
         return rank // self.ranks_per_host
@@ -110,15 +123,22 @@ class Topology:
     # ---- presets ------------------------------------------------------------------------------
     @classmethod
     def gpu_cluster(
-        cls, hosts: int, gpus_per_host: int = 8, hbm_gb: float = 80.0, host_dram_gb: float = 1536.0
+        cls,
+        hosts: int,
+        gpus_per_host: int = 8,
+        hbm_gb: float = 80.0,
+        host_dram_gb: float = 1536.0,
+        ssd_gb: float = 0.0,
     ) -> Topology:
-        """A100/H100-class cluster: HBM per GPU, NVLink inside a host, one NIC per GPU across."""
+        """A100/H100-class cluster: HBM per GPU, NVLink inside a host, one NIC per GPU across;
+        optionally ``ssd_gb`` of NVMe per host for the SSD tier."""
         return cls(
             world_size=hosts * gpus_per_host,
             ranks_per_host=gpus_per_host,
             device_memory_gb=hbm_gb,
             device_reserve_gb=min(12.0, hbm_gb / 4),
             host_memory_gb=host_dram_gb,
+            ssd_capacity_gb=ssd_gb,
             name=f"gpu_cluster {hosts}x{gpus_per_host}, {hbm_gb:g} GB HBM (preset, not measured)",
         )
 

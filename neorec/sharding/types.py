@@ -11,8 +11,13 @@ Conventions (the runtime relies on them):
 - Column-wise slices are balanced the same way over columns and assigned round-robin to the given
   ranks; every slice holds all rows.
 - Data-parallel: one full replica on every rank ``0..world_size-1``.
-- ``storage`` says where a table's rows live: ``device`` (HBM / the rank's memory) or ``host``
-  (host DRAM read by the device, UVM-like; slower).
+- ``storage`` says where a table's rows live: ``device`` (HBM / the rank's memory), ``host``
+  (host DRAM read by the device, UVM-like; slower), or a cached tier: ``dram`` (host DRAM) or
+  ``ssd`` behind a row cache of ``cache_fraction`` of each shard's rows in the rank's device
+  memory (MTrainS; ``neorec.storage.cached``). ``cache_fraction`` is in (0, 1] for the cached
+  tiers and 0 otherwise; plans without cached tables read and write exactly as before. The
+  distributed runtime executes ``device`` and ``host`` only (``RUNTIME_STORAGES``); see
+  ``ShardingPlan.check_storage``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ __all__ = [
     "PlanValidationError",
     "TableLike",
     "STORAGES",
+    "CACHED_STORAGES",
+    "RUNTIME_STORAGES",
     "PLAN_FORMAT_VERSION",
     "split_evenly",
     "data_parallel",
@@ -44,7 +51,11 @@ __all__ = [
 ]
 
 PLAN_FORMAT_VERSION = 1
-STORAGES = ("device", "host")
+STORAGES = ("device", "host", "dram", "ssd")
+CACHED_STORAGES = ("dram", "ssd")
+"""Tiers whose rows live in a slower store behind a row cache in device memory."""
+RUNTIME_STORAGES = ("device", "host")
+"""Tiers the distributed runtime (``neorec.distributed``) executes."""
 
 
 class ShardingType(str, Enum):
@@ -139,21 +150,38 @@ class TablePlan:
     sharding_type: ShardingType
     shards: list[Shard]
     storage: str = "device"
+    cache_fraction: float = 0.0
+    """Row cache size as a share of each shard's rows (``dram`` / ``ssd`` storage only)."""
+
+    @property
+    def cached(self) -> bool:
+        """Whether the rows live in a cached tier (``dram`` or ``ssd`` behind a row cache)."""
+        return self.storage in CACHED_STORAGES
+
+    @property
+    def storage_label(self) -> str:
+        """Storage for printing: ``device``, ``host``, or e.g. ``ssd@5%`` with the cache fraction."""
+        if not self.cached:
+            return self.storage
+        return f"{self.storage}@{self.cache_fraction * 100:g}%"
 
     def ranks(self) -> list[int]:
         """Ranks holding a shard of this table, in shard order (no duplicates)."""
         return list(dict.fromkeys(s.rank for s in self.shards))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
+        """JSON form (``cache_fraction`` only where it is set: plans without it stay as before)."""
+        out: dict[str, Any] = {
             "name": self.name,
             "rows": self.rows,
             "dim": self.dim,
             "type": self.sharding_type.value,
             "storage": self.storage,
-            "shards": [s.to_dict() for s in self.shards],
         }
+        if self.cached or self.cache_fraction:
+            out["cache_fraction"] = self.cache_fraction
+        out["shards"] = [s.to_dict() for s in self.shards]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TablePlan:
@@ -165,6 +193,7 @@ class TablePlan:
             sharding_type=parse_sharding_type(str(d["type"])),
             shards=[Shard.from_dict(s) for s in d["shards"]],
             storage=str(d.get("storage", "device")),
+            cache_fraction=float(d.get("cache_fraction", 0.0)),
         )
 
 
@@ -256,6 +285,9 @@ class ShardingPlan:
     def format_table(self, max_shards: int = 8) -> str:
         """Readable table: one line per table with its type, storage and shards."""
         hdr = f"{'table':<24} {'type':<5} {'rows':>13} {'dim':>5} {'storage':<7} shards"
+        wide = max((len(t.storage_label) for t in self.tables), default=0) > 7
+        if wide:
+            hdr = f"{'table':<24} {'type':<5} {'rows':>13} {'dim':>5} {'storage':<10} shards"
         lines = [
             f"ShardingPlan: world_size={self.world_size}, ranks_per_host={self.ranks_per_host}, "
             f"{len(self.tables)} tables",
@@ -266,13 +298,34 @@ class ShardingPlan:
             shards = [str(s) for s in t.shards[:max_shards]]
             if len(t.shards) > max_shards:
                 shards.append(f"... (+{len(t.shards) - max_shards} more)")
+            sto = f"{t.storage_label:<10}" if wide else f"{t.storage_label:<7}"
             lines.append(
                 f"{t.name:<24} {t.sharding_type.short:<5} {t.rows:>13,} {t.dim:>5} "
-                f"{t.storage:<7} {' '.join(shards)}"
+                f"{sto} {' '.join(shards)}"
             )
         return "\n".join(lines)
 
     # ---- validation ---------------------------------------------------------------------------
+    def cached_tables(self) -> list[TablePlan]:
+        """Tables placed in a cached tier (``dram`` / ``ssd`` behind a row cache)."""
+        return [t for t in self.tables if t.cached]
+
+    def check_storage(self, supported: Sequence[str] = RUNTIME_STORAGES, who: str = "") -> None:
+        """Raise ``PlanValidationError`` naming every table whose storage is not in ``supported``
+        (the distributed runtime executes ``RUNTIME_STORAGES`` only; a cached tier it would ignore
+        must not pass silently)."""
+        by = f" by {who}" if who else ""
+        problems = [
+            f"table '{t.name}': storage '{t.storage_label}' is not supported{by} "
+            f"(supported: {', '.join(supported)}); plan without cached tiers "
+            "(planner.allow_cached_tiers = false) or set the table's storage to "
+            f"{' or '.join(supported)}"
+            for t in self.tables
+            if t.storage not in supported
+        ]
+        if problems:
+            raise PlanValidationError(problems)
+
     def validate(self) -> None:
         """Raise ``PlanValidationError`` unless every table's shards tile it exactly once."""
         problems: list[str] = []
@@ -303,6 +356,22 @@ class ShardingPlan:
         out: list[str] = []
         if t.storage not in STORAGES:
             out.append(f"{where}: storage must be one of {STORAGES}, got '{t.storage}'")
+        elif t.cached:
+            if not 0.0 < t.cache_fraction <= 1.0:
+                out.append(
+                    f"{where}: storage '{t.storage}' needs cache_fraction in (0, 1], "
+                    f"got {t.cache_fraction}"
+                )
+            if t.sharding_type in (ShardingType.DATA_PARALLEL, ShardingType.COLUMN_WISE):
+                out.append(
+                    f"{where}: cached storage '{t.storage}' is for table-wise and row-split "
+                    "tables (TW, RW, TWRW)"
+                )
+        elif t.cache_fraction:
+            out.append(
+                f"{where}: cache_fraction {t.cache_fraction} is only for storage dram or ssd, "
+                f"got storage '{t.storage}'"
+            )
         if not t.shards:
             return out + [f"{where}: has no shards"]
         for i, s in enumerate(t.shards):
