@@ -234,7 +234,7 @@ def test_skew_lowers_update_cost_not_id_traffic() -> None:
     assert cz.fwd_comm_s == pytest.approx(cu.fwd_comm_s)
 
 
-def test_column_wise_rowwise_adagrad_is_unfused_and_slows_its_rank() -> None:
+def test_column_wise_rowwise_adagrad_is_unfused_only_for_its_slices() -> None:
     cm = _cm(unfused_bw_gbs=50.0)
     t = TableSpec(name="t", rows=1_000_000, dim=64, pooling_factor=10)
     cw_ada = cm.shard_cost(t, ShardingType.COLUMN_WISE, t.rows, 32)
@@ -244,16 +244,18 @@ def test_column_wise_rowwise_adagrad_is_unfused_and_slows_its_rank() -> None:
     assert cw_ada.bwd_compute_s > 5 * fused.bwd_compute_s
     assert cw_ada.bwd_comm_s > cw_sgd.bwd_comm_s  # the subgroup's sums of squares
     assert cw_sgd.bwd_compute_s < fused.bwd_compute_s  # no optimizer state
-    # A table-wise table next to a column slice is updated on the unfused path too.
+    # A table-wise table next to a column slice keeps the fused update (the kernel hands back
+    # only the slice's row sums): the rank's time is the sum of its shards' own times.
     other = TableSpec(name="o", rows=100_000, dim=64, pooling_factor=10)
     alone = cm.evaluate(ShardingPlan(2, 2, [table_wise(other, 0)]), [other])
     both = cm.evaluate(
         ShardingPlan(2, 2, [table_wise(other, 0), column_wise(t, [0, 1], 2)]), [other, t]
     )
     tw_time = {n: s for n, _, s in alone.ranks[0].shards}["o"]
-    assert {n: s for n, _, s in both.ranks[0].shards}["o"] > 2 * tw_time
-    cw_plan = ShardingPlan(2, 2, [column_wise(t, [0, 1], 2)])
-    assert cm.unfused_ranks(cw_plan, {"t": t}) == {0, 1}
+    assert {n: s for n, _, s in both.ranks[0].shards}["o"] == pytest.approx(tw_time)
+    tw = cm.shard_cost(other, ShardingType.TABLE_WISE, other.rows, other.dim)
+    assert both.ranks[0].phases == pytest.approx([a + b for a, b in zip(tw.phases, cw_ada.phases)])
+    assert both.ranks[1].phases == pytest.approx(list(cw_ada.phases))
 
 
 def test_data_parallel_exchanges_touched_rows_not_the_table() -> None:
@@ -282,18 +284,23 @@ def test_row_split_costs_the_sample_side_and_twrw_matches_rw_on_one_host() -> No
     assert a.phases == pytest.approx(b.phases)
 
 
-def test_planner_accounts_for_unfused_ranks() -> None:
+def test_planner_prices_column_slices_by_themselves() -> None:
     rng = random.Random(11)
     tables = _tables(rng, 24)
     for t in tables[:3]:
         t.allowed_types = (ShardingType.COLUMN_WISE,)
     topo = _topo(8, 4, mem_gb=50.0)
     res = plan_tables(tables, topo, 8192)
-    _check(res, tables)
+    _check(res, tables)  # the search's rank loads are the evaluated plan's
     cm = CostModel(topo, 8192)
-    slow = cm.unfused_ranks(res.plan, {t.name: t for t in tables})
-    # Column slices share ranks rather than slowing every rank down.
-    assert 0 < len(slow) < 8
+    specs = {t.name: t for t in tables}
+    for r in res.cost.ranks:  # every shard at its own cost, column slices or not
+        own = [0.0] * 4
+        for name, s, _ in r.shards:
+            tp = res.plan.table(name)
+            c = cm.shard_cost(specs[name], tp.sharding_type, s.rows, s.cols, tp.storage)
+            own = [a + b for a, b in zip(own, c.phases)]
+        assert r.phases == pytest.approx(own)
     naive = ShardingPlan(
         8,
         4,
@@ -303,6 +310,49 @@ def test_planner_accounts_for_unfused_ranks() -> None:
         ],
     )
     assert res.cost.max_time_s <= cm.evaluate(naive, tables).max_time_s
+
+
+def test_row_wise_over_fewer_ranks_is_offered_and_used() -> None:
+    # A hot table on 8 ranks: split by rows over a few of them, not all (every row shard sends
+    # partial sums for all samples, so fewer shards cost less).
+    hot = TableSpec(name="hot", rows=20_000_000, dim=128, pooling_factor=20)
+    tables = [hot, *_tables(random.Random(3), 40)]
+    topo = _topo(8, 8, mem_gb=50.0)
+    planner = Planner(topo, 65536, allow_host=False)
+    rw = [o.n for o in planner.options(hot) if o.stype is ShardingType.ROW_WISE]
+    assert rw == [2, 4, 8]
+    res = planner.plan(tables)
+    _check(res, tables)
+    tp = res.plan.table("hot")
+    assert tp.sharding_type is ShardingType.ROW_WISE and 1 < len(tp.shards) < 8
+    cm = CostModel(topo, 65536)
+    others = [table_wise(t, i % 8) for i, t in enumerate(tables[1:])]
+    for split in (table_wise(hot, 0), row_wise(hot, list(range(8)))):
+        assert (
+            res.cost.max_time_s
+            < cm.evaluate(ShardingPlan(8, 8, [split, *others]), tables).max_time_s
+        )
+
+
+def test_two_hot_tables_are_split_together() -> None:
+    # Splitting only one of two equally hot tables gains nothing (the other still sets the step):
+    # the bound-driven start splits both.
+    hot = [TableSpec(name=f"hot{i}", rows=20_000_000, dim=128, pooling_factor=60) for i in range(2)]
+    tables = [*hot, *_tables(random.Random(3), 30)]
+    topo = _topo(8, 8, mem_gb=50.0)
+    res = Planner(topo, 65536, allow_host=False).plan(tables)
+    _check(res, tables)
+    for t in hot:
+        tp = res.plan.table(t.name)
+        assert tp.sharding_type is ShardingType.ROW_WISE and 1 < len(tp.shards) < 8
+    cm = CostModel(topo, 65536)
+    others = [table_wise(t, i % 8) for i, t in enumerate(tables[2:])]
+    for split in (
+        [table_wise(hot[0], 0), table_wise(hot[1], 1)],
+        [row_wise(t, list(range(8))) for t in hot],
+    ):
+        plan = ShardingPlan(8, 8, [*split, *others])
+        assert res.cost.max_time_s < 0.9 * cm.evaluate(plan, tables).max_time_s
 
 
 # ---- cached tiers (dram / ssd behind a row cache) -----------------------------------------------

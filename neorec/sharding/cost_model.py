@@ -11,9 +11,11 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   rows and their optimizer state: sgd none, rowwise_adagrad 1 float per row, adam 2 floats per
   element). Row bytes move at the bandwidth of the tier the rows live in (``device`` HBM, or
   ``host`` DRAM over the host link); the rest at device bandwidth. The backward runs on the fused
-  kernel (``device_bw_gbs``) or, where the runtime takes the unfused torch-op path, at
-  ``unfused_bw_gbs``: column-wise tables under row-wise Adagrad (and then every model-parallel
-  shard of their ranks, as the runtime updates a rank's shards together) and data-parallel tables.
+  kernel (``device_bw_gbs``) or, for the shards the runtime updates outside it, at
+  ``unfused_bw_gbs`` (the kernel's per-row gradient sums, then a torch update of the distinct
+  rows): column-wise slices under row-wise Adagrad, each on its own rows (the cpu kernel emits
+  their row sums in the pass that updates the rank's other shards, which stay fused; the
+  reference backend, a fallback without a C compiler, is not modelled), and data-parallel tables.
 - communication on the owner: ids in, pooled outputs out, their gradients back in, split into
   intra-host and inter-host bytes by where the batch's samples live. Row shards (row-wise, and
   table-row-wise over one host's ranks) each send partial sums for all samples; the samples' ranks
@@ -40,7 +42,8 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   are spread over row ranges). Plus the slot lookups of every id (bookkeeping at device
   bandwidth).
 
-A rank's predicted time is the sum of its shards' times plus the sample-side term; the step's
+A rank's predicted time is the sum of its shards' times plus the sample-side term (every shard's
+cost is its own: no shard changes how the others on its rank are updated); the step's
 predicted embedding time is, per phase, the slowest rank's, summed. Constants come from the
 ``Topology`` and can be calibrated (``neorec plan --calibrate``, ``neorec.bench.calibrate``);
 ``neorec bench costcheck`` compares predictions with measured steps on this machine.
@@ -243,8 +246,8 @@ def load_tables(path: str | Path) -> list[TableSpec]:
 
 _UNFUSED_ID_WORDS = 8
 """Id-sized words the unfused update moves per id and per distinct row, besides row bytes: the
-sort behind ``torch.unique`` and its inverse, bag ids, index tensors of every gather / scatter.
-(Its time shrinks far less than its row bytes for narrow rows: ~0.65x from dim 32 to 16 here.)"""
+kernel's sort of the ids into distinct rows, and the index tensors of every gather / scatter of
+the torch update (its time shrinks far less than its row bytes for narrow rows)."""
 _ZIPF_HEAD = 64  # ranks summed exactly; the tail is integrated (as neorec.data.ids samples it)
 _ZIPF_GRID = 96  # trapezoid points of the tail integral over log(rank)
 
@@ -540,7 +543,9 @@ class CostModel:
 
     def cw_unfused(self, table: TableSpec, sharding_type: ShardingType) -> bool:
         """Whether the runtime updates this table's shards on the exact unfused path: column-wise
-        tables under row-wise Adagrad (each row's mean(g^2) sums over all column slices)."""
+        tables under row-wise Adagrad (each row's mean(g^2) sums over all column slices, so the
+        slices' row sums leave the kernel for a collective and a torch update). Only the slices
+        themselves: the other shards of their ranks keep the fused update."""
         return (
             sharding_type is ShardingType.COLUMN_WISE
             and self.optimizer_of(table) == "rowwise_adagrad"
@@ -584,9 +589,9 @@ class CostModel:
         """Per-step time and memory of a ``rows`` x ``cols`` shard of ``table`` on its rank.
 
         ``unfused``: whether the backward takes the unfused update path; ``None`` = what the
-        runtime does for this shard alone (``cw_unfused``). ``evaluate`` passes True for every
-        model-parallel shard of a rank that holds a column-wise table under row-wise Adagrad,
-        since the runtime then updates all of that rank's shards on the unfused path.
+        runtime does for this shard (``cw_unfused``; ``evaluate`` always passes None). Forcing it
+        prices another shape on that path (``neorec.bench.calibrate`` converts its measured
+        unfused update to a bandwidth that way).
         ``cache_fraction``: the row cache of a cached ``storage`` (``dram`` / ``ssd``).
         """
         b, w = self.batch, self.topo.world_size
@@ -704,15 +709,6 @@ class CostModel:
         n = (6 if sharded else 0) + (3 if data_parallel else 0)
         return n * self.topo.collective_latency_us * 1e-6
 
-    def unfused_ranks(self, plan: ShardingPlan, specs: dict[str, TableSpec]) -> set[int]:
-        """Ranks whose model-parallel shards all take the unfused update path (``cw_unfused``)."""
-        out: set[int] = set()
-        for tp in plan.tables:
-            spec = specs.get(tp.name)
-            if spec is not None and self.cw_unfused(spec, tp.sharding_type):
-                out.update(s.rank for s in tp.shards)
-        return out
-
     # ---- plans --------------------------------------------------------------------------------
     def evaluate(self, plan: ShardingPlan, tables: Iterable[TableSpec]) -> PlanCost:
         """Predicted per-rank time and memory of ``plan`` (tables looked up by name)."""
@@ -722,17 +718,14 @@ class CostModel:
         sharded = any(t is not ShardingType.DATA_PARALLEL for t in types)
         dp = ShardingType.DATA_PARALLEL in types
         sample = self.fixed_s(sharded, dp)
-        slow = self.unfused_ranks(plan, specs)
         for tp in plan.tables:
             spec = specs.get(tp.name)
             if spec is None:
                 raise KeyError(f"plan table '{tp.name}' has no spec; known: {sorted(specs)}")
             sample += self.sample_side_s(spec, tp.sharding_type, len(tp.shards))
-            mp = tp.sharding_type is not ShardingType.DATA_PARALLEL
             for s in tp.shards:
-                unf = True if mp and s.rank in slow else None
                 c = self.shard_cost(
-                    spec, tp.sharding_type, s.rows, s.cols, tp.storage, unf, tp.cache_fraction
+                    spec, tp.sharding_type, s.rows, s.cols, tp.storage, None, tp.cache_fraction
                 )
                 rc = ranks[s.rank]
                 for p, v in enumerate(c.phases):

@@ -3,7 +3,8 @@
 Steps (all deterministic, pure Python):
 
 1. **Enumerate** per table the options its constraints allow: data-parallel, table-wise,
-   column-wise in 2, 4, 8, ... slices, table-row-wise over one host, row-wise over all ranks; each
+   column-wise in 2, 4, 8, ... slices, table-row-wise over one host, row-wise over 2, 4, 8, ...
+   or all ranks (a row shard sends partial sums for every sample: fewer cost less); each
    with ``device`` or (when the topology has host memory) ``host`` storage; with
    ``allow_cached_tiers``, table-wise and row-split options also in the cached tiers: rows in host
    DRAM (``dram``) or on SSD (``ssd``, when the topology has ``ssd_capacity_gb``) behind a row
@@ -15,6 +16,10 @@ Steps (all deterministic, pure Python):
    memory, the tables that lose least time per device byte freed move to a slower tier (host,
    dram or ssd, whichever loses least per byte, within the host DRAM and SSD left). So the cached
    tiers are used only when the tables do not fit otherwise, or where they beat the host tier.
+   Steps 3-5 run from several starts, keeping the best plan: as proposed; with the tables whose
+   largest shard exceeds a share of a rank's mean load split finer; and with tables split one at
+   a time while that lowers a lower bound of the objective (per phase, the larger of the mean
+   rank load and the largest shard).
 4. **Partition**: LPT greedy (largest first, onto the least-loaded rank that fits), escalating a
    table to finer splits / the slower tier when it does not fit anywhere.
 5. **Improve**: local search on the slowest rank: move a shard, swap two shards, or re-split a
@@ -22,20 +27,21 @@ Steps (all deterministic, pure Python):
    rank getting as slow.
 
 The objective is the slowest rank's predicted time (``CostModel``), subject to every rank's device,
-host and SSD memory. Predictions are a simulation, not measurements. One cost is not per shard: under
-row-wise Adagrad a rank holding a column-wise shard updates all its shards on the slower unfused
-path (``CostModel.evaluate``); the search tracks that per rank, so its loads equal the evaluated
-plan's.
+host and SSD memory. Predictions are a simulation, not measurements. Every shard's cost is its own
+(a column-wise slice under row-wise Adagrad pays its unfused update and collective itself; the
+other shards of its rank stay fused), so a rank's load is the sum of its shards' and the search's
+loads equal the evaluated plan's.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from neorec.sharding.cost_model import (
     CACHE_MIN_BATCHES,
@@ -72,6 +78,8 @@ SIMULATION_NOTE = (
 _EPS = 1e-12
 DEFAULT_CACHE_FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 """Row cache sizes (share of a shard's rows) the planner tries for the cached tiers."""
+_Start = float | Literal["bound"] | None
+"""How ``_Search.initial`` pre-splits: not at all, by a share of the mean load, or by a bound."""
 _CACHED_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 """Sharding types offered with a cached tier (whole rows per shard, one cache per shard)."""
 
@@ -105,35 +113,11 @@ class _Option:
 
 
 class _Piece:
-    """One shard being placed: geometry, predicted cost and current rank (-1 = unplaced).
+    """One shard being placed: geometry, predicted cost and current rank (-1 = unplaced)."""
 
-    ``cw``: the shard puts its rank on the unfused update path (``CostModel.cw_unfused``);
-    ``extra``: backward seconds this shard adds when its rank is on that path.
-    """
+    __slots__ = ("table", "rows", "cols", "ph", "tot", "dev", "host", "ssd", "rank")
 
-    __slots__ = (
-        "table",
-        "rows",
-        "cols",
-        "ph",
-        "tot",
-        "dev",
-        "host",
-        "ssd",
-        "rank",
-        "cw",
-        "extra",
-    )
-
-    def __init__(
-        self,
-        table: int,
-        rows: tuple[int, int],
-        cols: tuple[int, int],
-        c: ShardCost,
-        cw: bool = False,
-        extra: float = 0.0,
-    ):
+    def __init__(self, table: int, rows: tuple[int, int], cols: tuple[int, int], c: ShardCost):
         self.table = table
         self.rows = rows
         self.cols = cols
@@ -143,8 +127,6 @@ class _Piece:
         self.host = c.host_bytes
         self.ssd = c.ssd_bytes
         self.rank = -1
-        self.cw = cw
-        self.extra = extra
 
 
 @dataclass
@@ -394,8 +376,9 @@ class Planner:
             raise ValueError(f"table names must be unique: {names}")
         best: tuple[float, int, _Search] | None = None
         iters = 0
+        memo = _Memo()
         for share in self._split_shares(tables):
-            s = _Search(self, list(tables))
+            s = _Search(self, list(tables), memo)
             s.initial(share)
             iters += s.improve()
             obj = s.objective()[0]
@@ -422,12 +405,13 @@ class Planner:
             )
         return PlanResult(plan, cost, list(tables), self.topo, self.batch, dt, iters)
 
-    def _split_shares(self, tables: Sequence[TableSpec]) -> list[float | None]:
-        """Starts to try: no pre-split, then finer ones while the problem is small enough."""
+    def _split_shares(self, tables: Sequence[TableSpec]) -> list[_Start]:
+        """Starts to try (see ``_Search.initial``): no pre-split, then pre-splits while the
+        problem is small enough."""
         size = len(tables) * self.topo.world_size
         if size > 100_000:
             return [None]
-        return [None, 0.5] if size > 20_000 else [None, 0.5, 0.25]
+        return [None, "bound", 0.5] if size > 20_000 else [None, "bound", 0.5, 0.25]
 
     # ---- options ------------------------------------------------------------------------------
     def candidate_ranks(self, t: TableSpec) -> list[int]:
@@ -507,6 +491,12 @@ class Planner:
             if ShardingType.TABLE_ROW_WISE in allowed and k > 1 and full_hosts:
                 out.append(_Option(ShardingType.TABLE_ROW_WISE, sto, min(k, t.rows), fr))
             if ShardingType.ROW_WISE in allowed and len(cands) > 1:
+                # Over all candidate ranks, or fewer: each row shard sends partial sums for
+                # every sample, so fewer shards cost less and can stay off the busiest ranks.
+                n = 2
+                while n < min(len(cands), t.rows):
+                    out.append(_Option(ShardingType.ROW_WISE, sto, n, fr))
+                    n *= 2
                 out.append(_Option(ShardingType.ROW_WISE, sto, min(len(cands), t.rows), fr))
         if not out:
             raise ValueError(
@@ -518,15 +508,75 @@ class Planner:
         return out
 
 
+_MOVABLE = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE)
+"""Types whose shards local search moves between ranks (never onto a rank that holds another shard
+of the same table); table-row-wise shards stay put on their host, data-parallel ones everywhere."""
 _NPH = 4  # phases: fwd comm, fwd compute, bwd comm, bwd compute (cost_model.PHASES)
-_BWD = 3  # the backward compute phase (where the unfused update path lands)
 _Geo = list[tuple[tuple[int, int], tuple[int, int], ShardCost]]
+
+
+class _Bound:
+    """A lower bound of the objective for per-table options: per phase, the largest of the mean
+    rank load and the largest shard (no placement does better than either), plus the sample side.
+    Holds, per table at its current option, the phase peaks (largest shard) and loads (summed
+    over shards, then the sample side); ``_Search._bound_split`` splits tables while that lowers
+    it."""
+
+    def __init__(self, w: int, peaks: list[tuple[float, ...]], loads: list[tuple[float, ...]]):
+        self.w = w
+        self.peaks = peaks
+        self.loads = loads
+        self.total = [sum(ld[p] for ld in loads) for p in range(_NPH + 1)]
+        self.top: list[list[tuple[float, int]]] = []
+        """Per phase: the two largest peaks of different tables, as (peak, table)."""
+        self._rank()
+
+    def _rank(self) -> None:
+        n = len(self.peaks)
+        self.top = []
+        for p in range(_NPH):
+            two = heapq.nlargest(2, ((self.peaks[j][p], -j) for j in range(n)))
+            self.top.append([(v, -j) for v, j in two] + [(0.0, -1)])
+
+    def setters(self) -> list[int]:
+        """Tables whose shard is the largest of some phase."""
+        return sorted({self.top[p][0][1] for p in range(_NPH)})
+
+    def value(self, i: int = -1, peak: Sequence[float] = (), load: Sequence[float] = ()) -> float:
+        """The bound, with table ``i`` at ``peak`` and ``load`` when given."""
+        own = i >= 0
+        out = self.total[_NPH] + (load[_NPH] - self.loads[i][_NPH] if own else 0.0)
+        for p in range(_NPH):
+            top = self.top[p]
+            if not own:
+                out += max(self.total[p] / self.w, top[0][0])
+                continue
+            other = top[0][0] if top[0][1] != i else top[1][0]
+            out += max((self.total[p] - self.loads[i][p] + load[p]) / self.w, other, peak[p])
+        return out
+
+    def with_table(self, i: int, peak: tuple[float, ...], load: tuple[float, ...]) -> _Bound:
+        """A copy with table ``i`` at ``peak`` and ``load``."""
+        peaks, loads = list(self.peaks), list(self.loads)
+        peaks[i], loads[i] = peak, load
+        return _Bound(self.w, peaks, loads)
+
+
+@dataclass
+class _Memo:
+    """Per-option results (by table index and option) shared by the starts of one plan."""
+
+    geo: dict[tuple[int, _Option], _Geo] = field(default_factory=dict)
+    total: dict[tuple[int, _Option], float] = field(default_factory=dict)
+    fits: dict[tuple[int, _Option], bool] = field(default_factory=dict)
+    peaks: dict[tuple[int, _Option], tuple[float, ...]] = field(default_factory=dict)
+    loads: dict[tuple[int, _Option], tuple[float, ...]] = field(default_factory=dict)
 
 
 class _Search:
     """Mutable search state: per-table option and pieces, per-rank phase loads and memory."""
 
-    def __init__(self, p: Planner, tables: list[TableSpec]) -> None:
+    def __init__(self, p: Planner, tables: list[TableSpec], memo: _Memo | None = None) -> None:
         self.p = p
         self.cm = p.cm
         self.tables = tables
@@ -536,9 +586,7 @@ class _Search:
         self.host_cap = p.topo.host_capacity_bytes if p.allow_host else 0.0
         self.ssd_cap = p.topo.ssd_capacity_bytes if "ssd" in p.cached_tiers else 0.0
         self.ph = [[0.0] * _NPH for _ in range(self.w)]
-        """Per rank and phase: load, with the unfused-path extra while the rank is on it."""
-        self.ncw = [0] * self.w  # pieces that put the rank on the unfused path
-        self.extra = [0.0] * self.w  # what the unfused path adds to the rank's other pieces
+        """Per rank and phase: the sum of its pieces' loads."""
         self.dev = [0.0] * self.w
         self.host = [0.0] * self.w
         self.ssd = [0.0] * self.w
@@ -549,8 +597,8 @@ class _Search:
         self.pieces: list[list[_Piece]] = [[] for _ in tables]
         self.uniform = 0.0
         self._sample = [0.0] * len(tables)
-        self._cache: dict[tuple[int, _Option], _Geo] = {}
-        self._extra_cache: dict[tuple[int, _Option, tuple[int, int]], float] = {}
+        self._memo = memo if memo is not None else _Memo()
+        self._cache = self._memo.geo
 
     # ---- pieces of an option ------------------------------------------------------------------
     def geometry(self, i: int, o: _Option) -> _Geo:
@@ -581,29 +629,17 @@ class _Search:
         return out
 
     def make_pieces(self, i: int, o: _Option) -> list[_Piece]:
-        """Unplaced pieces of option ``o`` of table ``i`` (see ``_Piece`` for cw / extra)."""
-        t = self.tables[i]
-        cw = self.cm.cw_unfused(t, o.stype)
-        mp = o.stype is not ShardingType.DATA_PARALLEL
-        out = []
-        for rows, cols, c in self.geometry(i, o):
-            extra = 0.0
-            if mp and not cw:
-                shape = (rows[1] - rows[0], cols[1] - cols[0])
-                key = (i, o, shape)
-                hit = self._extra_cache.get(key)
-                if hit is None:
-                    u = self.cm.shard_cost(t, o.stype, shape[0], shape[1], o.storage, True, o.frac)
-                    hit = self._extra_cache[key] = u.bwd_compute_s - c.bwd_compute_s
-                extra = hit
-            out.append(_Piece(i, rows, cols, c, cw, extra))
-        return out
+        """Unplaced pieces of option ``o`` of table ``i``."""
+        return [_Piece(i, rows, cols, c) for rows, cols, c in self.geometry(i, o)]
 
     def total_time(self, i: int, o: _Option) -> float:
         """Sum of an option's shard times plus its sample-side time on every rank."""
-        geo = self.geometry(i, o)
-        side = self.cm.sample_side_s(self.tables[i], o.stype, len(geo))
-        return sum(c.time_s for _, _, c in geo) + self.w * side
+        hit = self._memo.total.get((i, o))
+        if hit is None:
+            geo = self.geometry(i, o)
+            side = self.cm.sample_side_s(self.tables[i], o.stype, len(geo))
+            hit = self._memo.total[(i, o)] = sum(c.time_s for _, _, c in geo) + self.w * side
+        return hit
 
     def _time_key(self, i: int, o: _Option) -> tuple[float, int]:
         return (self.total_time(i, o), o.n)
@@ -633,12 +669,15 @@ class _Search:
 
     def fits_empty(self, i: int, o: _Option) -> bool:
         """Whether each shard of the option fits on an empty rank."""
-        return all(
-            c.device_bytes <= self.dev_cap
-            and c.host_bytes <= self.host_cap
-            and c.ssd_bytes <= self.ssd_cap
-            for _, _, c in self.geometry(i, o)
-        )
+        hit = self._memo.fits.get((i, o))
+        if hit is None:
+            hit = self._memo.fits[(i, o)] = all(
+                c.device_bytes <= self.dev_cap
+                and c.host_bytes <= self.host_cap
+                and c.ssd_bytes <= self.ssd_cap
+                for c in {id(c): c for *_, c in self.geometry(i, o)}.values()
+            )
+        return hit
 
     # ---- objective ----------------------------------------------------------------------------
     def phase_max(self) -> list[float]:
@@ -676,14 +715,6 @@ class _Search:
         row = self.ph[r]
         for p in range(_NPH):
             row[p] += pc.ph[p]
-        if pc.cw:
-            if self.ncw[r] == 0:
-                row[_BWD] += self.extra[r]
-            self.ncw[r] += 1
-        elif pc.extra:
-            self.extra[r] += pc.extra
-            if self.ncw[r]:
-                row[_BWD] += pc.extra
         self.dev[r] += pc.dev
         self.host[r] += pc.host
         self.ssd[r] += pc.ssd
@@ -694,48 +725,11 @@ class _Search:
         row = self.ph[r]
         for p in range(_NPH):
             row[p] -= pc.ph[p]
-        if pc.cw:
-            self.ncw[r] -= 1
-            if self.ncw[r] == 0:
-                row[_BWD] -= self.extra[r]
-        elif pc.extra:
-            self.extra[r] -= pc.extra
-            if self.ncw[r]:
-                row[_BWD] -= pc.extra
         self.dev[r] -= pc.dev
         self.host[r] -= pc.host
         self.ssd[r] -= pc.ssd
         self.rank_pieces[r].remove(pc)
         pc.rank = -1
-
-    def _inc(self, pc: _Piece, r: int) -> tuple[float, ...]:
-        """What adding unplaced ``pc`` to rank ``r`` adds to its phase loads."""
-        if pc.cw:
-            if self.ncw[r]:
-                return pc.ph
-            return (*pc.ph[:_BWD], pc.ph[_BWD] + self.extra[r])
-        if pc.extra and self.ncw[r]:
-            return (*pc.ph[:_BWD], pc.ph[_BWD] + pc.extra)
-        return pc.ph
-
-    def _after(self, r: int, out: _Piece | None, inn: _Piece | None) -> list[float]:
-        """Rank ``r``'s phase loads with ``out`` taken off it and ``inn`` put on it."""
-        row = list(self.ph[r])
-        ncw, extra = self.ncw[r], self.extra[r]
-        if ncw:
-            row[_BWD] -= extra
-        for pc, sign in ((out, -1.0), (inn, 1.0)):
-            if pc is None:
-                continue
-            for p in range(_NPH):
-                row[p] += sign * pc.ph[p]
-            if pc.cw:
-                ncw += int(sign)
-            else:
-                extra += sign * pc.extra
-        if ncw:
-            row[_BWD] += extra
-        return row
 
     def unassign(self, i: int) -> None:
         """Take table ``i`` off the ranks."""
@@ -779,9 +773,8 @@ class _Search:
                 continue
             new = list(m)
             for pc, r in zip(pieces, ranks):
-                inc = self._inc(pc, r)
                 for p in range(_NPH):
-                    new[p] = max(new[p], self.ph[r][p] + inc[p])
+                    new[p] = max(new[p], self.ph[r][p] + pc.ph[p])
             score = sum(new)
             if best is None or score < best[0] - _EPS:
                 best = (score, ranks)
@@ -799,11 +792,10 @@ class _Search:
                 if r in used or not self._fits(r, pc.dev, pc.host, pc.ssd):
                     continue
                 row = self.ph[r]
-                inc = self._inc(pc, r)
                 crit = 0.0
                 tot = 0.0
                 for p in range(_NPH):
-                    v = row[p] + inc[p]
+                    v = row[p] + pc.ph[p]
                     crit += v if v > m[p] else m[p]
                     tot += v
                 key = (crit, tot, r)
@@ -814,17 +806,17 @@ class _Search:
             r = best[2]
             out[j] = r
             used.add(r)
-            inc = self._inc(pc, r)
             for p in range(_NPH):  # later siblings see this piece in the maxima
-                m[p] = max(m[p], self.ph[r][p] + inc[p])
+                m[p] = max(m[p], self.ph[r][p] + pc.ph[p])
         return out
 
     # ---- initial solution ---------------------------------------------------------------------
-    def initial(self, split_share: float | None = None) -> None:
+    def initial(self, split_share: _Start = None) -> None:
         """Cheapest option per table, host tier for the coldest bytes if needed, then LPT.
 
-        With ``split_share``, tables whose largest shard would exceed that share of a rank's mean
-        load in any phase start split (columns, else rows) finely enough, so LPT can balance.
+        With a float ``split_share``, tables whose largest shard would exceed that share of a
+        rank's mean load in any phase start split finely enough, so LPT can balance; with
+        ``"bound"``, tables start split as ``_bound_split`` chooses.
         """
         n = len(self.tables)
         start: list[_Option] = []
@@ -840,7 +832,9 @@ class _Search:
             device = [o for o in fitting if o.storage == "device"] or fitting
             start.append(min(device, key=partial(self._time_key, i)))
         self._tier(start)
-        if split_share is not None:
+        if split_share == "bound":
+            self._bound_split(start)
+        elif isinstance(split_share, float):
             self._presplit(start, split_share)
         total_t = sum(self.total_time(i, start[i]) for i in range(n)) / self.w or 1.0
         total_m = sum(sum(c.device_bytes for *_, c in self.geometry(i, start[i])) for i in range(n))
@@ -890,15 +884,87 @@ class _Search:
                 and a.stype is not ShardingType.DATA_PARALLEL
                 and self.fits_empty(i, a)
             ]
-            # Splits that put their ranks on the unfused update path slow every other shard
-            # there too (not in their own time): only when nothing else splits the table.
-            fused = [a for a in alts if not self.cm.cw_unfused(self.tables[i], a.stype)]
-            alts = fused or alts
             ok = [a for a in alts if excess(i, a) <= 0]
             if ok:
                 start[i] = min(ok, key=partial(self._time_key, i))
             elif alts:
                 start[i] = min(alts, key=partial(self._excess_key, excess, i))
+
+    def _peaks(self, i: int, o: _Option) -> tuple[float, ...]:
+        """Per phase: the largest shard load of option ``o`` of table ``i``."""
+        hit = self._memo.peaks.get((i, o))
+        if hit is None:
+            geo = self.geometry(i, o)
+            hit = tuple(max(c.phases[p] for *_, c in geo) for p in range(_NPH))
+            self._memo.peaks[(i, o)] = hit
+        return hit
+
+    def _loads(self, i: int, o: _Option) -> tuple[float, ...]:
+        """Per phase: the load of option ``o`` of table ``i`` summed over its shards; then its
+        sample-side time (the same on every rank)."""
+        hit = self._memo.loads.get((i, o))
+        if hit is None:
+            geo = self.geometry(i, o)
+            side = self.cm.sample_side_s(self.tables[i], o.stype, len(geo))
+            hit = (*(sum(c.phases[p] for *_, c in geo) for p in range(_NPH)), side)
+            self._memo.loads[(i, o)] = hit
+        return hit
+
+    def _bound_split(self, start: list[_Option]) -> None:
+        """Re-split tables while that lowers a lower bound of the objective (``_Bound``).
+
+        Greedy: of the tables whose shard sets a phase's bound, the one whose best other option
+        (same tier, any type) lowers the bound most takes it; when no single split lowers it
+        (two tables with equally large shards), the best two splits in a row. Every split costs
+        time, which raises the means, so it stops once splitting the largest shards costs more
+        than it balances. Catches splits that only pay together, which local search, one table
+        at a time, does not.
+        """
+        bnd = _Bound(
+            self.w,
+            [self._peaks(i, o) for i, o in enumerate(start)],
+            [self._loads(i, o) for i, o in enumerate(start)],
+        )
+        for _ in range(4 * len(start)):
+            cur = bnd.value()
+            steps = self._bound_steps(bnd, start)
+            if not steps:
+                return
+            b, _, i, a = steps[0]
+            if b < cur * (1 - 1e-9):
+                start[i] = a
+                bnd = bnd.with_table(i, self._peaks(i, a), self._loads(i, a))
+                continue
+            # Two steps: the first need not lower the bound (the other large shard still sets it).
+            best: tuple[float, float, int, _Option, int, _Option] | None = None
+            for _, _, i, a in steps[:8]:
+                nxt = bnd.with_table(i, self._peaks(i, a), self._loads(i, a))
+                more = self._bound_steps(nxt, [*start[:i], a, *start[i + 1 :]])
+                if more and (best is None or more[0][:2] < best[:2]):
+                    best = (more[0][0], more[0][1], i, a, more[0][2], more[0][3])
+            if best is None or best[0] >= cur * (1 - 1e-9):
+                return
+            for i, a in ((best[2], best[3]), (best[4], best[5])):
+                start[i] = a
+                bnd = bnd.with_table(i, self._peaks(i, a), self._loads(i, a))
+
+    def _bound_steps(
+        self, bnd: _Bound, start: list[_Option]
+    ) -> list[tuple[float, float, int, _Option]]:
+        """(bound, total time, table, option) of re-splitting each table that sets a phase's
+        bound to each of its other options (same tier), best first."""
+        out = []
+        for i in bnd.setters():
+            o = start[i]
+            for a in self.opts[i]:
+                if a == o or a.storage != o.storage or a.frac != o.frac:
+                    continue
+                if not self.fits_empty(i, a):
+                    continue
+                b = bnd.value(i, self._peaks(i, a), self._loads(i, a))
+                out.append((b, self.total_time(i, a), i, a))
+        out.sort(key=lambda x: (x[0], x[1], x[2]))
+        return out
 
     def _bytes(self, i: int, o: _Option) -> tuple[float, float, float]:
         """(device, host, ssd) bytes of option ``o`` of table ``i`` over all its shards."""
@@ -989,7 +1055,8 @@ class _Search:
 
     def _movable(self, pc: _Piece) -> bool:
         o = self.choice[pc.table]
-        return o is not None and o.stype in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)
+        # A table with a shard on every rank it may use has nowhere to move one to.
+        return o is not None and o.stype in _MOVABLE and o.n < len(self.cands[pc.table])
 
     def _may_hold(self, pc: _Piece, r: int, other: _Piece | None = None) -> bool:
         cset = self.cands[pc.table]
@@ -1015,43 +1082,6 @@ class _Search:
             dsq += vc * vc - rc[p] * rc[p] + vt * vt - rt[p] * rt[p]
         return crit, dsq
 
-    def _delta_to(
-        self,
-        top: list[list[tuple[float, int]]],
-        c: int,
-        t: int,
-        new_c: Sequence[float],
-        new_t: Sequence[float],
-    ) -> tuple[float, float]:
-        """(new sum of phase maxima, change of squared loads) if ranks ``c`` and ``t`` get the
-        phase loads ``new_c`` and ``new_t``."""
-        rc, rt = self.ph[c], self.ph[t]
-        crit = 0.0
-        dsq = 0.0
-        for p in range(_NPH):
-            vc, vt = new_c[p], new_t[p]
-            m = vc if vc > vt else vt
-            for v, r in top[p]:
-                if r != c and r != t:
-                    m = v if v > m else m
-                    break
-            crit += m
-            dsq += vc * vc - rc[p] * rc[p] + vt * vt - rt[p] * rt[p]
-        return crit, dsq
-
-    def _plain(self, c: int, t: int, pc: _Piece, q: _Piece | None = None) -> bool:
-        """Whether moving ``pc`` (and ``q`` back) leaves both ranks' unfused-path state alone."""
-        return not (self.ncw[c] or self.ncw[t] or pc.cw or (q is not None and q.cw))
-
-    def _move_delta(
-        self, top: list[list[tuple[float, int]]], c: int, t: int, pc: _Piece, q: _Piece | None
-    ) -> tuple[float, float]:
-        """``_delta`` of moving ``pc`` from ``c`` to ``t`` (and ``q`` from ``t`` to ``c``)."""
-        if self._plain(c, t, pc, q):
-            x = pc.ph if q is None else tuple(a - b for a, b in zip(pc.ph, q.ph))
-            return self._delta(top, c, t, x)
-        return self._delta_to(top, c, t, self._after(c, pc, q), self._after(t, q, pc))
-
     def _better(self, crit: float, dsq: float, obj: tuple[float, float]) -> bool:
         cur = obj[0] - self.uniform
         tol = 1e-9 * max(cur, 1e-12)
@@ -1070,7 +1100,7 @@ class _Search:
                 for pc in mine:
                     if not self._fits(t, pc.dev, pc.host, pc.ssd) or not self._may_hold(pc, t):
                         continue
-                    crit, dsq = self._move_delta(top, c, t, pc, None)
+                    crit, dsq = self._delta(top, c, t, pc.ph)
                     if self._better(crit, dsq, obj) and (best is None or (crit, dsq) < best[:2]):
                         best = (crit, dsq, pc, None, t)
                 for q in self.rank_pieces[t]:
@@ -1079,7 +1109,8 @@ class _Search:
                     for pc in mine:
                         if pc.tot <= q.tot or pc.table == q.table:
                             continue
-                        crit, dsq = self._move_delta(top, c, t, pc, q)
+                        x = tuple(a - b for a, b in zip(pc.ph, q.ph))
+                        crit, dsq = self._delta(top, c, t, x)
                         if not self._better(crit, dsq, obj):
                             continue
                         if best is not None and (crit, dsq) >= best[:2]:

@@ -46,11 +46,12 @@ class Topology:
     an ``ssd`` table move at min(this, ``host_device_bw_gbs``)."""
     unfused_bw_gbs: float = 250.0
     """Effective bandwidth (same byte accounting as ``device_bw_gbs``) of the unfused row update:
-    per-row gradients summed with torch ops, then the optimizer on the distinct rows. The runtime
-    takes it for data-parallel tables and, under row-wise Adagrad, for every shard of a rank that
-    holds a column-wise table (full-row mean(g^2) needs the other slices' sums first). Default: an
-    assumption (several torch-op passes over ids and rows instead of one fused kernel, ~1/4 of
-    ``device_bw_gbs``); measured by calibrate (~1/10 of the fused step on this CPU)."""
+    per-row gradients summed by the kernel and handed back, then the optimizer on the distinct
+    rows with torch ops. The runtime takes it for data-parallel tables and, under row-wise
+    Adagrad, for column-wise slices (full-row mean(g^2) needs the other slices' sums first; the
+    other shards of their ranks keep the fused update). Default: an assumption (~1/4 of
+    ``device_bw_gbs``: torch-op passes over the distinct rows after the kernel); measured by
+    calibrate (~1/5 of the fused step on this CPU, one thread)."""
     row_split_bw_gbs: float = 100.0
     """Throughput (id bytes per second) of splitting a rank's ids by row range for row-wise and
     table-row-wise tables before they are sent (bucketize, count per bag, stable sort). Default:
