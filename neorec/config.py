@@ -256,6 +256,11 @@ class TrainConfig:
     """Run the dense MLPs under bf16 autocast (CPU AMX); embeddings stay float32."""
     progress: bool = True
     """Print a progress line."""
+    dense_blocks: int = 2
+    """The dense part computes its gradient over this many equal blocks of the global batch and
+    adds them in a fixed pairwise tree (``neorec.distributed.dense_blocks``), so 1 process and N
+    ranks (N a power of two dividing it) train bitwise the same model; 1 = one GEMM per rank.
+    A batch that does not split evenly runs as one block."""
     collective_timeout_s: int = 300
     """Distributed runs: a collective that waits longer than this fails (no hang)."""
     pipeline: str = "overlapped"
@@ -271,6 +276,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.dense_optimizer must be sgd, adagrad or adam, got '{self.dense_optimizer}'"
             )
+        if self.dense_blocks < 1:
+            raise ConfigError(f"train.dense_blocks must be >= 1, got {self.dense_blocks}")
         if self.steps < 0 or self.epochs <= 0:
             raise ConfigError(
                 f"train.steps must be >= 0 and train.epochs > 0, got {self.steps}, {self.epochs}"
@@ -329,8 +336,8 @@ class StorageConfig:
     """Threads copying records between an SSD store's mapping and the cache. One by default: the
     copies are latency bound, and on a small machine a second thread competes with the step's."""
     mapped_mb: int = 1024
-    """Store pages (MiB) a process keeps mapped before dropping them from its RSS (they stay in
-    the page cache); bounds the RSS an SSD store adds, whatever the file's size."""
+    """Pages (MiB) of each SSD store file a process keeps mapped before dropping them from its RSS
+    (they stay in the page cache): bounds the RSS a store adds, whatever the file's size."""
     prefetch: bool = True
     """Read the next batch's missing rows in the background while the current batch computes."""
 

@@ -144,3 +144,79 @@ def _reduce_scatter_check(rank: int, world: int) -> None:
 
 def test_reduce_scatter_built_from_all_to_all():
     run_ranks(_reduce_scatter_check, 3)
+
+
+# ---- dense blocks: N ranks compute bitwise the gradients of one process ------------------------
+
+
+def _dense_grads(blocks: int, parts: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Gradients of a blocked dense arch, the batch fed as ``parts`` slices (as ``parts`` ranks
+    would: each slice's loss is its mean / parts, and .grad adds the slices' sums)."""
+    from neorec.distributed.dense_blocks import block_dense
+    from neorec.modules.dlrm import DenseArch
+
+    torch.manual_seed(0)
+    model = block_dense(DenseArch(ModelConfig(bottom_mlp=[16, 8], top_mlp=[16, 1]), 3, 8), blocks)
+    g = torch.Generator().manual_seed(1)
+    dense, pooled = torch.randn(32, 13, generator=g), torch.randn(32, 24, generator=g)
+    labels = (torch.rand(32, generator=g) < 0.3).float()
+    outs = []
+    for d, p, y in zip(dense.chunk(parts), pooled.chunk(parts), labels.chunk(parts)):
+        out = model(d, p)
+        (torch.nn.functional.binary_cross_entropy_with_logits(out, y) / parts).backward()
+        outs.append(out.detach())
+    return [q.grad for q in model.parameters()], torch.cat(outs)
+
+
+@pytest.mark.parametrize("blocks", [2, 4, 8])
+def test_dense_blocks_one_process_equals_two_halves_bitwise(blocks):
+    one, out1 = _dense_grads(blocks, 1)
+    two, out2 = _dense_grads(blocks // 2, 2)  # what each of 2 ranks runs, then a + b
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    plain, out0 = _dense_grads(1, 1)  # the one-GEMM gradient: the same to float tolerance
+    for a, b in zip(one, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out1, out0)
+    torch.testing.assert_close(out2, out0)
+
+
+def test_dense_blocks_keep_parameters_and_world_rule():
+    from neorec.distributed.dense_blocks import block_dense, exact_world, local_blocks
+    from neorec.modules.dlrm import DenseArch
+
+    arch = DenseArch(ModelConfig(bottom_mlp=[16, 8], top_mlp=[16, 1]), 3, 8)
+    keys = list(arch.state_dict())
+    assert list(block_dense(arch, 4).state_dict()) == keys
+    assert [local_blocks(8, w) for w in (1, 2, 3, 4, 8, 16)] == [8, 4, 1, 2, 1, 1]
+    assert exact_world(8, 8) and not exact_world(8, 3) and not exact_world(6, 4)
+    with pytest.raises(ValueError, match="dense blocks must be >= 1"):
+        block_dense(arch, 0)
+
+
+def _bitwise_table_wise(rank: int, world: int, blocks: int) -> None:
+    from neorec.distributed.dense_blocks import block_dense
+
+    cfg = make_cfg("rowwise_adagrad")
+    cfg.train.dense_optimizer, cfg.train.dense_blocks = "adagrad", blocks
+    ref = build_dlrm(cfg)
+    block_dense(ref.dense_arch, blocks)  # as the trainer builds the one-process model
+    dm = DistributedModel(cfg, plan_by_type(TABLES, world, world, "table_wise"))
+    opt_ref = make_dense_optimizer(cfg, ref.dense_parameters())
+    opt_dm = make_dense_optimizer(cfg, dm.dense_parameters())
+    b = B // world
+    lo, hi = rank * b, (rank + 1) * b
+    for step in range(1, 6):
+        batch = global_batch(100 + step, False)
+        train_step(ref, opt_ref, batch, step)
+        train_step(dm, opt_dm, batch.slice(lo, hi), step)
+    where = f"world {world} blocks {blocks} rank {rank}"
+    for (name, a), e in zip(dm.dense_arch.module.named_parameters(), ref.dense_parameters()):
+        assert torch.equal(a, e), f"{where}: dense {name} differs"
+    for t in TABLES:
+        assert torch.equal(dm.ebc.gather_table(t.name), ref.ebc.table_weight(t.name)), where
+
+
+@pytest.mark.parametrize("world,blocks", [(2, 2), (2, 8), (4, 4)])
+def test_table_wise_training_is_bitwise_one_process(world, blocks):
+    # (4, 4): the rank sums go through the tree all-reduce hook instead of DDP's ring.
+    run_ranks(_bitwise_table_wise, world, blocks)

@@ -53,6 +53,20 @@ def test_nproc2_matches_one_process(tmp_path):
         assert round(m1[k], 4) == round(m2[k], 4), (k, m1[k], m2[k])
 
 
+def test_nproc2_bitwise_equals_one_process_table_wise(tmp_path):
+    # Table-wise shards and train.dense_blocks (default 2): the same arithmetic as one process,
+    # so the metrics are equal, not just close (the default config trains chaotically enough
+    # that anything less differs in the 4th decimal).
+    tw = "sharding.default_type='table_wise'"
+    one = neorec(*sets(tmp_path, "one"))
+    assert one.returncode == 0, one.stderr
+    two = neorec("--nproc", "2", *sets(tmp_path, "two", tw))
+    assert two.returncode == 0, two.stderr[-3000:]
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())["eval"]
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())["eval"]
+    assert m1 == m2
+
+
 def test_failing_rank_stops_every_rank(tmp_path):
     t0 = time.monotonic()
     r = neorec("--nproc", "2", *sets(tmp_path, "fail"), env={"NEOREC_FAIL_AT": "1:3"})

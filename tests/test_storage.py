@@ -376,3 +376,20 @@ def test_copy_rows_matches_indexing(monkeypatch, native):
     assert flat.tolist() == [1.0, 0.0, 2.0, 3.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="row widths differ"):
         cache_ops.copy_rows(src, None, torch.zeros(40, 6), None)
+
+
+def test_store_unmaps_its_pages_when_the_file_rss_passes_the_budget(tmp_path, monkeypatch):
+    import neorec.storage.store as store_mod
+
+    st = _small_store(tmp_path / "s.rows")
+    st.mapped_budget = 1 << 20
+    dropped = []
+    monkeypatch.setattr(st, "drop_mapped_pages", lambda: dropped.append(True))
+    monkeypatch.setattr(store_mod, "_file_rss_bytes", lambda: 10 << 20)
+    st.read(torch.arange(8))  # 8 x 64 KiB estimated: past half the budget -> checked, dropped
+    assert dropped
+    dropped.clear()
+    monkeypatch.setattr(store_mod, "_file_rss_bytes", lambda: 100)  # under the budget
+    st.read(torch.arange(8))
+    assert not dropped
+    assert store_mod._file_rss_bytes() >= 0

@@ -567,3 +567,31 @@ def test_kernel_compile_error_includes_stderr(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="error"):
         cpu_mod._build(tmp_path / "broken.so", "this is not C;", cc)
     assert not list(tmp_path.glob("*.tmp")), "a failed build leaves no temp files behind"
+
+
+def test_cpu_tiny_batches_many_threads_update_each_row_once() -> None:
+    # Fewer occurrences than work chunks: empty chunks must not reach back before the first key
+    # (that once let two chunks own row 0: a double update, or an emitted row past its buffer).
+    layout = TBELayout(rows=(10, 7), dims=(4, 8), feature_table=(0, 1))
+    be, ref = CpuBackend(), get_backend("reference")
+    old = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for seed in range(30):
+            g = torch.Generator().manual_seed(seed)
+            idx = torch.tensor([int(torch.randint(0, 10, (1,), generator=g)), 3])
+            off = torch.tensor([0, 1, 2])
+            grad = torch.randn(1, 12, generator=g)
+            got = be.row_grads(layout, idx, off, None, PoolingMode.SUM, grad)
+            want = ref.row_grads(layout, idx, off, None, PoolingMode.SUM, grad)
+            assert [(t, i.tolist(), x.tolist()) for t, i, x in got] == [
+                (t, i.tolist(), x.tolist()) for t, i, x in want
+            ]
+            opt = RowOptimizer(kind="sgd", lr=1.0)
+            w = torch.zeros(layout.total_elems)
+            be.backward_update(layout, w, {}, idx, off, None, PoolingMode.SUM, grad, opt, 1)
+            w_ref = torch.zeros(layout.total_elems)
+            ref.backward_update(layout, w_ref, {}, idx, off, None, PoolingMode.SUM, grad, opt, 1)
+            assert torch.equal(w, w_ref)
+    finally:
+        torch.set_num_threads(old)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from neorec.config import load_config
+from neorec.config import ConfigError, load_config
+from neorec.distributed.dense_blocks import blocks_of
 from neorec.train.trainer import Trainer, TrainingDiverged, train_step
 
 
@@ -56,3 +57,15 @@ def test_nan_loss_stops_with_message(tmp_path):
     batch.dense[0, 0] = float("nan")
     with pytest.raises(TrainingDiverged, match="loss became nan at step 1"):
         train_step(t.model, t.opt, batch, 1)
+
+
+def test_dense_blocks_default_and_plain(tmp_path):
+    # The one-process model runs its dense part in train.dense_blocks blocks (what 2 ranks run).
+    blocked = Trainer(tiny_cfg(tmp_path / "b", "train.steps=3"))
+    plain = Trainer(tiny_cfg(tmp_path / "p", "train.steps=3", "train.dense_blocks=1"))
+    assert (blocks_of(blocked.model), blocks_of(plain.model)) == (2, 1)
+    assert list(blocked.model.state_dict()) == list(plain.model.state_dict())
+    a, b = blocked.fit()["eval"], plain.fit()["eval"]
+    assert a["ne"] == pytest.approx(b["ne"], rel=1e-4)  # the same sums, in another order
+    with pytest.raises(ConfigError, match="train.dense_blocks must be >= 1"):
+        tiny_cfg(tmp_path, "train.dense_blocks=0")

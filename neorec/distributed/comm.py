@@ -28,6 +28,7 @@ __all__ = [
     "ordered_all_reduce",
     "reduce_scatter",
     "ScaleGrad",
+    "tree_sum",
 ]
 
 T = TypeVar("T")
@@ -101,6 +102,20 @@ class CommStats:
         self.calls.clear()
         self.wait_s.clear()
         self.codec_s = 0.0
+
+
+def tree_sum(parts: Sequence[Tensor]) -> Tensor:
+    """Sum in a fixed pairwise tree: ``tree_sum(parts[:h]) + tree_sum(parts[h:])``, ``h = n // 2``.
+
+    A power-of-two number of contiguous groups of ``parts`` are whole subtrees, so summing each
+    group (on its own rank) and then the group sums in this tree gives bitwise the same result.
+    """
+    if not parts:
+        raise ValueError("tree_sum of nothing")
+    if len(parts) == 1:
+        return parts[0]
+    h = len(parts) // 2
+    return tree_sum(parts[:h]) + tree_sum(parts[h:])
 
 
 def _off_rank_bytes(t: Tensor, splits: Sequence[int], rank: int) -> int:
@@ -183,7 +198,7 @@ def coded_all_to_all(
 
 def coded_all_reduce(
     t: Tensor,
-    codec: Codec,
+    codec: Codec | None,
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     name: str = "allreduce_dense",
@@ -191,9 +206,11 @@ def coded_all_reduce(
 ) -> Tensor:
     """Sum of ``t`` over ranks with ``codec`` on the wire: reduce-scatter, then all-gather.
 
-    Each rank receives chunk r of every rank (encoded), sums them in rank order in float32,
-    encodes the sum once and all-gathers it; every rank decodes the same bytes, so the result is
-    bitwise identical everywhere. Bytes per rank: 2 (W-1)/W of the encoded tensor, as a ring.
+    Each rank receives chunk r of every rank (encoded), sums them in a fixed pairwise tree over
+    ranks (``tree_sum``) in float32, encodes the sum once and all-gathers it; every rank decodes
+    the same bytes, so the result is bitwise identical everywhere. ``codec`` None sends float32
+    as is: then the sum is bitwise the one-process tree of ``neorec.distributed.dense_blocks``.
+    Bytes per rank: 2 (W-1)/W of the encoded tensor, as a ring.
     """
     world = dist.get_world_size(group)
     if world == 1:
@@ -206,16 +223,17 @@ def coded_all_reduce(
         flat, [per] * world, [per] * world, per // row, codec, group, stats, name
     )
     parts = got.wait().view(world, per // row, row)
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total.add_(p)
+    total = tree_sum(list(parts))
     t0 = time.perf_counter()
-    mine = codec.encode(total, name)
+    mine = codec.encode(total, name) if codec is not None else total.reshape(-1)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     if stats is not None:
-        stats.add(name, mine.numel() * (world - 1))
+        stats.add(name, mine.numel() * mine.element_size() * (world - 1))
     dist.all_gather(gathered, mine, group=group)
-    out = torch.cat([codec.decode(g, per // row, row).reshape(-1) for g in gathered])
+    if codec is None:
+        out = torch.cat(gathered)
+    else:
+        out = torch.cat([codec.decode(g, per // row, row).reshape(-1) for g in gathered])
     if stats is not None:
         stats.codec_s += time.perf_counter() - t0
     return out[:n].view_as(t)

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from neorec.config import Config, ConfigError
 from neorec.distributed.codecs import Codec, make_codec
 from neorec.distributed.comm import CommStats, coded_all_reduce
+from neorec.distributed.dense_blocks import block_dense, exact_world, local_blocks
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.modules.dlrm import DenseArch
 from neorec.ops.row_optim import RowOptimizer
@@ -53,6 +54,8 @@ class DistributedModel(nn.Module):
         dims = {t.dim for t in emb.tables}
         dense = DenseArch(cfg.model, len(self.ebc.feature_names), dims.pop())
         world = dist.get_world_size() if dist.is_initialized() else 1
+        # This rank's share of the dense blocks: gradients bitwise those of one process.
+        block_dense(dense, local_blocks(cfg.train.dense_blocks, world))
         self.dense_arch: nn.Module = DistributedDataParallel(dense) if world > 1 else dense
         self._setup_comm(cfg, world)
 
@@ -64,14 +67,18 @@ class DistributedModel(nn.Module):
             make_codec(c.backward, c.fp8_scaling, c.loss_scale),
         )
         allreduce = make_codec(c.allreduce, c.fp8_scaling, c.loss_scale)
+        # fp32 on 4+ ranks that reproduce one process: the rank sums must be added in the dense
+        # blocks' tree, which DDP's ring does not do (2 ranks: one addition, the same either way).
+        tree = world > 2 and exact_world(cfg.train.dense_blocks, world)
+        hooked = allreduce is not None or tree
         dense_bytes = sum(p.numel() * p.element_size() for p in self.dense_parameters())
         # fp32 runs DDP's own (ring) all-reduce, which reports no bytes: count the ring's share.
-        self._ring_bytes = 2 * (world - 1) * dense_bytes // world if allreduce is None else 0
-        if world > 1 and allreduce is not None:
+        self._ring_bytes = 0 if hooked else 2 * (world - 1) * dense_bytes // world
+        if world > 1 and hooked:
             assert isinstance(self.dense_arch, DistributedDataParallel)
             self.dense_arch.register_comm_hook(None, self._allreduce_hook(allreduce, world))
 
-    def _allreduce_hook(self, codec: Codec, world: int):  # noqa: ANN202 - DDP hook signature
+    def _allreduce_hook(self, codec: Codec | None, world: int):  # noqa: ANN202 - DDP hook signature
         stats = self.stats
 
         # Unannotated on purpose: DDP compares the annotations to its own types (strings here).

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
+from neorec.distributed.dense_blocks import block_dense, blocks_of, per_block
 from neorec.modules.dlrm import build_dlrm
 from neorec.sparse import SparseFeatures
 from neorec.train.metrics import MetricState, binary_metrics
@@ -177,7 +178,12 @@ def train_step(
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
         logits = model(batch.dense, batch.sparse)
-    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+    # The mean over the batch, as the mean of the dense blocks' means (the same number: blocks
+    # are equal): each sample's loss gradient then comes from a tensor of the block's size.
+    parts = per_block(
+        F.binary_cross_entropy_with_logits, blocks_of(model), logits.float(), batch.labels
+    )
+    loss = parts[0] if len(parts) == 1 else torch.stack(parts).mean()
     value = loss.detach()
     # note: a host sync; refusing a non-finite loss before backward keeps the tables clean.
     if not math.isfinite(float(value)):
@@ -197,10 +203,11 @@ def predict(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> Me
     model.train(False)
     state = MetricState()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    blocks = blocks_of(model)
     for batch in batches:
         with ctx:
             logits = model(batch.dense, batch.sparse)
-        state.update(torch.sigmoid(logits.float()), batch.labels)
+        state.update(torch.cat(per_block(torch.sigmoid, blocks, logits.float())), batch.labels)
     model.train(True)
     return state
 
@@ -280,7 +287,10 @@ class Trainer:
 
     def _build_model(self) -> RecModel:
         if self.world == 1:
-            return build_dlrm(self.cfg)
+            model = build_dlrm(self.cfg)
+            # The dense gradient summed in the blocks' tree: what N ranks compute (bitwise).
+            block_dense(model.dense_arch, self.cfg.train.dense_blocks)
+            return model
         from neorec.distributed.model_parallel import (
             DistributedModel,
             check_same_everywhere,

@@ -384,7 +384,7 @@ static inline void chunk_bounds(const uint64_t *keys, int kshift, int64_t n, int
                                 int64_t chunks, int64_t *beg_out, int64_t *end_out) {
     int64_t beg = n * c / chunks, end = n * (c + 1) / chunks;
     while (beg > 0 && beg < n && (keys[beg] >> kshift) == (keys[beg - 1] >> kshift)) ++beg;
-    while (end < n && (keys[end] >> kshift) == (keys[end - 1] >> kshift)) ++end;
+    while (end > 0 && end < n && (keys[end] >> kshift) == (keys[end - 1] >> kshift)) ++end;
     *beg_out = beg;
     *end_out = end;
 }
