@@ -37,6 +37,7 @@ def test_train_writes_metrics(tmp_path):
     for key in ("auc", "logloss", "ne", "calibration"):
         assert math.isfinite(m["eval"][key])
     assert m["teacher"]["ne"] < 1.0
+    assert m["train"]["peak_rss_mb"] > 0
     assert result["eval_ne_gap_vs_teacher"] == pytest.approx(
         m["eval"]["ne"] / m["teacher"]["ne"] - 1
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
 from collections import deque
@@ -256,6 +257,21 @@ class Progress:
         )
 
 
+def _memory_mb() -> dict[str, float]:
+    """Peak RSS of this process, and its RSS now split into anonymous memory (what it owns) and
+    file-backed pages (mapped store files: page cache the kernel can reclaim), in MiB."""
+    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    out[f"{key[3:].lower()}_rss_mb"] = round(int(rest.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
 class Trainer:
     """Runs training and evaluation for a config and writes metrics.json.
 
@@ -459,6 +475,7 @@ class Trainer:
                 "seconds": round(train_s, 3),
                 "samples_per_s": round(progress.samples / max(train_s, 1e-9), 1),
                 "final_loss": sum(progress.losses[-50:]) / max(1, len(progress.losses[-50:])),
+                **_memory_mb(),
             },
             "eval": final,
             "evals": evals,
