@@ -335,17 +335,18 @@ class StorageConfig:
     io_threads: int = 1
     """Threads copying records between an SSD store's mapping and the cache. One by default: the
     copies are latency bound, and on a small machine a second thread competes with the step's."""
-    mapped_mb: int = 1024
-    """Pages (MiB) of each SSD store file a process keeps mapped before dropping them from its RSS
-    (they stay in the page cache): bounds the RSS a store adds, whatever the file's size."""
+    mapped_mb: int = 0
+    """File-backed RSS (MiB) above which the SSD stores' mapped pages are dropped from the process
+    (they stay in the page cache): bounds the RSS the stores add, whatever the files' size.
+    0 = a quarter of physical memory."""
     prefetch: bool = True
     """Read the next batch's missing rows in the background while the current batch computes."""
 
     def __post_init__(self) -> None:
-        if self.io_threads < 1 or self.mapped_mb < 1:
+        if self.io_threads < 1 or self.mapped_mb < 0:
             raise ConfigError(
-                f"storage.io_threads and storage.mapped_mb must be >= 1, got {self.io_threads}, "
-                f"{self.mapped_mb}"
+                f"storage.io_threads must be >= 1 and storage.mapped_mb >= 0, got "
+                f"{self.io_threads}, {self.mapped_mb}"
             )
 
 

@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="steps that fill the cache first")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setup (median kept)")
     p.add_argument("--cache-fraction", type=float, default=0.10)
+    p.add_argument("--io-threads", type=int, default=1, help="storage.io_threads")
+    p.add_argument(
+        "--mapped-mb", type=int, default=0, help="storage.mapped_mb (0: a quarter of the RAM)"
+    )
     p.add_argument("--dir", default="", help="directory of the SSD store (default: a temp dir)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
@@ -182,6 +186,8 @@ def throughput(a: argparse.Namespace, root: Path) -> dict:
         backend="cpu",
         seed=a.seed,
         storage_dir=root,
+        io_threads=a.io_threads,
+        mapped_mb=a.mapped_mb,
     )
     res["ssd_create_s"] = round(time.perf_counter() - t0, 2)
     for _ in range(a.repeats):  # alternate, so slow spells of a shared machine hit both

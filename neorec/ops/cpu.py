@@ -160,7 +160,7 @@ def load_kernel() -> ctypes.CDLL:
         lib.tbe_backward_workspace.restype = ctypes.c_int64
         lib.tbe_backward_update.restype = i32
         i64 = ctypes.c_int64
-        lib.rc_classify.argtypes = [vp, i64, vp, i64, vp, vp, i64, i32, vp, vp, vp]
+        lib.rc_classify.argtypes = [vp, i64, vp, i64, vp, vp, i64, i32, vp, vp, vp, vp]
         lib.rc_classify.restype = i64
         lib.rc_select_victims.argtypes = [vp, vp, vp, vp, i64, i64, i64, vp, vp]
         lib.rc_select_victims.restype = i64
@@ -172,6 +172,8 @@ def load_kernel() -> ctypes.CDLL:
         lib.rc_match_sorted.restype = i64
         lib.rc_invalidate_sorted.argtypes = [vp, i64, vp, i64, vp]
         lib.rc_invalidate_sorted.restype = None
+        lib.rc_remap.argtypes = [vp, i64, vp, vp]
+        lib.rc_remap.restype = None
         lib.rc_copy_rows.argtypes = [vp, i64, vp, vp, i64, vp, i64, i64, i32]
         lib.rc_copy_rows.restype = None
         _LIB = lib

@@ -25,6 +25,7 @@ __all__ = [
     "evict_commit",
     "fill_commit",
     "match_sorted",
+    "remap",
     "invalidate_sorted",
     "copy_rows",
     "LFU_SHIFT",
@@ -63,48 +64,49 @@ def classify(
     key: Tensor | None = None,
     tick: int = 0,
     lfu: bool = False,
-) -> tuple[Tensor, int, int, bool]:
+) -> tuple[Tensor, Tensor, int, bool]:
     """Sorted distinct non-resident ``ids``; with ``mark`` also the hits.
 
     With ``mark`` ([capacity] bool, all False): sets ``mark`` at every distinct resident slot,
-    counts distinct hit slots and lookups that hit, and -- when hits + misses fit the capacity --
-    touches the hit slots' ``key`` for the policy. Returns ``(missing, n_hit, lookup_hits, fits)``;
-    with ``fits`` False nothing but ``mark`` changed.
+    returns those slots (any order) and the count of lookups that hit, and -- when hits + misses
+    fit the capacity -- touches the hit slots' ``key`` for the policy. Returns
+    ``(missing, hit_slots, lookup_hits, fits)``; with ``fits`` False nothing but ``mark`` changed.
     """
     ids = ids.contiguous()
     lib = native()
     if lib is not None:
         n = ids.numel()
         miss = torch.empty(n, dtype=torch.int64)
+        hits = torch.empty(n if mark is not None else 0, dtype=torch.int64)
         tmp = torch.empty(n, dtype=torch.int64)
         counts = torch.zeros(2, dtype=torch.int64)
         cap = mark.numel() if mark is not None else 0
         r = lib.rc_classify(
             ids.data_ptr(), n, slot_of.data_ptr(), cap, _p(mark), _p(key), tick, int(lfu),
-            miss.data_ptr(), tmp.data_ptr(), counts.data_ptr(),
+            miss.data_ptr(), hits.data_ptr(), tmp.data_ptr(), counts.data_ptr(),
         )  # fmt: skip
+        n_hit, lookup_hits = int(counts[0]), int(counts[1])
         if r < 0:
-            return miss[:0], int(counts[0]), int(counts[1]), False
-        return miss[:r], int(counts[0]), int(counts[1]), True
+            return miss[:0], hits[:n_hit], lookup_hits, False
+        return miss[:r], hits[:n_hit], lookup_hits, True
     s = slot_of[ids]
     hit = s >= 0
     missing = torch.unique(ids[~hit])
     if mark is None:
-        return missing, 0, 0, True
+        return missing, missing[:0], 0, True
     hit_slots = s[hit].to(torch.int64)
     mark[hit_slots] = True
-    n_hit = int(mark.sum())
+    distinct = torch.nonzero(mark).flatten()
     lookup_hits = int(hit.sum())
-    if n_hit + missing.numel() > mark.numel():
-        return missing, n_hit, lookup_hits, False
+    if distinct.numel() + missing.numel() > mark.numel():
+        return missing, distinct, lookup_hits, False
     assert key is not None
     if lfu:
         key.index_add_(0, hit_slots, torch.full_like(hit_slots, 1 << LFU_SHIFT))
-        distinct = torch.nonzero(mark).flatten()
         key[distinct] = (key[distinct] >> LFU_SHIFT << LFU_SHIFT) | (tick & _TICK_MASK)
     else:
         key[hit_slots] = tick
-    return missing, n_hit, lookup_hits, True
+    return missing, distinct, lookup_hits, True
 
 
 def select_victims(
@@ -184,6 +186,16 @@ def fill_commit(
     dirty[slots] = False
     key[slots] = ((1 << LFU_SHIFT) | (tick & _TICK_MASK)) if lfu else tick
     mark[slots] = True
+
+
+def remap(ids: Tensor, slot_of: Tensor, out: Tensor) -> None:
+    """``out[i] = slot_of[ids[i]]`` (int64 ``out``; every id resident)."""
+    lib = native()
+    if lib is not None and out.is_contiguous():
+        ids = ids.contiguous()
+        lib.rc_remap(ids.data_ptr(), ids.numel(), slot_of.data_ptr(), out.data_ptr())
+        return
+    out.copy_(slot_of[ids])
 
 
 def match_sorted(a: Tensor, b: Tensor, valid: Tensor | None = None) -> Tensor:

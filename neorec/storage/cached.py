@@ -39,7 +39,6 @@ from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
 from neorec.storage.store import (
-    DEFAULT_MAPPED_BUDGET,
     DramStore,
     Records,
     RowStore,
@@ -145,7 +144,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         validate_ids: bool = True,
         storage_dir: str | Path = "",
         io_threads: int = 1,
-        mapped_mb: int = DEFAULT_MAPPED_BUDGET >> 20,
+        mapped_mb: int = 0,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
@@ -212,7 +211,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"table '{spec.name}' has storage = 'ssd' but no storage.dir")
             path = root / f"{spec.name}.rows"
             store = SsdStore.create(path, spec.rows, fields, init, spec.name, self._io_threads)
-            store.mapped_budget = self._mapped_mb << 20
+            if self._mapped_mb > 0:  # else the store's default (a quarter of the RAM)
+                store.mapped_budget = self._mapped_mb << 20
         else:
             raise ValueError(
                 f"table '{spec.name}': storage must be memory, dram or ssd, got '{storage}'"
@@ -374,18 +374,16 @@ class CachedEmbeddingBagCollection(nn.Module):
             sparse.validate(self._rows_by_feature, self._table_by_feature)
         indices = sparse.values.to(torch.int64)
         bounds = self._feature_bounds(sparse.offsets(), sparse.lengths.numel())
-        wanted = {}
-        with _one_thread():
-            for i, c in self._cached.items():
-                ids = self._table_ids(i, indices, bounds)
-                wanted[i] = cache_ops.classify(ids, c.slot_of)[0]
         self._staged = {}
         self._prefetch_error = None
 
         def work() -> None:
+            # Safe in the background: every user of the slot maps (prepare, flush) waits for
+            # this thread first, and backward does not touch them.
             try:
-                for i, ids in wanted.items():
-                    rec = self._cached[i].store.read(ids)
+                for i, c in self._cached.items():
+                    ids = cache_ops.classify(self._table_ids(i, indices, bounds), c.slot_of)[0]
+                    rec = c.store.read(ids)
                     self._staged[i] = _Staged(ids, rec, torch.ones(ids.numel(), dtype=torch.bool))
             except BaseException as e:  # handed to the main thread at the next prepare
                 self._prefetch_error = e
@@ -487,18 +485,20 @@ class CachedEmbeddingBagCollection(nn.Module):
         out = torch.empty_like(indices)
         for f, (lo, hi) in enumerate(bounds):
             t = self.layout.feature_table[f]
-            seg = indices[lo:hi]
-            out[lo:hi] = slot_of_table[t][seg] if t in slot_of_table else seg
+            if t in slot_of_table:
+                cache_ops.remap(indices[lo:hi], slot_of_table[t], out[lo:hi])
+            else:
+                out[lo:hi] = indices[lo:hi]
         return out, used
 
     def _admit(self, c: _Table, ids: Tensor) -> Tensor:
-        """Make ``ids`` of table ``c`` resident; returns their distinct slots."""
+        """Make ``ids`` of table ``c`` resident; returns their distinct slots (any order)."""
         mark = torch.zeros(c.capacity, dtype=torch.bool)
         lfu = c.policy == "lfu"
-        missing, n_hit, lookup_hits, fits = cache_ops.classify(
+        missing, hit_slots, lookup_hits, fits = cache_ops.classify(
             ids, c.slot_of, mark, c.key, self._tick, lfu
         )
-        n_miss = missing.numel()
+        n_hit, n_miss = hit_slots.numel(), missing.numel()
         if not fits:
             raise CacheCapacityError(
                 f"table '{c.name}': a batch needs {n_hit + n_miss} distinct rows but its cache "
@@ -517,7 +517,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         c.counts["misses"] += n_miss
         c.counts["lookups"] += ids.numel()
         c.counts["lookup_hits"] += lookup_hits
-        return torch.nonzero(mark).flatten()
+        return torch.cat([hit_slots, new]) if n_miss else hit_slots
 
     def _evict(self, c: _Table, need: int, keep: Tensor) -> None:
         """Evict at least ``need`` resident slots not in ``keep`` nor pinned (dirty ones written

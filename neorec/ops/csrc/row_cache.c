@@ -38,23 +38,25 @@ static void rc_radix_sort(int64_t *a, int64_t *tmp, int64_t n) {
  * Classify the n ids of one table against the cache.
  * miss[] receives the distinct non-resident ids, sorted (tmp: n scratch int64).
  * With mark == NULL that is all (prefetch: nothing changes). Otherwise mark[slot] = 1 for each
- * distinct resident slot, counts[0] = distinct hit slots, counts[1] = lookups that hit; and, when
+ * distinct resident slot, hits[] receives those slots (first-use order), counts[0] = how many,
+ * counts[1] = lookups that hit; and, when
  * the batch fits the cache (hits + misses <= cap), the hit slots are touched for the policy:
  * LRU key = tick; LFU key += 1 << 24 per lookup, low 24 bits = tick.
  * Returns the number of misses; -1 when the batch does not fit (keys untouched).
  */
 int64_t rc_classify(const int64_t *ids, int64_t n, int32_t *slot_of, int64_t cap, uint8_t *mark,
-                    int64_t *key, int64_t tick, int lfu, int64_t *miss, int64_t *tmp,
-                    int64_t *counts) {
+                    int64_t *key, int64_t tick, int lfu, int64_t *miss, int64_t *hits,
+                    int64_t *tmp, int64_t *counts) {
     int64_t n_miss = 0, n_hit = 0, lookup_hits = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (i + 16 < n) __builtin_prefetch(slot_of + ids[i + 16], 0, 0);
         const int64_t id = ids[i];
         const int32_t s = slot_of[id];
         if (s >= 0) {
             lookup_hits++;
             if (mark != NULL && !mark[s]) {
                 mark[s] = 1;
-                tmp[n_hit++] = s;
+                hits[n_hit++] = s;
             }
         } else if (s == -1) {
             slot_of[id] = -2; /* seen: later duplicates are not added again */
@@ -72,11 +74,11 @@ int64_t rc_classify(const int64_t *ids, int64_t n, int32_t *slot_of, int64_t cap
                 if (s >= 0) key[s] += ((int64_t)1) << RC_LFU_SHIFT;
             }
             for (int64_t j = 0; j < n_hit; j++) {
-                const int64_t s = tmp[j];
+                const int64_t s = hits[j];
                 key[s] = ((key[s] >> RC_LFU_SHIFT) << RC_LFU_SHIFT) | (tick & RC_TICK_MASK);
             }
         } else {
-            for (int64_t j = 0; j < n_hit; j++) key[tmp[j]] = tick;
+            for (int64_t j = 0; j < n_hit; j++) key[hits[j]] = tick;
         }
     }
     rc_radix_sort(miss, tmp, n_miss);
@@ -120,34 +122,35 @@ static int64_t rc_select_kth(int64_t *a, int64_t n, int64_t k) {
 int64_t rc_select_victims(const int64_t *key, const int32_t *pins, const int64_t *id_of,
                           const uint8_t *keep, int64_t cap, int64_t need, int64_t chunk,
                           int64_t *out, int64_t *tmp) {
+    /* out[0..m) collects the evictable slots (in slot order), tmp[0..m) their keys. */
     int64_t m = 0;
-    for (int64_t s = 0; s < cap; s++)
-        if (!keep[s] && pins[s] == 0 && id_of[s] >= 0) tmp[m++] = key[s];
+    for (int64_t s = 0; s < cap; s++) {
+        if (!keep[s] && pins[s] == 0 && id_of[s] >= 0) {
+            out[m] = s;
+            tmp[m++] = key[s];
+        }
+    }
     if (m < need) return -1 - m;
     int64_t n = need > chunk ? need : chunk;
     if (n > m) n = m;
-    if (n == 0) return 0;
-    int64_t k = 0;
-    if (n == m) {
-        for (int64_t s = 0; s < cap; s++)
-            if (!keep[s] && pins[s] == 0 && id_of[s] >= 0) out[k++] = s;
-        return n;
-    }
-    const int64_t t = rc_select_kth(tmp, m, n - 1); /* the n-th smallest key */
+    if (n == m) return n;
+    const int64_t t = rc_select_kth(tmp, m, n - 1); /* the n-th smallest key (tmp reordered) */
     int64_t less = 0;
-    for (int64_t s = 0; s < cap; s++)
-        if (!keep[s] && pins[s] == 0 && id_of[s] >= 0 && key[s] < t) less++;
-    int64_t equal_left = n - less;
-    for (int64_t s = 0; s < cap; s++) {
-        if (keep[s] || pins[s] != 0 || id_of[s] < 0) continue;
-        if (key[s] < t) {
-            out[k++] = s;
-        } else if (key[s] == t && equal_left > 0) {
-            out[k++] = s;
-            equal_left--;
-        }
+    for (int64_t j = 0; j < m; j++) less += key[out[j]] < t;
+    int64_t equal_left = n - less, k = 0;
+    for (int64_t j = 0; j < m; j++) { /* compact in place: k <= j, slot order kept */
+        const int64_t s = out[j], ks = key[s];
+        if (ks < t || (ks == t && equal_left-- > 0)) out[k++] = s;
     }
     return k;
+}
+
+/* out[i] = slot_of[ids[i]] (every id resident). */
+void rc_remap(const int64_t *ids, int64_t n, const int32_t *slot_of, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + 16 < n) __builtin_prefetch(slot_of + ids[i + 16], 0, 0);
+        out[i] = slot_of[ids[i]];
+    }
 }
 
 /* Forget the n victims (their write-back is done) and push them on the free stack. */
