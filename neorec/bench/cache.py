@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="steps that fill the cache first")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setup (median kept)")
     p.add_argument("--cache-fraction", type=float, default=0.10)
-    p.add_argument("--io-threads", type=int, default=1, help="storage.io_threads")
+    p.add_argument("--io-threads", type=int, default=2, help="storage.io_threads")
     p.add_argument(
         "--mapped-mb", type=int, default=0, help="storage.mapped_mb (0: a quarter of the RAM)"
     )

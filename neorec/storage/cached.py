@@ -143,7 +143,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         seed: int = 0,
         validate_ids: bool = True,
         storage_dir: str | Path = "",
-        io_threads: int = 1,
+        io_threads: int = 2,
         mapped_mb: int = 0,
     ) -> None:
         super().__init__()
