@@ -221,6 +221,52 @@ def measure_row_split(
             dist.destroy_process_group()
 
 
+def measure_overhead(tables: int = 8, batch: int = 512, repeat: int = 15) -> dict[str, float]:
+    """Fixed host time of a sharded embedding step: ``ShardedEmbeddingBagCollection`` forward +
+    backward on one rank (a one-process gloo group: no collective latency) with ``tables`` tiny
+    tables (16 rows x dim 4, one id per bag, so bytes cost nothing) and with one: per shard
+    ``(t_tables - t_1) / (tables - 1)``, per step ``t_1`` minus that shard share."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _overhead(tables, batch, repeat)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _overhead(tables: int, batch: int, repeat: int) -> dict[str, float]:
+    from neorec.config import TableConfig
+    from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+    from neorec.sharding.types import plan_by_type
+    from neorec.sparse import SparseFeatures
+
+    world = dist.get_world_size()
+    med = {}
+    for n in (1, tables):
+        cfgs = [TableConfig(name=f"o{i}", rows=16, dim=4) for i in range(n)]
+        ebc = ShardedEmbeddingBagCollection(cfgs, plan_by_type(cfgs, world, world, "table_wise"))
+        g = torch.Generator().manual_seed(0)
+        sparse = SparseFeatures(
+            [c.name for c in cfgs],
+            torch.randint(0, 16, (n * batch,), generator=g),
+            torch.ones(n * batch, dtype=torch.int64),
+        )
+        times = []
+        for i in range(repeat + 2):
+            t0 = time.perf_counter()
+            ebc(sparse).sum().backward()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        med[n] = statistics.median(times)
+    per_shard = max(0.0, (med[tables] - med[1]) / max(1, tables - 1))
+    return {
+        "shard_overhead_us": 1e6 * per_shard,
+        "step_overhead_us": 1e6 * max(0.0, med[1] - per_shard),
+    }
+
+
 def _row_split(
     world: int, rows: int, tables: int, batch: int, pooling: int, repeat: int
 ) -> dict[str, float]:
@@ -361,6 +407,12 @@ def calibrate(
         finally:
             torch.set_num_threads(old)
         split_bw = m["row_split_gbs"]
+    old = torch.get_num_threads()
+    torch.set_num_threads(rank_threads)
+    try:
+        m.update(measure_overhead())
+    finally:
+        torch.set_num_threads(old)
     topo = Topology(
         world_size=world_size,
         ranks_per_host=rph,
@@ -373,8 +425,9 @@ def calibrate(
         row_split_bw_gbs=round(max(split_bw, 1e-3), 4),
         intra_host_bw_gbs=round(max(intra_bw, 1e-3), 4),
         inter_host_bw_gbs=inter_host_bw_gbs or round(max(intra_bw, 1e-3), 4),
-        shard_overhead_us=20.0,
+        shard_overhead_us=round(m["shard_overhead_us"], 1),
         collective_latency_us=round(latency_us, 1),
+        step_overhead_us=round(m["step_overhead_us"], 1),
         name=f"calibrated on {socket.gethostname()} ({os.cpu_count()} cores, torch {torch.__version__})",
     )
     return topo, m

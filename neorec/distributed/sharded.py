@@ -255,19 +255,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
         since every slice receives every bag of the table).
         """
         self._cw_groups: dict[int, dist.ProcessGroup | None] = {}
+        self._cw_ranks: dict[int, tuple[int, ...]] = {}
         if self.optimizer.kind != "rowwise_adagrad":
             return
+        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for ti, t in enumerate(self.tables):
             p = self.plan.table(t.name)
             if p.sharding_type is not ShardingType.COLUMN_WISE:
                 continue
-            ranks = sorted(set(p.ranks()))
-            group = None
-            if len(ranks) > 1 and dist.is_initialized():
-                # new_group is collective over the world: every rank calls it, in table order.
-                group = dist.new_group(ranks=ranks, backend=dist.get_backend(self.group))
+            ranks = tuple(sorted(set(p.ranks())))
+            if ranks not in made:  # one group per owner set, shared by its tables
+                made[ranks] = None
+                if len(ranks) > 1 and dist.is_initialized():
+                    # new_group is collective over the world: every rank calls it, in table order.
+                    made[ranks] = dist.new_group(
+                        ranks=list(ranks), backend=dist.get_backend(self.group)
+                    )
             if self.rank in ranks:
-                self._cw_groups[ti] = group
+                self._cw_groups[ti] = made[ranks]
+                self._cw_ranks[ti] = ranks
 
     def _state(self, prefix: str = "") -> dict[str, Tensor]:
         names = ("momentum1", "exp_avg", "exp_avg_sq")
@@ -491,14 +497,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for lt, ids, g in grads:
             w = lay.table(self.weights, lt)[ids]
             eff[lt] = (ids, g + opt.weight_decay * w if opt.weight_decay else g)
-        mean_sq: dict[int, Tensor] = {}
-        for ti, group in self._cw_groups.items():
+        # Per table, this rank's partial sum of squares of each distinct row (every slice owner
+        # has the same distinct rows); the tables of one owner set share one rank-ordered sum.
+        parts: dict[int, Tensor] = {}
+        for ti in self._cw_groups:
             mine = [lt for lt, (t, _) in enumerate(self.local_tables) if t == ti and lt in eff]
             part = sum((eff[lt][1] ** 2).sum(1) for lt in mine)
-            if not isinstance(part, Tensor):
-                part = torch.zeros(0)
-            total = ordered_all_reduce(part, group, self.stats) if group is not None else part
-            mean_sq[ti] = total / self.tables[ti].dim
+            parts[ti] = part if isinstance(part, Tensor) else torch.zeros(0)
+        mean_sq: dict[int, Tensor] = {}
+        by_ranks: dict[tuple[int, ...], list[int]] = {}
+        for ti in self._cw_groups:
+            by_ranks.setdefault(self._cw_ranks[ti], []).append(ti)
+        for tis in by_ranks.values():
+            group = self._cw_groups[tis[0]]
+            flat = torch.cat([parts[ti] for ti in tis])
+            total = ordered_all_reduce(flat, group, self.stats) if group is not None else flat
+            for ti, tot in zip(tis, torch.split(total, [parts[ti].numel() for ti in tis])):
+                mean_sq[ti] = tot / self.tables[ti].dim
         s_all = state["momentum1"]
         for lt, (ids, g) in eff.items():
             ti = self.local_tables[lt][0]

@@ -20,7 +20,8 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   intra-host and inter-host bytes by where the batch's samples live. Row shards (row-wise, and
   table-row-wise over one host's ranks) each send partial sums for all samples; the samples' ranks
   add them (no in-host reduction first). Column-wise tables under row-wise
-  Adagrad all-gather per-row sums of squares in their slices' subgroup (one collective per table).
+  Adagrad all-gather per-row sums of squares in their slices' subgroup (one collective per set of
+  owner ranks, shared by the tables it owns).
   Data-parallel tables look up the rank's own samples, then all-gather every rank's (row id, row
   gradient sum) pairs and add them in rank order before the update (no dense all-reduce).
 - sample side (the same on every rank): each rank sends its ids and receives pooled outputs of
@@ -656,11 +657,12 @@ class CostModel:
             fwd_comm, bwd_comm = ii + ie + oi + oe, oi + oe
             inter = ie + 2 * oe
             if self.cw_unfused(table, st):
-                # The slices' per-row sums of squares, all-gathered in the table's subgroup:
+                # The slices' per-row sums of squares, all-gathered in the owners' subgroup:
                 # n - 1 vectors of ``touched`` floats in (spread over peers like an all-to-all).
+                # Its latency is paid once per owner set, not per table (``evaluate``).
                 n = max(1, round(table.dim / cols))
                 si, se = self._a2a_s((n - 1) * touched * 4.0 * w / max(1, w - 1))
-                bwd_comm += self.topo.collective_latency_us * 1e-6 + si + se
+                bwd_comm += si + se
                 inter += se
             buffers = hits * self.id_bytes + 2 * out_rows * cols * c4
         weights = rows * cols * e + state
@@ -705,9 +707,10 @@ class CostModel:
     def fixed_s(self, sharded: bool = True, data_parallel: bool = False) -> float:
         """Per-step latency of the embedding collectives (same on every rank): ~6 with sharded
         tables (lengths, ids, outputs, grads), 3 all-gathers (counts, ids, row sums) with
-        data-parallel tables."""
+        data-parallel tables; plus the step's fixed host overhead."""
         n = (6 if sharded else 0) + (3 if data_parallel else 0)
-        return n * self.topo.collective_latency_us * 1e-6
+        overhead = self.topo.step_overhead_us if n else 0.0
+        return (n * self.topo.collective_latency_us + overhead) * 1e-6
 
     # ---- plans --------------------------------------------------------------------------------
     def evaluate(self, plan: ShardingPlan, tables: Iterable[TableSpec]) -> PlanCost:
@@ -718,11 +721,14 @@ class CostModel:
         sharded = any(t is not ShardingType.DATA_PARALLEL for t in types)
         dp = ShardingType.DATA_PARALLEL in types
         sample = self.fixed_s(sharded, dp)
+        cw_sets: set[tuple[int, ...]] = set()
         for tp in plan.tables:
             spec = specs.get(tp.name)
             if spec is None:
                 raise KeyError(f"plan table '{tp.name}' has no spec; known: {sorted(specs)}")
             sample += self.sample_side_s(spec, tp.sharding_type, len(tp.shards))
+            if self.cw_unfused(spec, tp.sharding_type):
+                cw_sets.add(tuple(sorted({sh.rank for sh in tp.shards})))
             for s in tp.shards:
                 c = self.shard_cost(
                     spec, tp.sharding_type, s.rows, s.cols, tp.storage, None, tp.cache_fraction
@@ -734,6 +740,8 @@ class CostModel:
                 rc.host_bytes += c.host_bytes
                 rc.ssd_bytes += c.ssd_bytes
                 rc.shards.append((tp.name, s, c.time_s))
+        # The runtime sums the column-wise tables' squares in one collective per owner set.
+        sample += len(cw_sets) * self.topo.collective_latency_us * 1e-6
         return PlanCost(
             ranks,
             sample,

@@ -64,6 +64,9 @@ class Topology:
     """Fixed time per shard per step (bookkeeping, kernel work that does not scale with bytes)."""
     collective_latency_us: float = 30.0
     """Latency of one collective; a step runs ~6 for embeddings (fwd/bwd ids, lengths, outputs)."""
+    step_overhead_us: float = 0.0
+    """Fixed host time of one embedding step that no shard accounts for (the sharded module's
+    Python and dispatch: reordering, splitting, concatenating); calibrated on CPU, 0 = ignored."""
     name: str = ""
     """Free-form label (preset name, ``calibrated on <host>``)."""
 

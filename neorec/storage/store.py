@@ -28,10 +28,10 @@ and write first checks the file's size (one ``fstat``) and a truncated file is a
 Mapped pages count in the process's RSS, and more of them than the records touched: a read fault
 also maps the cached pages around it (Linux "fault-around", up to 64 KiB), so 30k random record
 reads can map a whole 2 GB file (measured). Each store estimates what its copies may have mapped
-(64 KiB per record read, in chunks of ``_READ_CHUNK`` records; one page per record written); when
-the estimate passes half of ``mapped_budget`` (default ``default_mapped_budget()``) it reads the
-process's file-backed RSS (``/proc/self/status``) and, above the budget, unmaps every open store
-(``MADV_DONTNEED``). The RSS stays bounded whatever the files' size; the data stays in the page
+(64 KiB per record read or written, reads in chunks of ``_READ_CHUNK`` records), summed
+over all stores of the process; every ``_CHECK_EVERY`` bytes of that estimate (at most an eighth of
+``mapped_budget``, default ``default_mapped_budget()``) one reads the process's file-backed RSS
+(``/proc/self/status``) and, above the budget, unmaps every open store (``MADV_DONTNEED``). The RSS stays bounded whatever the files' size; the data stays in the page
 cache.
 """
 
@@ -85,10 +85,15 @@ def default_mapped_budget() -> int:
 
 
 _FAULT_AROUND = 64 << 10
-"""Bytes a read fault may map (Linux fault_around_bytes default)."""
+"""Bytes a fault may map (Linux fault_around_bytes default; large page-cache folios map ~25 KiB per
+random record on this machine's kernel, measured)."""
 _READ_CHUNK = 2048
 """Records read between two looks at the mapped-bytes estimate."""
 _OPEN_STORES: weakref.WeakSet[SsdStore] = weakref.WeakSet()
+_CHECK_EVERY = 256 << 20
+"""Estimated mapped bytes (all stores) between two looks at the process's file-backed RSS."""
+_SINCE_CHECK = [0]
+"""Estimated mapped bytes since the last look (shared by the stores and their threads)."""
 
 RecordInit = Callable[[int, int], Tensor]
 """``init(lo, hi)`` -> initial records [hi - lo, width] of rows lo..hi-1."""
@@ -242,7 +247,6 @@ class SsdStore(RowStore):
         self._records = np.frombuffer(self._mm, np.float32, rows * self.width, HEADER_BYTES)
         self._records = self._records.reshape(rows, self.width)
         self._tensor = torch.from_numpy(self._records)
-        self._mapped = 0
         self.mapped_budget = default_mapped_budget()
         _OPEN_STORES.add(self)
 
@@ -406,17 +410,17 @@ class SsdStore(RowStore):
                 f"and flush() can be retried"
             ) from e
         self.bytes_written += ids.numel() * self.record_bytes
-        self._account(ids.numel() * mmap.PAGESIZE)
+        self._account(ids.numel() * _FAULT_AROUND)
 
     def _account(self, mapped: int) -> None:
         """Add ``mapped`` (bytes the last copy may have mapped); past half the budget, check the
         file-backed RSS and above the budget unmap every open store's pages: for a shared file
         mapping the data stays in the page cache (written back by the kernel), only the
         process's RSS drops."""
-        self._mapped += mapped
-        if self._mapped < self.mapped_budget // 2:
+        _SINCE_CHECK[0] += mapped
+        if _SINCE_CHECK[0] < min(_CHECK_EVERY, self.mapped_budget // 8):
             return
-        self._mapped = 0
+        _SINCE_CHECK[0] = 0
         if _file_rss_bytes() > self.mapped_budget:
             for store in list(_OPEN_STORES):
                 store.drop_mapped_pages()
