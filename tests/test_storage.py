@@ -386,10 +386,15 @@ def test_store_unmaps_its_pages_when_the_file_rss_passes_the_budget(tmp_path, mo
     dropped = []
     monkeypatch.setattr(st, "drop_mapped_pages", lambda: dropped.append(True))
     monkeypatch.setattr(store_mod, "_file_rss_bytes", lambda: 10 << 20)
-    st.read(torch.arange(8))  # 8 x 64 KiB estimated: past half the budget -> checked, dropped
+    st.read(torch.arange(8))  # over the budget after the copy: unmapped
+    assert dropped
+    dropped.clear()
+    st.write(torch.arange(3), torch.zeros(3, 4))  # writes check too
     assert dropped
     dropped.clear()
     monkeypatch.setattr(store_mod, "_file_rss_bytes", lambda: 100)  # under the budget
     st.read(torch.arange(8))
+    st.write(torch.arange(3), [(torch.zeros(5, 4), torch.tensor([4, 0, 2]))])
     assert not dropped
+    assert torch.equal(st.read(torch.arange(3)), torch.zeros(3, 4))
     assert store_mod._file_rss_bytes() >= 0

@@ -25,14 +25,14 @@ than ``pread`` in a C loop with two threads (``rowio``, kept as the measured alt
 ``pwrite`` is slower still. The space is preallocated, so a mapped write cannot hit a full disk on
 ext4/xfs. A mapped access past the end of the file would kill the process (SIGBUS), so every read
 and write first checks the file's size (one ``fstat``) and a truncated file is a ``StoreError``.
-Mapped pages count in the process's RSS, and more of them than the records touched: a read fault
-also maps the cached pages around it (Linux "fault-around", up to 64 KiB), so 30k random record
-reads can map a whole 2 GB file (measured). Each store estimates what its copies may have mapped
-(64 KiB per record read or written, reads in chunks of ``_READ_CHUNK`` records), summed
-over all stores of the process; every ``_CHECK_EVERY`` bytes of that estimate (at most an eighth of
-``mapped_budget``, default ``default_mapped_budget()``) one reads the process's file-backed RSS
-(``/proc/self/status``) and, above the budget, unmaps every open store (``MADV_DONTNEED``). The RSS stays bounded whatever the files' size; the data stays in the page
-cache.
+Mapped pages count in the process's RSS, and far more of them than the records touched: a fault
+maps the cached pages around it (fault-around) and, on this kernel, whole large page-cache folios
+(measured: ~25 KiB per random record, up to 4 MB for a record of a freshly written file; 10k random
+writes mapped a whole 2 GB file). So reads and writes copy in chunks of ``_IO_CHUNK`` records and
+after each chunk read the process's file-backed RSS (``/proc/self/status``, ~30 us); above
+``mapped_budget`` (default ``default_mapped_budget()``) every open store is unmapped
+(``MADV_DONTNEED``). The RSS stays within about one chunk's mappings of the budget whatever the
+files' size; the data stays in the page cache.
 """
 
 from __future__ import annotations
@@ -84,16 +84,9 @@ def default_mapped_budget() -> int:
     return max(256 << 20, phys // 4)
 
 
-_FAULT_AROUND = 64 << 10
-"""Bytes a fault may map (Linux fault_around_bytes default; large page-cache folios map ~25 KiB per
-random record on this machine's kernel, measured)."""
-_READ_CHUNK = 2048
-"""Records read between two looks at the mapped-bytes estimate."""
+_IO_CHUNK = 1024
+"""Records copied between two looks at the process's file-backed RSS."""
 _OPEN_STORES: weakref.WeakSet[SsdStore] = weakref.WeakSet()
-_CHECK_EVERY = 256 << 20
-"""Estimated mapped bytes (all stores) between two looks at the process's file-backed RSS."""
-_SINCE_CHECK = [0]
-"""Estimated mapped bytes since the last look (shared by the stores and their threads)."""
 
 RecordInit = Callable[[int, int], Tensor]
 """``init(lo, hi)`` -> initial records [hi - lo, width] of rows lo..hi-1."""
@@ -385,10 +378,10 @@ class SsdStore(RowStore):
         if out is None:
             out = torch.empty(ids.numel(), self.width)
         self._check_size("reading")
-        for lo in range(0, ids.numel(), _READ_CHUNK):
-            hi = min(ids.numel(), lo + _READ_CHUNK)
+        for lo in range(0, ids.numel(), _IO_CHUNK):
+            hi = min(ids.numel(), lo + _IO_CHUNK)
             _read_mapped(self._tensor, ids[lo:hi], out[lo:hi], self.threads)
-            self._account((hi - lo) * _FAULT_AROUND)
+            self._bound_rss()
         self.bytes_read += ids.numel() * self.record_bytes
         return out
 
@@ -402,7 +395,15 @@ class SsdStore(RowStore):
                 # next flush leaves a file that open() recognises as mixed.
                 self._write_header(clean=False)
             self._check_size("writing")
-            _write_mapped(self._tensor, ids, records, self.fields, self.threads)
+            for lo in range(0, ids.numel(), _IO_CHUNK):
+                hi = min(ids.numel(), lo + _IO_CHUNK)
+                part: Records
+                if isinstance(records, Tensor):
+                    part = records[lo:hi]
+                else:
+                    part = [(buf, rows[lo:hi]) for buf, rows in records]
+                _write_mapped(self._tensor, ids[lo:hi], part, self.fields, self.threads)
+                self._bound_rss()
         except OSError as e:
             raise StoreError(
                 f"writing {ids.numel()} rows of table '{self.table}' to {self.path} failed: {e}; "
@@ -410,17 +411,11 @@ class SsdStore(RowStore):
                 f"and flush() can be retried"
             ) from e
         self.bytes_written += ids.numel() * self.record_bytes
-        self._account(ids.numel() * _FAULT_AROUND)
 
-    def _account(self, mapped: int) -> None:
-        """Add ``mapped`` (bytes the last copy may have mapped); past half the budget, check the
-        file-backed RSS and above the budget unmap every open store's pages: for a shared file
+    def _bound_rss(self) -> None:
+        """Above the budget of file-backed RSS, unmap every open store's pages: for a shared file
         mapping the data stays in the page cache (written back by the kernel), only the
         process's RSS drops."""
-        _SINCE_CHECK[0] += mapped
-        if _SINCE_CHECK[0] < min(_CHECK_EVERY, self.mapped_budget // 8):
-            return
-        _SINCE_CHECK[0] = 0
         if _file_rss_bytes() > self.mapped_budget:
             for store in list(_OPEN_STORES):
                 store.drop_mapped_pages()
