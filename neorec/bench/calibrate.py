@@ -25,13 +25,14 @@ The constants the cost model uses are then measured the way a training step uses
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -210,14 +211,20 @@ def measure_row_split(
     one-process gloo group made (and destroyed) here: row-wise with one shard still takes the split
     path.
     """
-    own_group = not dist.is_initialized()
-    if own_group:
+    with _process_group():
+        return _row_split(dist.get_world_size(), rows, tables, batch, pooling, repeat)
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """The default process group if there is one, else a one-process gloo group for the block."""
+    own = not dist.is_initialized()
+    if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        world = dist.get_world_size()
-        return _row_split(world, rows, tables, batch, pooling, repeat)
+        yield
     finally:
-        if own_group:
+        if own:
             dist.destroy_process_group()
 
 
@@ -226,14 +233,8 @@ def measure_overhead(tables: int = 8, batch: int = 512, repeat: int = 15) -> dic
     backward on one rank (a one-process gloo group: no collective latency) with ``tables`` tiny
     tables (16 rows x dim 4, one id per bag, so bytes cost nothing) and with one: per shard
     ``(t_tables - t_1) / (tables - 1)``, per step ``t_1`` minus that shard share."""
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with _process_group():
         return _overhead(tables, batch, repeat)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
 
 
 def _overhead(tables: int, batch: int, repeat: int) -> dict[str, float]:
