@@ -38,9 +38,9 @@ from neorec.distributed.comm import (
     all_to_all,
     ordered_all_reduce,
 )
-from neorec.modules.embedding import UpdateHook, init_rows
+from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
 from neorec.ops.cpu import CpuBackend
-from neorec.ops.row_optim import RowOptimizer, zeros_state
+from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     PoolingMode,
     TBELayout,
@@ -222,30 +222,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             dims=tuple(s.cols for _, s in keys),
             feature_table=tuple(feature_table),
         )
-        self.register_buffer("weights", torch.empty(self.layout.total_elems))
+        cpu = torch.device("cpu")
+        register_table_buffers(self, self.layout, self.optimizer.kind, cpu)
         for i, (ti, s) in enumerate(keys):
             rows = init_rows(self.tables[ti], seed, s.row_start, s.row_end, init_scale)
             self.layout.table(self.weights, i).copy_(rows[:, s.col_start : s.col_end])
-        for k, v in zeros_state(
-            self.optimizer.kind,
-            self.layout.total_rows,
-            self.layout.total_elems,
-            torch.device("cpu"),
-        ).items():
-            self.register_buffer(k, v)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.dp: _Replicas | None = None
         if self._dp_spec[0]:
             self.dp = _Replicas(*self._dp_spec, seed, init_scale)
-            self.register_buffer("dp_weights", self.dp.weights)
-            self.register_buffer("dp_step", torch.zeros((), dtype=torch.int64))
-            for k, v in zeros_state(
-                self.optimizer.kind,
-                self.dp.layout.total_rows,
-                self.dp.layout.total_elems,
-                torch.device("cpu"),
-            ).items():
-                self.register_buffer(f"dp_{k}", v)
+            register_table_buffers(
+                self, self.dp.layout, self.optimizer.kind, cpu, "dp_", self.dp.weights
+            )
 
     def _build_cw_groups(self) -> None:
         """Subgroups of the owners of each column-wise table, for exact row-wise Adagrad.

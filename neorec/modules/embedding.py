@@ -49,6 +49,24 @@ def init_rows(
     return out
 
 
+def register_table_buffers(
+    module: nn.Module,
+    layout: TBELayout,
+    optimizer: str,
+    device: torch.device,
+    prefix: str = "",
+    weights: Tensor | None = None,
+) -> None:
+    """Register ``{prefix}weights`` (``weights``, else uninitialized), the fused optimizer's zeroed
+    state and a ``{prefix}step`` counter as buffers of ``module``, for a flat TBE ``layout``."""
+    if weights is None:
+        weights = torch.empty(layout.total_elems, device=device)
+    module.register_buffer(prefix + "weights", weights)
+    for k, v in zeros_state(optimizer, layout.total_rows, layout.total_elems, device).items():
+        module.register_buffer(prefix + k, v)
+    module.register_buffer(prefix + "step", torch.zeros((), dtype=torch.int64))
+
+
 UpdateHook = Callable[[TBELayout, Tensor, Tensor], None]
 """Called after each fused update with (layout, indices, offsets) of the batch."""
 
@@ -89,12 +107,7 @@ class EmbeddingBagCollection(nn.Module):
         )
         device = torch.device(device)
         self.backend: TBEBackend = get_backend(backend, device)
-        self.register_buffer("weights", torch.empty(self.layout.total_elems, device=device))
-        for k, v in zeros_state(
-            self.optimizer.kind, self.layout.total_rows, self.layout.total_elems, device
-        ).items():
-            self.register_buffer(k, v)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        register_table_buffers(self, self.layout, self.optimizer.kind, device)
         # Zero-element tensor that puts the TBE op in the autograd graph (see tbe_lookup).
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}

@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
-from neorec.modules.embedding import UpdateHook, init_rows
-from neorec.ops.row_optim import RowOptimizer, zeros_state
+from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
+from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
@@ -166,12 +166,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         )
         device = torch.device(device)
         self.backend: TBEBackend = get_backend(backend, device)
-        self.register_buffer("weights", torch.zeros(self.layout.total_elems, device=device))
-        for k, v in zeros_state(
-            self.optimizer.kind, self.layout.total_rows, self.layout.total_elems, device
-        ).items():
-            self.register_buffer(k, v)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        # Zeroed: free cache slots hold zeros, not garbage, in state_dict().
+        register_table_buffers(
+            self,
+            self.layout,
+            self.optimizer.kind,
+            device,
+            weights=torch.zeros(self.layout.total_elems, device=device),
+        )
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
         self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
