@@ -99,6 +99,7 @@ def measure_tbe(
 
     Uniform ids (the cost model's assumption); the median of ``repeat`` steps after a warm-up.
     """
+    from neorec.ops.memory import table_empty
     from neorec.ops.row_optim import RowOptimizer, zeros_state
     from neorec.ops.tbe import PoolingMode, TBELayout, get_backend
     from neorec.sharding.cost_model import CostModel, TableSpec
@@ -111,7 +112,7 @@ def measure_tbe(
         layout = TBELayout(
             rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
         )
-        weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
+        weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
         state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
         backend = get_backend("auto", "cpu")
         opt = RowOptimizer(kind=optimizer)
@@ -162,6 +163,7 @@ def measure_unfused(
     ``measure_tbe``'s shape and uniform ids, converted with the cost model's backward bytes
     (``unfused=True`` at 1 GB/s).
     """
+    from neorec.ops.memory import table_empty
     from neorec.ops.row_optim import RowOptimizer, zeros_state
     from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, row_grads, update_table_rows
     from neorec.sharding.cost_model import CostModel, TableSpec
@@ -174,7 +176,7 @@ def measure_unfused(
         layout = TBELayout(
             rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
         )
-        weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
+        weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
         state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
         be = get_backend("auto")
         opt = RowOptimizer(kind=optimizer)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from neorec.data.ids import zipf_ids
+from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer, state_shapes, zeros_state
 from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
 
@@ -95,7 +96,7 @@ def _ours(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
         rows=(a.rows,) * a.tables, dims=(a.dim,) * a.tables, feature_table=tuple(range(a.tables))
     )
     gen = torch.Generator().manual_seed(a.seed + 1)
-    weights = torch.empty(layout.total_elems).uniform_(-0.01, 0.01, generator=gen)
+    weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=gen)
     state = zeros_state(a.optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
     backend = get_backend(a.backend)
     opt = RowOptimizer(kind=a.optimizer, lr=a.lr, eps=a.eps)

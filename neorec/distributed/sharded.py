@@ -40,6 +40,7 @@ from neorec.distributed.comm import (
 )
 from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
 from neorec.ops.cpu import CpuBackend
+from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     PoolingMode,
@@ -97,7 +98,7 @@ class _Replicas:
             feature_table=tuple(i for i, t in enumerate(tables) for _ in t.features),
         )
         self.features = features  # global feature indices, in layout feature order
-        self.weights = torch.empty(self.layout.total_elems)
+        self.weights = table_empty(self.layout.total_elems)
         for i, t in enumerate(tables):
             init_rows(t, seed, 0, t.rows, scale, out=self.layout.table(self.weights, i))
 

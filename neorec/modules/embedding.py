@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
+from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, zeros_state
 from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
 from neorec.sparse import SparseFeatures
@@ -60,7 +61,7 @@ def register_table_buffers(
     """Register ``{prefix}weights`` (``weights``, else uninitialized), the fused optimizer's zeroed
     state and a ``{prefix}step`` counter as buffers of ``module``, for a flat TBE ``layout``."""
     if weights is None:
-        weights = torch.empty(layout.total_elems, device=device)
+        weights = table_empty(layout.total_elems, device=device)
     module.register_buffer(prefix + "weights", weights)
     for k, v in zeros_state(optimizer, layout.total_rows, layout.total_elems, device).items():
         module.register_buffer(prefix + k, v)

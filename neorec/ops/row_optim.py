@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from neorec.ops.memory import table_zeros
+
 __all__ = ["RowOptimizer", "OPTIMIZERS", "state_shapes", "apply_rows"]
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
@@ -104,6 +106,6 @@ def zeros_state(
 ) -> dict[str, Tensor]:
     """Fresh optimizer state (flat float32 tensors)."""
     return {
-        k: torch.zeros(n, dtype=torch.float32, device=device)
+        k: table_zeros(n, torch.float32, device)
         for k, n in state_shapes(kind, total_rows, total_elems).items()
     }

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from neorec.ops.memory import table_zeros
 from neorec.storage import cache_ops
 
 __all__ = [
@@ -169,7 +170,7 @@ class DramStore(RowStore):
         self, rows: int, fields: list[tuple[str, int]], init: RecordInit | None, table: str = ""
     ) -> None:
         super().__init__(rows, fields, table)
-        self.data = torch.zeros(rows, self.width)
+        self.data = table_zeros(rows * self.width).view(rows, self.width)
         if init is not None:
             for lo in range(0, rows, _INIT_CHUNK_ROWS):
                 hi = min(rows, lo + _INIT_CHUNK_ROWS)
