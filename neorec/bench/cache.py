@@ -4,9 +4,13 @@
    locality-calibrated ids (``neorec.data.ids.locality_ids``, fitted to ../shared/data) and of Zipf
    ids, for caches of 1, 5, 10, 25% of the rows, LRU and LFU, next to the analytic estimate
    (``neorec.storage.model.expected_hit_rate``).
-2. Throughput: a TBE training step (pooled forward + fused backward-update) with every table in
-   DRAM (``EmbeddingBagCollection``) vs an SSD store behind a 10% cache with the next batch
-   prefetched while the current one computes. Target: SSD >= 50% of DRAM.
+2. Throughput: a training step with every table in DRAM (``EmbeddingBagCollection``) vs an SSD
+   store behind a 10% cache with the next batch prefetched while the current one computes.
+   Target: SSD >= 50% of DRAM. ``--model tbe`` (default) times the embedding part alone (pooled
+   forward + fused backward-update: the cache's whole cost, nothing to hide it behind);
+   ``--model dlrm`` a full DLRM step around it (dense MLPs of ``configs/dlrm_benchmark.toml``,
+   bottom 512-512-64 / top 1024-1024-1024-1, dot interaction, forward + backward + SGD), the
+   samples/s a user trains at, with the prefetch overlapping the dense compute.
 3. ``--io``: reading/writing random records of a store file by pread/pwrite vs mmap.
 
 Prints a table, then one JSON line.
@@ -17,6 +21,7 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -28,9 +33,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from neorec.config import TableConfig
+from neorec.config import ModelConfig, TableConfig
 from neorec.data.ids import LOCALITY_REF_BATCH, locality_ids, zipf_ids
+from neorec.modules.dlrm import DenseArch
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer
 from neorec.sparse import SparseFeatures
@@ -65,6 +72,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="steps that fill the cache first")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setup (median kept)")
     p.add_argument("--cache-fraction", type=float, default=0.10)
+    p.add_argument(
+        "--model",
+        choices=("tbe", "dlrm"),
+        default="tbe",
+        help="time the embedding step alone, or a full DLRM step (dlrm_benchmark's MLPs)",
+    )
+    p.add_argument("--bottom-mlp", default="512,512,64", help="--model dlrm: bottom MLP widths")
+    p.add_argument("--top-mlp", default="1024,1024,1024,1", help="--model dlrm: top MLP widths")
     p.add_argument("--io-threads", type=int, default=2, help="storage.io_threads")
     p.add_argument(
         "--mapped-mb", type=int, default=0, help="storage.mapped_mb (0: a quarter of the RAM)"
@@ -152,10 +167,31 @@ def hit_rates(a: argparse.Namespace) -> list[dict]:
 
 
 # ---- 2. throughput -------------------------------------------------------------------------------
+def _dense_arch(a: argparse.Namespace) -> DenseArch | None:
+    """``--model dlrm``: the dense part (same initial weights for every run)."""
+    if a.model != "dlrm":
+        return None
+    widths = [[int(x) for x in s.split(",")] for s in (a.bottom_mlp, a.top_mlp)]
+    cfg = ModelConfig(bottom_mlp=widths[0], top_mlp=widths[1], interaction="dot")
+    torch.manual_seed(a.seed)
+    return DenseArch(cfg, a.tables, a.dim)
+
+
 def _time_steps(
-    model: torch.nn.Module, batches: list[SparseFeatures], a: argparse.Namespace, prefetch: bool
+    model: torch.nn.Module,
+    batches: list[SparseFeatures],
+    a: argparse.Namespace,
+    prefetch: bool,
+    dense_arch: DenseArch | None = None,
 ) -> list[float]:
-    grad = torch.randn(a.batch, a.tables * a.dim, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(a.batch, a.tables * a.dim, generator=g)
+    dense = torch.randn(a.batch, ModelConfig().num_dense, generator=g)
+    labels = torch.randint(0, 2, (a.batch,), generator=g).float()
+    sgd = None
+    if dense_arch is not None:
+        dense_arch = copy.deepcopy(dense_arch)
+        sgd = torch.optim.SGD(dense_arch.parameters(), lr=0.01)
     times = []
     n = a.warmup + a.iters
     for i in range(n):
@@ -165,7 +201,14 @@ def _time_steps(
         if prefetch:
             # Stage of a pipeline: the next batch's rows are read while this one computes.
             model.prefetch(batches[(i + 1) % len(batches)])  # type: ignore[operator]
-        out.backward(grad)
+        if dense_arch is None:
+            out.backward(grad)
+        else:
+            assert sgd is not None
+            sgd.zero_grad(set_to_none=True)
+            loss = F.binary_cross_entropy_with_logits(dense_arch(dense, out), labels)
+            loss.backward()
+            sgd.step()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     return times
@@ -190,10 +233,11 @@ def throughput(a: argparse.Namespace, root: Path) -> dict:
         mapped_mb=a.mapped_mb,
     )
     res["ssd_create_s"] = round(time.perf_counter() - t0, 2)
+    dense_arch = _dense_arch(a)
     for _ in range(a.repeats):  # alternate, so slow spells of a shared machine hit both
-        dram_runs.append(statistics.median(_time_steps(mem, batches, a, prefetch=False)))
+        dram_runs.append(statistics.median(_time_steps(mem, batches, a, False, dense_arch)))
         before = ssd.stats()
-        ssd_runs.append(statistics.median(_time_steps(ssd, batches, a, prefetch=True)))
+        ssd_runs.append(statistics.median(_time_steps(ssd, batches, a, True, dense_arch)))
     after = ssd.stats()
     t0 = time.perf_counter()
     ssd.flush()
@@ -299,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.skip_train:
             tp = throughput(a, root)
             print(
-                f"\nTBE train step  all-in-DRAM {tp['dram_ms_per_step']:.1f} ms  "
+                f"\n{a.model.upper()} train step  all-in-DRAM {tp['dram_ms_per_step']:.1f} ms  "
                 f"SSD + {100 * a.cache_fraction:.0f}% cache {tp['ssd_ms_per_step']:.1f} ms  "
                 f"-> {100 * tp['ssd_vs_dram']:.0f}% of DRAM throughput (target >= 50%)  "
                 f"hit {tp['ssd_hit_rate']:.3f}  SSD r/w {tp['ssd_mb_read_per_step']:.1f}/"
