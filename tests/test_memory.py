@@ -43,9 +43,7 @@ def test_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(
-    not sys.platform.startswith("linux")
-    or not _THP.exists()
-    or "[never]" in _THP.read_text(),
+    not sys.platform.startswith("linux") or not _THP.exists() or "[never]" in _THP.read_text(),
     reason="needs Linux with transparent huge pages enabled",
 )
 def test_large_table_is_faulted_in_as_huge_pages() -> None:

@@ -105,3 +105,55 @@ def test_loader_error_reaches_the_trainer():
     with pytest.raises(OSError, match="disk gone"):  # at step 1: step 1 reads batch 2 ahead
         pipe.progress(1)
     pipe.close()
+
+
+def _cached_trainer(tmp_path, name: str, storage: str, pipeline: str) -> Trainer:
+    tables = "".join(
+        f'[[embedding.tables]]\nname = "t{i}"\nrows = 300\ndim = 8\npooling_factor = 4.0\n'
+        + (f'storage = "{storage}"\ncache_rows = 150\n' if storage != "memory" else "")
+        for i in range(3)
+    )
+    path = tmp_path / f"{name}.toml"
+    path.write_text(tables)
+    cfg = load_config(
+        path,
+        overrides=[
+            "model.bottom_mlp=[16, 8]",
+            "model.top_mlp=[16, 1]",
+            "data.batch_size=64",
+            "data.train_samples=640",
+            "data.eval_samples=320",
+            "train.steps=12",
+            f"train.pipeline='{pipeline}'",
+            f"train.run_dir='{tmp_path / name}'",
+            f"storage.dir='{tmp_path / name / 'store'}'",
+            "train.progress=false",
+        ],
+    )
+    return Trainer(cfg)
+
+
+def test_overlapped_pipeline_prefetches_cached_rows_and_trains_the_same(tmp_path):
+    runs = {}
+    for name, storage, pipeline in [
+        ("memory", "memory", "overlapped"),
+        ("ssd_seq", "ssd", "sequential"),
+        ("ssd_ovl", "ssd", "overlapped"),
+    ]:
+        t = _cached_trainer(tmp_path, name, storage, pipeline)
+        runs[name] = (t.fit(), t)
+    ref = runs["memory"][0]["eval"]
+    for name in ("ssd_seq", "ssd_ovl"):
+        result, t = runs[name]
+        assert result["eval"] == ref, name
+        t.model.ebc.flush()
+    staged = {n: int(runs[n][0]["storage"]["staged"]) for n in ("ssd_seq", "ssd_ovl")}
+    assert staged["ssd_seq"] == 0  # the sequential pipeline is the plain reference
+    assert staged["ssd_ovl"] > 0, "the overlapped pipeline never prefetched cached rows"
+    ref_ebc = runs["memory"][1].model.ebc
+    for name in ("ssd_seq", "ssd_ovl"):
+        ebc = runs[name][1].model.ebc
+        for i, tab in enumerate(ref_ebc.tables):
+            got = ebc.read_table(tab.name)["weight"]
+            want = ref_ebc.layout.table(ref_ebc.weights, i).view(tab.rows, tab.dim)
+            assert torch.equal(got.view(tab.rows, tab.dim), want), f"{name}: table {tab.name}"

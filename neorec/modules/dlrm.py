@@ -148,6 +148,14 @@ class DLRM(nn.Module):
         """Parameters trained by the dense (torch.optim) optimizer."""
         return self.dense_arch.parameters()
 
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """Pipeline stage for the next batch, called before this step runs: a row cache over
+        DRAM/SSD (``neorec.storage``) reads its missing rows in the background once this step's
+        forward has made its own rows resident. No-op for in-memory tables."""
+        fn = getattr(self.ebc, "prefetch", None)
+        if callable(fn):
+            fn(sparse, defer=True)
+
 
 def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
     """The DLRM a config describes."""

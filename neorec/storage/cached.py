@@ -183,6 +183,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._staged: dict[int, _Staged] = {}
         self._prefetch_thread: threading.Thread | None = None
         self._prefetch_error: BaseException | None = None
+        self._deferred: SparseFeatures | None = None
         self._cached: dict[int, _Table] = {}
         self._io_threads = io_threads
         self._mapped_mb = mapped_mb
@@ -364,16 +365,27 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._prepare(sparse.values.to(torch.int64), sparse.offsets(), pin=False)
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def prefetch(self, sparse: SparseFeatures) -> None:
+    def prefetch(self, sparse: SparseFeatures, defer: bool = False) -> None:
         """Start reading, in the background, the rows ``sparse`` needs that are not resident.
 
         Pipeline stage: call it for batch i+1 while batch i computes. It changes no cache state;
         ``prepare`` (at forward) takes the staged rows that are still valid.
+
+        ``defer``: start it at the end of the next forward's ``prepare`` instead (the latest
+        deferred batch wins). A pipeline that stages batch i+1 *before* running step i uses it:
+        started at once, the reads would hold up batch i's own ``prepare`` (which waits for the
+        prefetch thread); deferred, they overlap step i's dense compute and backward.
         """
-        self._wait_prefetch()
         sparse = sparse.reorder(self.feature_names)
         if self.validate_ids:
             sparse.validate(self._rows_by_feature, self._table_by_feature)
+        if defer:
+            self._deferred = sparse
+            return
+        self._start_prefetch(sparse)
+
+    def _start_prefetch(self, sparse: SparseFeatures) -> None:
+        self._wait_prefetch()
         indices = sparse.values.to(torch.int64)
         bounds = self._feature_bounds(sparse.offsets(), sparse.lengths.numel())
         self._staged = {}
@@ -468,7 +480,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Make every id resident; returns (slot indices for the kernel, distinct slots per table)."""
         self._wait_prefetch()
         with _one_thread():
-            return self._prepare_locked(indices, offsets, pin)
+            out = self._prepare_locked(indices, offsets, pin)
+        if self._deferred is not None:
+            nxt, self._deferred = self._deferred, None
+            self._start_prefetch(nxt)
+        return out
 
     def _prepare_locked(
         self, indices: Tensor, offsets: Tensor, pin: bool
