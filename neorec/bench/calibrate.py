@@ -85,6 +85,27 @@ def measure(rows: int = 2_000_000, dim: int = 64, ids: int = 500_000) -> dict[st
     }
 
 
+def _workload(optimizer: str, rows: int, dim: int, tables: int, batch: int, pooling: int):
+    """``tables`` equal tables (random weights, zeroed optimizer state) and one batch of uniform
+    ids with fixed pooling and a random output gradient: (layout, weights, state, ids, offsets,
+    grad), the same for every seed-0 call."""
+    from neorec.ops.memory import table_empty
+    from neorec.ops.row_optim import zeros_state
+    from neorec.ops.tbe import TBELayout
+
+    g = torch.Generator().manual_seed(0)
+    layout = TBELayout(
+        rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
+    )
+    weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
+    state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
+    n = tables * batch * pooling
+    ids = torch.randint(0, rows, (n,), generator=g)
+    offsets = torch.arange(0, n + 1, pooling)
+    grad = torch.randn(batch, tables * dim, generator=g)
+    return layout, weights, state, ids, offsets, grad
+
+
 def measure_tbe(
     threads: int,
     optimizer: str = "rowwise_adagrad",
@@ -99,26 +120,19 @@ def measure_tbe(
 
     Uniform ids (the cost model's assumption); the median of ``repeat`` steps after a warm-up.
     """
-    from neorec.ops.memory import table_empty
-    from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, TBELayout, get_backend
+    from neorec.ops.row_optim import RowOptimizer
+    from neorec.ops.tbe import PoolingMode, get_backend
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        g = torch.Generator().manual_seed(0)
-        layout = TBELayout(
-            rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
+        layout, weights, state, ids, offsets, grad = _workload(
+            optimizer, rows, dim, tables, batch, pooling
         )
-        weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
-        state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
         backend = get_backend("auto", "cpu")
         opt = RowOptimizer(kind=optimizer)
-        ids = torch.randint(0, rows, (tables * batch * pooling,), generator=g)
-        offsets = torch.arange(0, tables * batch * pooling + 1, pooling)
-        grad = torch.randn(batch, tables * dim, generator=g)
         fwd_t, bwd_t = [], []
         for step in range(repeat + 1):
             t0 = time.perf_counter()
@@ -163,26 +177,19 @@ def measure_unfused(
     ``measure_tbe``'s shape and uniform ids, converted with the cost model's backward bytes
     (``unfused=True`` at 1 GB/s).
     """
-    from neorec.ops.memory import table_empty
-    from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, row_grads, update_table_rows
+    from neorec.ops.row_optim import RowOptimizer
+    from neorec.ops.tbe import PoolingMode, get_backend, row_grads, update_table_rows
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        g = torch.Generator().manual_seed(0)
-        layout = TBELayout(
-            rows=(rows,) * tables, dims=(dim,) * tables, feature_table=tuple(range(tables))
+        layout, weights, state, ids, offsets, grad = _workload(
+            optimizer, rows, dim, tables, batch, pooling
         )
-        weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=g)
-        state = zeros_state(optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
         be = get_backend("auto")
         opt = RowOptimizer(kind=optimizer)
-        ids = torch.randint(0, rows, (tables * batch * pooling,), generator=g)
-        offsets = torch.arange(0, tables * batch * pooling + 1, pooling)
-        grad = torch.randn(batch, tables * dim, generator=g)
         times = []
         for step in range(repeat + 1):
             t0 = time.perf_counter()

@@ -27,10 +27,7 @@ import torch.multiprocessing as mp
 
 from neorec.bench.step import make_batches
 from neorec.config import CommConfig, load_config
-from neorec.distributed.codecs import make_codec
-from neorec.distributed.model_parallel import DistributedModel
-from neorec.distributed.sharded import ShardedEmbeddingBagCollection
-from neorec.ops.row_optim import RowOptimizer
+from neorec.distributed.model_parallel import DistributedModel, sharded_ebc_from_config
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import make_dense_optimizer, train_step
@@ -141,30 +138,10 @@ def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dic
     }
 
 
-def _sharded_ebc(cfg, plan: ShardingPlan) -> ShardedEmbeddingBagCollection:
-    """The EBC a DistributedModel would build for ``plan`` (same optimizer, codecs), alone."""
-    emb, c = cfg.embedding, cfg.comm
-    opt = RowOptimizer(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
-    ebc = ShardedEmbeddingBagCollection(
-        emb.tables,
-        plan,
-        opt,
-        pooling=emb.pooling,
-        backend=emb.backend,
-        seed=cfg.train.seed,
-        init_scale=emb.init_scale,
-    )
-    ebc.codecs = (
-        make_codec(c.forward, c.fp8_scaling),
-        make_codec(c.backward, c.fp8_scaling, c.loss_scale),
-    )
-    return ebc
-
-
 def measure_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int, a) -> dict:
     """Embedding part of warmup + iters steps: median ms/step (fwd, bwd) and bytes (all ranks)."""
     b = a.batch // world
-    ebc = _sharded_ebc(cfg, plan)
+    ebc = sharded_ebc_from_config(cfg, plan)
     local = [bt.slice(rank * b, (rank + 1) * b).sparse for bt in batches]
     g = torch.Generator().manual_seed(1000 + rank)
     grad = torch.randn(b, ebc.total_dim, generator=g)

@@ -22,7 +22,34 @@ from neorec.ops.row_optim import RowOptimizer
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.sparse import SparseFeatures
 
-__all__ = ["DistributedModel", "resolve_plan", "check_same_everywhere"]
+__all__ = ["DistributedModel", "sharded_ebc_from_config", "resolve_plan", "check_same_everywhere"]
+
+
+def sharded_ebc_from_config(
+    cfg: Config,
+    plan: ShardingPlan,
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+) -> ShardedEmbeddingBagCollection:
+    """The sharded embedding collection of ``cfg`` under ``plan``: its tables, fused optimizer,
+    pooling, backend, initialization and ``cfg.comm``'s forward / backward codecs."""
+    emb, c = cfg.embedding, cfg.comm
+    ebc = ShardedEmbeddingBagCollection(
+        emb.tables,
+        plan,
+        RowOptimizer.from_config(emb),
+        pooling=emb.pooling,
+        backend=emb.backend,
+        seed=cfg.train.seed,
+        init_scale=emb.init_scale,
+        group=group,
+        stats=stats,
+    )
+    ebc.codecs = (
+        make_codec(c.forward, c.fp8_scaling),
+        make_codec(c.backward, c.fp8_scaling, c.loss_scale),
+    )
+    return ebc
 
 
 class DistributedModel(nn.Module):
@@ -33,23 +60,12 @@ class DistributedModel(nn.Module):
     ) -> None:
         super().__init__()
         emb = cfg.embedding
-        opt = RowOptimizer(
-            kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay
-        )
         self.stats = CommStats()
         # Embedding collectives get their own group so their order never interleaves with DDP's.
         emb_group = dist.new_group(backend=dist.get_backend()) if dist.is_initialized() else None
         torch.manual_seed(cfg.train.seed)  # same dense init as the unsharded DLRM
-        self.ebc = ShardedEmbeddingBagCollection(
-            emb.tables,
-            plan,
-            opt,
-            pooling=emb.pooling,
-            backend=emb.backend,
-            seed=cfg.train.seed,
-            init_scale=emb.init_scale,
-            group=emb_group if group is None else group,
-            stats=self.stats,
+        self.ebc = sharded_ebc_from_config(
+            cfg, plan, group=emb_group if group is None else group, stats=self.stats
         )
         dims = {t.dim for t in emb.tables}
         dense = DenseArch(cfg.model, len(self.ebc.feature_names), dims.pop())
@@ -62,10 +78,6 @@ class DistributedModel(nn.Module):
     def _setup_comm(self, cfg: Config, world: int) -> None:
         """Wire codecs from ``cfg.comm``; the dense all-reduce codec runs as a DDP comm hook."""
         c = cfg.comm
-        self.ebc.codecs = (
-            make_codec(c.forward, c.fp8_scaling),
-            make_codec(c.backward, c.fp8_scaling, c.loss_scale),
-        )
         allreduce = make_codec(c.allreduce, c.fp8_scaling, c.loss_scale)
         # fp32 on 4+ ranks that reproduce one process: the rank sums must be added in the dense
         # blocks' tree, which DDP's ring does not do (2 ranks: one addition, the same either way).

@@ -160,7 +160,7 @@ class DLRM(nn.Module):
 def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
     """The DLRM a config describes."""
     emb = cfg.embedding
-    opt = RowOptimizer(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
+    opt = RowOptimizer.from_config(emb)
     ebc = None
     if any(t.storage != "memory" for t in emb.tables):
         # Imported here: storage builds on modules, so modules cannot import it at load time.

@@ -15,11 +15,15 @@ Semantics (all backends must match these):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from neorec.ops.memory import table_zeros
+
+if TYPE_CHECKING:
+    from neorec.config import EmbeddingConfig
 
 __all__ = ["RowOptimizer", "OPTIMIZERS", "state_shapes", "apply_rows"]
 
@@ -58,6 +62,11 @@ class RowOptimizer:
                 raise ValueError(f"embedding optimizer {name} must be in [0, 1), got {v}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+    @classmethod
+    def from_config(cls, emb: EmbeddingConfig) -> RowOptimizer:
+        """The fused optimizer an ``[embedding]`` config section asks for."""
+        return cls(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
 
 
 def state_shapes(kind: str, total_rows: int, total_elems: int) -> dict[str, int]:
