@@ -39,3 +39,10 @@ def test_measure_unfused_and_row_split_small() -> None:
     assert m["unfused_gbs"] > 0 and m["unfused_bwd_ms"] > 0
     s = measure_row_split(rows=1000, tables=2, batch=32, pooling=2, repeat=2)
     assert s["row_split_gbs"] > 0 and s["row_split_ms"] > 0
+
+
+def test_measure_dp_update_small() -> None:
+    from neorec.bench.calibrate import measure_dp_update
+
+    m = measure_dp_update(1, rows=1000, dim=8, tables=2, batch=32, pooling=2, ranks=3, repeat=2)
+    assert m["dp_update_gbs"] > 0 and m["dp_update_ms"] > 0

@@ -13,8 +13,11 @@ The constants the cost model uses are then measured the way a training step uses
   share cores, caches and DRAM; slowest rank), converted to bandwidth with the cost model's own
   byte accounting (``CostModel.shard_cost`` at 1 GB/s), so predicted = measured on that shape;
 - ``unfused_bw_gbs``: the runtime's unfused row update (the backend's ``row_grads`` +
-  ``update_table_rows``, taken for data-parallel tables and column-wise row-wise Adagrad) on the
-  same shape, the same way (all ranks at once, cost-model bytes);
+  ``update_table_rows``, taken for column-wise row-wise Adagrad) on the same shape, the same way
+  (all ranks at once, cost-model bytes);
+- ``dp_update_bw_gbs``: a data-parallel table's backward on one rank (``row_grads`` of its ids,
+  then ``apply_row_grads`` over two ranks' (id, row sum) pairs, as after the all-gather), the
+  same way;
 - ``row_split_bw_gbs``: the runtime's ``input_dist`` under a row-wise plan minus a table-wise one
   (bucketing ids by row range), as id bytes per second;
 - ``collective_latency_us`` and ``intra_host_bw_gbs``: ``world_size`` gloo processes running the
@@ -45,6 +48,7 @@ __all__ = [
     "measure",
     "measure_tbe",
     "measure_unfused",
+    "measure_dp_update",
     "measure_row_split",
     "measure_comm",
     "calibrate",
@@ -171,9 +175,9 @@ def measure_unfused(
 ) -> dict[str, float]:
     """Effective bandwidth (GB/s, cost-model bytes) of the runtime's unfused row update.
 
-    The sharded runtime's exact path for column-wise tables under row-wise Adagrad and for
-    data-parallel tables: per-id gradients summed per distinct row (``row_grads`` of the default
-    backend: the cpu kernel's, without the update), then ``update_table_rows``; on
+    The sharded runtime's exact path for column-wise tables under row-wise Adagrad: per-id
+    gradients summed per distinct row (``row_grads`` of the default backend: the cpu kernel's,
+    without the update), then ``update_table_rows``; on
     ``measure_tbe``'s shape and uniform ids, converted with the cost model's backward bytes
     (``unfused=True`` at 1 GB/s).
     """
@@ -206,6 +210,75 @@ def measure_unfused(
         spec, ShardingType.TABLE_WISE, rows, dim, unfused=True
     )
     return {"unfused_bwd_ms": 1000 * bwd, "unfused_gbs": tables * c.bwd_compute_s / bwd}
+
+
+def measure_dp_update(
+    threads: int,
+    optimizer: str = "rowwise_adagrad",
+    rows: int = 100_000,
+    dim: int = 32,
+    tables: int = 4,
+    batch: int = 1024,
+    pooling: int = 20,
+    ranks: int = 2,
+    repeat: int = 7,
+) -> dict[str, float]:
+    """Effective bandwidth (GB/s, cost-model bytes) of a data-parallel table's backward.
+
+    What ``ShardedEmbeddingBagCollection`` runs on a rank after the forward, less the all-gather
+    (priced as communication): the backend's ``row_grads`` of this rank's batch, the (id, row
+    sum) pairs of ``ranks`` ranks concatenated per table in rank order (the other ranks' from
+    batches of their own, made beforehand), and ``apply_row_grads`` over them. ``measure_tbe``'s
+    shape and uniform ids; converted with the cost model's data-parallel backward bytes at
+    1 GB/s (global batch ``ranks`` x ``batch``).
+    """
+    from neorec.ops.row_optim import RowOptimizer
+    from neorec.ops.tbe import PoolingMode, apply_row_grads, get_backend, row_grads
+    from neorec.sharding.cost_model import CostModel, TableSpec
+    from neorec.sharding.types import ShardingType
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layout, weights, state, ids, offsets, grad = _workload(
+            optimizer, rows, dim, tables, batch, pooling
+        )
+        be = get_backend("auto")
+        opt = RowOptimizer(kind=optimizer)
+        g = torch.Generator().manual_seed(1)
+        others = [
+            row_grads(
+                be,
+                layout,
+                torch.randint(0, rows, ids.shape, generator=g),
+                offsets,
+                None,
+                PoolingMode.SUM,
+                torch.randn(grad.shape, generator=g),
+            )  # fmt: skip
+            for _ in range(ranks - 1)
+        ]
+        times = []
+        for step in range(repeat + 1):
+            t0 = time.perf_counter()
+            mine = row_grads(be, layout, ids, offsets, None, PoolingMode.SUM, grad)
+            pairs = [
+                (t, torch.cat([ids_t, *(o[i][1] for o in others)]),
+                 torch.cat([g_t, *(o[i][2] for o in others)]))
+                for i, (t, ids_t, g_t) in enumerate(mine)
+            ]  # fmt: skip
+            apply_row_grads(be, layout, weights, state, pairs, opt, step + 1)
+            if step:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    bwd = statistics.median(times)
+    unit = Topology(world_size=ranks, dp_update_bw_gbs=1.0, shard_overhead_us=0.0)
+    spec = TableSpec(name="t", rows=rows, dim=dim, pooling_factor=pooling, optimizer=optimizer)
+    c = CostModel(unit, ranks * batch, optimizer).shard_cost(
+        spec, ShardingType.DATA_PARALLEL, rows, dim
+    )
+    return {"dp_update_ms": 1000 * bwd, "dp_update_gbs": tables * c.bwd_compute_s / bwd}
 
 
 def measure_row_split(
@@ -342,6 +415,11 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
     slowest = torch.tensor([unf["unfused_bwd_ms"]])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     unf["unfused_gbs"] *= unf["unfused_bwd_ms"] / float(slowest)
+    dist.barrier()
+    dpu = measure_dp_update(torch.get_num_threads(), optimizer, repeat=15)
+    slowest = torch.tensor([dpu["dp_update_ms"]])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dpu["dp_update_gbs"] *= dpu["dp_update_ms"] / float(slowest)
     split = measure_row_split(repeat=15)
     slowest = torch.tensor([split["row_split_ms"]])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -355,6 +433,7 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
             {
                 "concurrent_tbe_gbs": tbe["tbe_gbs"],
                 "concurrent_unfused_gbs": unf["unfused_gbs"],
+                "concurrent_dp_update_gbs": dpu["dp_update_gbs"],
                 "concurrent_row_split_gbs": split["row_split_gbs"],
                 "a2a_latency_us": 1e6 * small,
                 "a2a_gbs": off_rank / max(big - small, 1e-9) / GB,
@@ -397,7 +476,8 @@ def calibrate(
     rank_threads = max(1, (os.cpu_count() or 1) // max(1, rph))
     m.update(measure_tbe(rank_threads, optimizer))
     m.update(measure_unfused(rank_threads, optimizer))
-    device_bw, unfused_bw = m["tbe_gbs"], m["unfused_gbs"]
+    m.update(measure_dp_update(rank_threads, optimizer))
+    device_bw, unfused_bw, dp_bw = m["tbe_gbs"], m["unfused_gbs"], m["dp_update_gbs"]
     split_bw = 0.0
     intra_bw = m["shm_copy_gbs"] / max(1, rph)
     latency_us = 200.0
@@ -408,6 +488,7 @@ def calibrate(
         intra_bw, latency_us = m["a2a_gbs"], m["a2a_latency_us"]
         device_bw = m["concurrent_tbe_gbs"]
         unfused_bw = m["concurrent_unfused_gbs"]
+        dp_bw = m["concurrent_dp_update_gbs"]
         split_bw = m["concurrent_row_split_gbs"]
     if not split_bw:
         old = torch.get_num_threads()
@@ -432,6 +513,7 @@ def calibrate(
         device_bw_gbs=round(max(device_bw, 1e-3), 4),
         host_device_bw_gbs=round(max(m["memcpy_gbs"] / max(1, rph), 1e-3), 4),
         unfused_bw_gbs=round(max(unfused_bw, 1e-3), 4),
+        dp_update_bw_gbs=round(max(dp_bw, 1e-3), 4),
         row_split_bw_gbs=round(max(split_bw, 1e-3), 4),
         intra_host_bw_gbs=round(max(intra_bw, 1e-3), 4),
         inter_host_bw_gbs=inter_host_bw_gbs or round(max(intra_bw, 1e-3), 4),

@@ -169,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"topology: {topos[0].name}")
     if len(topos) > 1 and not args.topology:
-        keys = ("device_bw_gbs", "unfused_bw_gbs", "row_split_bw_gbs", "intra_host_bw_gbs")
+        keys = (
+            "device_bw_gbs",
+            "unfused_bw_gbs",
+            "dp_update_bw_gbs",
+            "row_split_bw_gbs",
+            "intra_host_bw_gbs",
+        )
         spread = ", ".join(
             f"{k} {min(getattr(t, k) for t in topos):.3g}-{max(getattr(t, k) for t in topos):.3g}"
             for k in keys

@@ -45,6 +45,7 @@ from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     PoolingMode,
     TBELayout,
+    apply_row_grads,
     get_backend,
     row_grads,
     tbe_lookup,
@@ -550,17 +551,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         per_table = self._gather_dp_grads(lay, grads)
         self.dp_step += 1
         step = int(self.dp_step)
-        state = self._state("dp_")
-        touched: list[Tensor] = []
-        for t, (ids_all, g_all) in enumerate(per_table):
-            if ids_all.numel() == 0:
-                touched.append(ids_all)
-                continue
-            ids, inv = torch.unique(ids_all, sorted=True, return_inverse=True)
-            g = torch.zeros(ids.numel(), lay.dims[t]).index_add_(0, inv, g_all)
-            touched.append(ids)
-            update_table_rows(lay, self.dp_weights, state, t, ids, g, self.optimizer, step)
+        # Every rank's (id, row sum) pairs in rank order, added per row in that order and
+        # applied once: the fused update of the backend, over all DP tables in a call or a few.
+        apply_row_grads(
+            self.backend, lay, self.dp_weights, self._state("dp_"),
+            [(t, ids, g) for t, (ids, g) in enumerate(per_table)], self.optimizer, step,
+        )  # fmt: skip
         if self._hooks:
+            touched = [torch.unique(ids) for ids, _ in per_table]
             # Report every row any rank's batch changed: one bag per feature, a table's rows on
             # its first feature (row trackers map features to tables through the layout).
             first = {t: f for f, t in reversed(list(enumerate(lay.feature_table)))}

@@ -39,6 +39,7 @@ __all__ = [
     "available_backends",
     "tbe_lookup",
     "update_table_rows",
+    "apply_row_grads",
 ]
 
 
@@ -272,6 +273,57 @@ def row_grads(
         layout, indices, offsets, per_sample_weights, pooling, grad_output
     )
     return out
+
+
+def apply_row_grads(
+    backend: Any,
+    layout: TBELayout,
+    weights: Tensor,
+    state: dict[str, Tensor],
+    grads: Sequence[tuple[int, Tensor, Tensor]],
+    opt: RowOptimizer,
+    step: int,
+) -> None:
+    """Apply gradients given as (table, ids [n], grads [n, dim]) with ``backend``'s fused update.
+
+    Ids may repeat: a row's gradients are added to zero in the order given, then the optimizer
+    updates each distinct row once, exactly as ``backward_update`` does for a batch's lookups
+    (each (id, gradient) pair is passed as a bag of one id whose output gradient is that row).
+    Tables go in as few calls as keep the padded output gradient within twice the payload (a
+    call's bags per table are its largest table's pair count).
+    """
+    items = sorted(
+        ((t, ids, g) for t, ids, g in grads if ids.numel()), key=lambda x: (-x[1].numel(), x[0])
+    )
+    groups: list[list[tuple[int, Tensor, Tensor]]] = []
+    for it in items:
+        if groups:
+            grp = [*groups[-1], it]
+            bags = grp[0][1].numel()
+            width = sum(layout.dims[t] for t, _, _ in grp)
+            payload = sum(ids.numel() * layout.dims[t] for t, ids, _ in grp)
+            if bags * width <= 2 * payload:
+                groups[-1] = grp
+                continue
+        groups.append([it])
+    for grp in groups:
+        grp.sort(key=lambda x: x[0])  # features in table order
+        lay = TBELayout(
+            rows=layout.rows, dims=layout.dims, feature_table=tuple(t for t, _, _ in grp)
+        )
+        bags = max(ids.numel() for _, ids, _ in grp)
+        lengths = torch.zeros(len(grp), bags, dtype=torch.int64)
+        grad_out = torch.zeros(bags, lay.total_dim, dtype=weights.dtype, device=weights.device)
+        for f, (_, ids, g) in enumerate(grp):
+            lengths[f, : ids.numel()] = 1
+            grad_out[: ids.numel(), lay.out_offsets[f] : lay.out_offsets[f + 1]] = g
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths.view(-1), 0, out=offsets[1:])
+        indices = torch.cat([ids for _, ids, _ in grp]).to(device=weights.device)
+        backend.backward_update(
+            lay, weights, state, indices, offsets.to(weights.device), None, PoolingMode.SUM,
+            grad_out, opt, step,
+        )  # fmt: skip
 
 
 def update_table_rows(

@@ -15,7 +15,9 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   ``unfused_bw_gbs`` (the kernel's per-row gradient sums, then a torch update of the distinct
   rows): column-wise slices under row-wise Adagrad, each on its own rows (the cpu kernel emits
   their row sums in the pass that updates the rank's other shards, which stay fused; the
-  reference backend, a fallback without a C compiler, is not modelled), and data-parallel tables.
+  reference backend, a fallback without a C compiler, is not modelled). Data-parallel tables
+  take two kernel passes, per-row sums of the rank's ids, then (after the exchange) the fused
+  update over every rank's pairs, at ``dp_update_bw_gbs``.
 - communication on the owner: ids in, pooled outputs out, their gradients back in, split into
   intra-host and inter-host bytes by where the batch's samples live. Row shards (row-wise, and
   table-row-wise over one host's ranks) each send partial sums for all samples; the samples' ranks
@@ -629,13 +631,14 @@ class CostModel:
             + overhead
         )
         if dp:
-            # Per-id grads summed per row on the unfused path, (ids, row sums) all-gathered from
-            # every rank and summed in rank order, optimizer on the batch's distinct rows.
+            # Per-id grads summed per row by the kernel, (ids, row sums) all-gathered from every
+            # rank, then the kernel's fused update over those pairs: they are added per row in
+            # rank order and the batch's distinct rows updated once.
             merged = w * touched  # gathered (id, row sum) pairs this rank adds up
             glob = distinct_rows(table.rows, b * table.pooling_factor, alpha)
             rows_b, grad_b = self.update_bytes(table, glob, cols, out_rows + hits + merged)
             ids_b = _UNFUSED_ID_WORDS * self.id_bytes * (hits + merged + glob)
-            bwd = (rows_b + grad_b + ids_b) / unf_bw + overhead
+            bwd = (rows_b + grad_b + ids_b) / (self.topo.dp_update_bw_gbs * GB) + 2 * overhead
             pairs = merged * (self.id_bytes + cols * c4)
             ii, ie = self._a2a_s(pairs)
             fwd_comm, bwd_comm = 0.0, ii + ie

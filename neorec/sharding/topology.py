@@ -47,11 +47,17 @@ class Topology:
     unfused_bw_gbs: float = 250.0
     """Effective bandwidth (same byte accounting as ``device_bw_gbs``) of the unfused row update:
     per-row gradients summed by the kernel and handed back, then the optimizer on the distinct
-    rows with torch ops. The runtime takes it for data-parallel tables and, under row-wise
-    Adagrad, for column-wise slices (full-row mean(g^2) needs the other slices' sums first; the
-    other shards of their ranks keep the fused update). Default: an assumption (~1/4 of
+    rows with torch ops. The runtime takes it, under row-wise Adagrad, for column-wise slices
+    (full-row mean(g^2) needs the other slices' sums first; the other shards of their ranks keep
+    the fused update). Default: an assumption (~1/4 of
     ``device_bw_gbs``: torch-op passes over the distinct rows after the kernel); measured by
     calibrate (~1/5 of the fused step on this CPU, one thread)."""
+    dp_update_bw_gbs: float = 250.0
+    """Effective bandwidth (same byte accounting as ``device_bw_gbs``) of a data-parallel table's
+    backward on one rank: the kernel's per-row sums of the rank's ids, then, after every rank's
+    (id, row sum) pairs are all-gathered, the kernel's fused update over those pairs (added per
+    row in rank order), with the torch glue between. Default: an assumption; measured by
+    calibrate."""
     row_split_bw_gbs: float = 100.0
     """Throughput (id bytes per second) of splitting a rank's ids by row range for row-wise and
     table-row-wise tables before they are sent (bucketize, count per bag, stable sort). Default:
@@ -158,6 +164,7 @@ class Topology:
             device_bw_gbs=2.0,
             host_device_bw_gbs=1.0,
             unfused_bw_gbs=0.2,
+            dp_update_bw_gbs=0.3,
             row_split_bw_gbs=0.1,
             intra_host_bw_gbs=1.0,
             inter_host_bw_gbs=1.0,
