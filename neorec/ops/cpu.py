@@ -207,6 +207,7 @@ class CpuBackend:
         # page faults; the lock makes concurrent callers take turns with it.
         self._ws = torch.empty(0, dtype=torch.uint8)
         self._ws_lock = threading.Lock()
+        self._dummy = torch.empty(0)
 
     def _workspace(self, nbytes: int) -> Tensor:
         if self._ws.numel() < nbytes:
@@ -417,10 +418,13 @@ class CpuBackend:
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]); the same
         sums, in the same order, as the fused update uses (and ``ReferenceBackend.row_grads``)."""
-        dummy = torch.empty(layout.total_elems)  # read by nothing: every table is emitted
+        # Weights are read by nothing (every table is emitted) but must look the part: one
+        # never-touched buffer (address space only) is kept and sliced, not allocated per call.
+        if self._dummy.numel() < layout.total_elems:
+            self._dummy = torch.empty(layout.total_elems)
         return self.backward_update(
             layout,
-            dummy,
+            self._dummy[: layout.total_elems],
             {},
             indices,
             offsets,
