@@ -414,7 +414,8 @@ class CommConfig:
     backward: str = "fp32"
     """Codec of the backward all-to-all of the pooled embeddings' gradients."""
     allreduce: str = "fp32"
-    """Codec of the dense (DDP) gradient all-reduce."""
+    """Codec of the dense (DDP) gradient all-reduce, and of data-parallel embedding tables' row
+    gradients (all-gathered as (id, row sum) pairs)."""
     fp8_scaling: str = "row"
     """fp8 scale: ``row`` (a power of two per row, 1 byte) or ``tensor`` (one per message)."""
     loss_scale: float = 0.0

@@ -10,6 +10,7 @@ from dist_util import run_ranks
 from neorec.config import _COMM_CODECS, ConfigError, load_config
 from neorec.distributed.codecs import CODECS, Codec, CodecError, make_codec
 from neorec.distributed.comm import CommStats, coded_all_reduce, coded_all_to_all
+from neorec.sparse import SparseFeatures
 
 LOSSY = [c for c in CODECS if c != "fp32"]
 VARIANTS = [(c, s) for c in LOSSY for s in (["row", "tensor"] if c.startswith("fp8") else ["row"])]
@@ -139,3 +140,58 @@ def _collectives(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_coded_collectives(world):
     run_ranks(_collectives, world)
+
+
+def _dp_codec_run(rank: int, world: int) -> None:
+    # Data-parallel tables' row gradients under comm.allreduce: every rank decodes the same
+    # bytes, so replicas stay bitwise identical; the tables end close to the fp32 run's, and the
+    # all-gather sends fewer bytes.
+    from neorec.config import (
+        CommConfig,
+        Config,
+        DataConfig,
+        EmbeddingConfig,
+        ModelConfig,
+        TableConfig,
+    )
+    from neorec.distributed.model_parallel import sharded_ebc_from_config
+    from neorec.sharding.types import plan_by_type
+
+    tables = [TableConfig(name="a", rows=40, dim=8), TableConfig(name="b", rows=3, dim=8)]
+    results = {}
+    for name in ("fp32", "bf16", "int8"):
+        cfg = Config(
+            model=ModelConfig(num_dense=2, bottom_mlp=[8], top_mlp=[4, 1]),
+            embedding=EmbeddingConfig(tables=tables, optimizer="rowwise_adagrad", lr=0.1),
+            data=DataConfig(batch_size=8),
+            comm=CommConfig(allreduce=name),
+        )
+        plan = plan_by_type(tables, world, world, "data_parallel")
+        ebc = sharded_ebc_from_config(cfg, plan)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            lengths = torch.randint(0, 4, (2 * 4,), generator=g)
+            n_a, n_b = int(lengths[:4].sum()), int(lengths[4:].sum())
+            values = torch.cat(
+                [
+                    torch.randint(0, 40, (n_a,), generator=g),
+                    torch.randint(0, 3, (n_b,), generator=g),
+                ]
+            )
+            sparse = SparseFeatures(["a", "b"], values, lengths)
+            (ebc(sparse) * torch.randn(4, 16, generator=g)).sum().backward()
+        mine = torch.cat([ebc.gather_table(t.name).flatten() for t in tables])
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(everyone, mine)
+        assert all(torch.equal(e, mine) for e in everyone), f"{name}: replicas differ"
+        results[name] = (mine, ebc.stats.bytes_sent["dp_allgather"])
+    exact, exact_bytes = results["fp32"]
+    for name, tol in (("bf16", 2e-2), ("int8", 5e-2)):
+        got, sent = results[name]
+        assert not torch.equal(got, exact)  # the codec was used
+        assert float((got - exact).abs().max()) < tol * float(exact.abs().max()), name
+        assert sent < exact_bytes, (name, sent, exact_bytes)
+
+
+def test_data_parallel_row_gradients_use_the_allreduce_codec():
+    run_ranks(_dp_codec_run, 2)

@@ -32,7 +32,8 @@ def sharded_ebc_from_config(
     stats: CommStats | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """The sharded embedding collection of ``cfg`` under ``plan``: its tables, fused optimizer,
-    pooling, backend, initialization and ``cfg.comm``'s forward / backward codecs."""
+    pooling, backend, initialization and ``cfg.comm``'s codecs (forward / backward all-to-all; the
+    all-reduce codec also carries data-parallel tables' row gradients)."""
     emb, c = cfg.embedding, cfg.comm
     ebc = ShardedEmbeddingBagCollection(
         emb.tables,
@@ -49,6 +50,7 @@ def sharded_ebc_from_config(
         make_codec(c.forward, c.fp8_scaling),
         make_codec(c.backward, c.fp8_scaling, c.loss_scale),
     )
+    ebc.dp_codec = make_codec(c.allreduce, c.fp8_scaling, c.loss_scale)
     return ebc
 
 

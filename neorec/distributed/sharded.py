@@ -154,6 +154,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._hooks: list[UpdateHook] = []
         self.codecs: tuple[Codec | None, Codec | None] = (None, None)
         """Wire codecs of the pooled all-to-all: (forward values, backward gradients)."""
+        self.dp_codec: Codec | None = None
+        """Wire codec of data-parallel tables' (id, row gradient) all-gather (``comm.allreduce``):
+        every rank, the sender included, decodes the same bytes, so replicas stay identical."""
         self._staged: list[tuple[SparseFeatures, Chain[LocalInput]]] = []
 
     def add_update_hook(self, hook: UpdateHook) -> None:
@@ -586,31 +589,55 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if mine
             else torch.empty(0, dtype=torch.int64)
         )
-        vals_flat = (
-            torch.cat([mine[t][1].reshape(-1) for t in sorted(mine)]) if mine else torch.empty(0)
-        )
-        if self.world == 1:
+        codec, dims = self.dp_codec, lay.dims
+        # Per table, its gradient rows as sent: float32 values, or the codec's bytes of the block
+        # (tables without rows send nothing).
+        sent = [t for t in sorted(mine) if mine[t][0].numel()]
+        if codec is None:
+            vals_flat = torch.cat([mine[t][1].reshape(-1) for t in sent] or [torch.empty(0)])
+        else:
+            vals_flat = torch.cat(
+                [codec.encode(mine[t][1], "data-parallel row gradients") for t in sent]
+                or [torch.empty(0, dtype=torch.uint8)]
+            )
+
+        def block_sizes(c: Tensor) -> list[int]:
+            """Elements (or codec bytes) of each table's block in a rank's buffer."""
+            if codec is None:
+                return [int(n) * d for n, d in zip(c.tolist(), dims)]
+            return [codec.nbytes(int(n), d) if n else 0 for n, d in zip(c.tolist(), dims)]
+
+        if self.world == 1 and codec is None:
             all_counts, all_ids, all_vals = [counts], [ids_flat], [vals_flat]
         else:
             all_counts = [torch.empty_like(counts) for _ in range(self.world)]
-            dist.all_gather(all_counts, counts, group=self.group)
-            dims = torch.tensor(lay.dims, dtype=torch.int64)
+            if self.world > 1:
+                dist.all_gather(all_counts, counts, group=self.group)
+            else:
+                all_counts = [counts]
             n_ids = [int(c.sum()) for c in all_counts]
-            n_vals = [int((c * dims).sum()) for c in all_counts]
-            all_ids = _all_gather_varlen(ids_flat, n_ids, self.group)
-            all_vals = _all_gather_varlen(vals_flat, n_vals, self.group)
+            n_vals = [sum(block_sizes(c)) for c in all_counts]
+            if self.world > 1:
+                all_ids = _all_gather_varlen(ids_flat, n_ids, self.group)
+                all_vals = _all_gather_varlen(vals_flat, n_vals, self.group)
+            else:
+                all_ids, all_vals = [ids_flat], [vals_flat]
+            item = 4 if codec is None else 1
             self.stats.add(
                 "dp_allgather",
-                (self.world - 1) * (8 * max(n_ids) + 4 * max(n_vals) + 8 * t_count),
+                (self.world - 1) * (8 * max(n_ids) + item * max(n_vals) + 8 * t_count),
             )
         out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
         out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
         for c, ids_r, vals_r in zip(all_counts, all_ids, all_vals):
             id_parts = torch.split(ids_r, c.tolist())
-            val_parts = torch.split(vals_r, [int(n) * d for n, d in zip(c.tolist(), lay.dims)])
+            val_parts = torch.split(vals_r, block_sizes(c))
             for t in range(t_count):
                 out_ids[t].append(id_parts[t])
-                out_g[t].append(val_parts[t].view(-1, lay.dims[t]))
+                if codec is None or not int(c[t]):
+                    out_g[t].append(val_parts[t].view(-1, dims[t]))
+                else:
+                    out_g[t].append(codec.decode(val_parts[t], int(c[t]), dims[t]))
         return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
 
     # ---- inspection ------------------------------------------------------------------------
