@@ -9,7 +9,7 @@ from dist_util import run_ranks
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
 from neorec.data.batch import Batch
 from neorec.distributed.model_parallel import DistributedModel
-from neorec.modules.dlrm import build_dlrm
+from neorec.modules.dlrm import DLRM, build_dlrm
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.train.trainer import make_dense_optimizer, train_step
@@ -64,17 +64,32 @@ def plans(world: int) -> dict[str, ShardingPlan]:
     return out
 
 
-def check_equal(rank: int, world: int, plan: ShardingPlan, cfg: Config, weighted: bool) -> None:
-    ref = build_dlrm(cfg)
+def train_both(
+    rank: int,
+    world: int,
+    plan: ShardingPlan,
+    cfg: Config,
+    weighted: bool,
+    steps: int,
+    ref: DLRM | None = None,
+) -> tuple[DLRM, DistributedModel, int, int]:
+    """The one-process model (``ref``, else built from ``cfg``) and the distributed one, trained
+    on the same global batches (this rank on its slice [lo, hi)): (ref, dm, lo, hi)."""
+    ref = build_dlrm(cfg) if ref is None else ref
     dm = DistributedModel(cfg, plan)
     opt_ref = make_dense_optimizer(cfg, ref.dense_parameters())
     opt_dm = make_dense_optimizer(cfg, dm.dense_parameters())
     b = B // world
     lo, hi = rank * b, (rank + 1) * b
-    for step in range(1, 4):
+    for step in range(1, steps + 1):
         batch = global_batch(100 + step, weighted)
         train_step(ref, opt_ref, batch, step)
         train_step(dm, opt_dm, batch.slice(lo, hi), step)
+    return ref, dm, lo, hi
+
+
+def check_equal(rank: int, world: int, plan: ShardingPlan, cfg: Config, weighted: bool) -> None:
+    ref, dm, lo, hi = train_both(rank, world, plan, cfg, weighted, steps=3)
     test = global_batch(999, weighted)
     with torch.no_grad():
         expected = ref(test.dense, test.sparse)[lo:hi]
@@ -200,15 +215,8 @@ def _bitwise_table_wise(rank: int, world: int, blocks: int) -> None:
     cfg.train.dense_optimizer, cfg.train.dense_blocks = "adagrad", blocks
     ref = build_dlrm(cfg)
     block_dense(ref.dense_arch, blocks)  # as the trainer builds the one-process model
-    dm = DistributedModel(cfg, plan_by_type(TABLES, world, world, "table_wise"))
-    opt_ref = make_dense_optimizer(cfg, ref.dense_parameters())
-    opt_dm = make_dense_optimizer(cfg, dm.dense_parameters())
-    b = B // world
-    lo, hi = rank * b, (rank + 1) * b
-    for step in range(1, 6):
-        batch = global_batch(100 + step, False)
-        train_step(ref, opt_ref, batch, step)
-        train_step(dm, opt_dm, batch.slice(lo, hi), step)
+    plan = plan_by_type(TABLES, world, world, "table_wise")
+    ref, dm, _, _ = train_both(rank, world, plan, cfg, False, steps=5, ref=ref)
     where = f"world {world} blocks {blocks} rank {rank}"
     for (name, a), e in zip(dm.dense_arch.module.named_parameters(), ref.dense_parameters()):
         assert torch.equal(a, e), f"{where}: dense {name} differs"

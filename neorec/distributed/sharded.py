@@ -607,26 +607,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 return [int(n) * d for n, d in zip(c.tolist(), dims)]
             return [codec.nbytes(int(n), d) if n else 0 for n, d in zip(c.tolist(), dims)]
 
-        if self.world == 1 and codec is None:
-            all_counts, all_ids, all_vals = [counts], [ids_flat], [vals_flat]
-        else:
+        if self.world > 1:
             all_counts = [torch.empty_like(counts) for _ in range(self.world)]
-            if self.world > 1:
-                dist.all_gather(all_counts, counts, group=self.group)
-            else:
-                all_counts = [counts]
+            dist.all_gather(all_counts, counts, group=self.group)
             n_ids = [int(c.sum()) for c in all_counts]
             n_vals = [sum(block_sizes(c)) for c in all_counts]
-            if self.world > 1:
-                all_ids = _all_gather_varlen(ids_flat, n_ids, self.group)
-                all_vals = _all_gather_varlen(vals_flat, n_vals, self.group)
-            else:
-                all_ids, all_vals = [ids_flat], [vals_flat]
+            all_ids = _all_gather_varlen(ids_flat, n_ids, self.group)
+            all_vals = _all_gather_varlen(vals_flat, n_vals, self.group)
             item = 4 if codec is None else 1
             self.stats.add(
                 "dp_allgather",
                 (self.world - 1) * (8 * max(n_ids) + item * max(n_vals) + 8 * t_count),
             )
+        else:  # a codec still rounds: one rank decodes its own bytes like a group would
+            all_counts, all_ids, all_vals = [counts], [ids_flat], [vals_flat]
         out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
         out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
         for c, ids_r, vals_r in zip(all_counts, all_ids, all_vals):

@@ -435,10 +435,13 @@ static inline void prefetch_update(const update_t *U, uint64_t row, int64_t *t) 
     const layout_t *L = U->L;
     while ((uint64_t)L->row_offsets[*t + 1] <= row) ++*t;
     const int64_t D = L->dims[*t];
-    prefetch_row(U->weights + L->elem_offsets[*t] +
-                     (int64_t)(row - (uint64_t)L->row_offsets[*t]) * D,
-                 D);
+    const int64_t eo = L->elem_offsets[*t] + (int64_t)(row - (uint64_t)L->row_offsets[*t]) * D;
+    prefetch_row(U->weights + eo, D);
     if (U->momentum1) __builtin_prefetch(U->momentum1 + row, 1, 3);
+    if (U->exp_avg) {
+        prefetch_row(U->exp_avg + eo, D);
+        prefetch_row(U->exp_avg_sq + eo, D);
+    }
 }
 
 /* update_rows for SGD and row-wise Adagrad without weight decay or emitted tables, every dim a
@@ -526,16 +529,7 @@ static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc
         while ((uint64_t)L->row_offsets[t + 1] <= row) ++t;
         for (; ahead < PF_ROWS && pf_i < end; ++ahead) {
             const uint64_t ra = keys[pf_i] >> ks;
-            while ((uint64_t)L->row_offsets[pf_t + 1] <= ra) ++pf_t;
-            const int64_t Da = L->dims[pf_t];
-            const int64_t ea =
-                L->elem_offsets[pf_t] + (int64_t)(ra - (uint64_t)L->row_offsets[pf_t]) * Da;
-            prefetch_row(U->weights + ea, Da);
-            if (U->momentum1) __builtin_prefetch(U->momentum1 + ra, 1, 3);
-            if (U->exp_avg) {
-                prefetch_row(U->exp_avg + ea, Da);
-                prefetch_row(U->exp_avg_sq + ea, Da);
-            }
+            prefetch_update(U, ra, &pf_t);
             while (pf_i < end && (keys[pf_i] >> ks) == ra) ++pf_i;
         }
         --ahead; /* this row is now being consumed */
