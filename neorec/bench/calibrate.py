@@ -89,6 +89,17 @@ def measure(rows: int = 2_000_000, dim: int = 64, ids: int = 500_000) -> dict[st
     }
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` for the block, restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def _workload(optimizer: str, rows: int, dim: int, tables: int, batch: int, pooling: int):
     """``tables`` equal tables (random weights, zeroed optimizer state) and one batch of uniform
     ids with fixed pooling and a random output gradient: (layout, weights, state, ids, offsets,
@@ -129,9 +140,7 @@ def measure_tbe(
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         layout, weights, state, ids, offsets, grad = _workload(
             optimizer, rows, dim, tables, batch, pooling
         )
@@ -149,8 +158,6 @@ def measure_tbe(
             if step:
                 fwd_t.append(t1 - t0)
                 bwd_t.append(t2 - t1)
-    finally:
-        torch.set_num_threads(old)
     fwd, bwd = statistics.median(fwd_t), statistics.median(bwd_t)
     # The same shape through the cost model at 1 GB/s: its predicted seconds = its bytes / 1e9.
     unit = Topology(world_size=1, device_bw_gbs=1.0, shard_overhead_us=0.0)
@@ -186,9 +193,7 @@ def measure_unfused(
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         layout, weights, state, ids, offsets, grad = _workload(
             optimizer, rows, dim, tables, batch, pooling
         )
@@ -201,8 +206,6 @@ def measure_unfused(
                 update_table_rows(layout, weights, state, t, rows_t, g_t, opt, step + 1)
             if step:
                 times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
     bwd = statistics.median(times)
     unit = Topology(world_size=1, unfused_bw_gbs=1.0, shard_overhead_us=0.0)
     spec = TableSpec(name="t", rows=rows, dim=dim, pooling_factor=pooling, optimizer=optimizer)
@@ -237,9 +240,7 @@ def measure_dp_update(
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         layout, weights, state, ids, offsets, grad = _workload(
             optimizer, rows, dim, tables, batch, pooling
         )
@@ -270,8 +271,6 @@ def measure_dp_update(
             apply_row_grads(be, layout, weights, state, pairs, opt, step + 1)
             if step:
                 times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
     bwd = statistics.median(times)
     unit = Topology(world_size=ranks, dp_update_bw_gbs=1.0, shard_overhead_us=0.0)
     spec = TableSpec(name="t", rows=rows, dim=dim, pooling_factor=pooling, optimizer=optimizer)
@@ -491,19 +490,11 @@ def calibrate(
         dp_bw = m["concurrent_dp_update_gbs"]
         split_bw = m["concurrent_row_split_gbs"]
     if not split_bw:
-        old = torch.get_num_threads()
-        torch.set_num_threads(rank_threads)
-        try:
+        with _torch_threads(rank_threads):
             m.update(measure_row_split())
-        finally:
-            torch.set_num_threads(old)
         split_bw = m["row_split_gbs"]
-    old = torch.get_num_threads()
-    torch.set_num_threads(rank_threads)
-    try:
+    with _torch_threads(rank_threads):
         m.update(measure_overhead())
-    finally:
-        torch.set_num_threads(old)
     topo = Topology(
         world_size=world_size,
         ranks_per_host=rph,
