@@ -25,6 +25,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 #define TBE_OK 0
 #define TBE_EID 1
@@ -444,12 +447,88 @@ static inline void prefetch_update(const update_t *U, uint64_t row, int64_t *t) 
     }
 }
 
+/* Horizontal sums of eight 8-lane vectors, each in row_sumsq's order:
+ * out[r] = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) for x = l[r]. */
+static inline void hsum8(const v8f *l, float *out) {
+#ifdef __AVX__
+    /* hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7], so two rounds give
+     * each row's (x0+x1)+(x2+x3) and (x4+x5)+(x6+x7) in matching lanes of q (rows 0-3) and q2
+     * (rows 4-7); one add of their 128-bit halves finishes all eight rows. */
+    const __m256 h01 = _mm256_hadd_ps((__m256)l[0], (__m256)l[1]);
+    const __m256 h23 = _mm256_hadd_ps((__m256)l[2], (__m256)l[3]);
+    const __m256 h45 = _mm256_hadd_ps((__m256)l[4], (__m256)l[5]);
+    const __m256 h67 = _mm256_hadd_ps((__m256)l[6], (__m256)l[7]);
+    const __m256 q = _mm256_hadd_ps(h01, h23), q2 = _mm256_hadd_ps(h45, h67);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(q, q2, 0x20),
+                                        _mm256_permute2f128_ps(q, q2, 0x31)));
+#else
+    for (int r = 0; r < 8; ++r) {
+        const v8f x = l[r];
+        out[r] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+    }
+#endif
+}
+
+/* mult[r] = lr / (sqrtf(s[r]) + eps) for eight rows at once (vector square root and divide
+ * round exactly as the scalar ones). */
+static inline void adagrad_mult8(const float *s, float lr, float eps, float *mult) {
+#ifdef __AVX__
+    const __m256 x = _mm256_add_ps(_mm256_sqrt_ps(_mm256_loadu_ps(s)), _mm256_set1_ps(eps));
+    _mm256_storeu_ps(mult, _mm256_div_ps(_mm256_set1_ps(lr), x));
+#else
+    for (int r = 0; r < 8; ++r) mult[r] = lr / (sqrtf(s[r]) + eps);
+#endif
+}
+
+/* One block of nr <= ROW_BLOCK rows, all of dimension nv * 8 (a constant: everything unrolls
+ * into registers): sum each row's gradients (occurrences ib[r] .. ie[r]) into gb, compute the
+ * eight optimizer multipliers with vector operations, update the weights. The arithmetic of
+ * apply_row, operation for operation. */
+static inline __attribute__((always_inline)) void update_block(const update_t *U, int nr,
+                                                               const int64_t *ib,
+                                                               const int64_t *ie,
+                                                               const uint64_t *rows,
+                                                               const int64_t *eo, const int nv) {
+    const int64_t D = 8 * nv;
+    float gb[ROW_BLOCK][64] __attribute__((aligned(32)));
+    float mult[ROW_BLOCK] __attribute__((aligned(32)));
+    const float lr = U->opt->lr;
+    for (int r = 0; r < nr; ++r) accum_vec(U, ib[r], ie[r], rows[r], D, gb[r], nv);
+    if (U->opt->kind == OPT_ROWWISE_ADAGRAD) {
+        v8f l[ROW_BLOCK];
+        float ss[ROW_BLOCK], s[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; ++r) { /* row_sumsq's eight lanes */
+            v8f a = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (r < nr)
+                for (int k = 0; k < nv; ++k) {
+                    const v8f g = ((const v8f *)gb[r])[k];
+                    a += g * g;
+                }
+            l[r] = a;
+        }
+        hsum8(l, ss);
+        for (int r = 0; r < ROW_BLOCK; ++r)
+            s[r] = r < nr ? U->momentum1[rows[r]] + ss[r] / (float)D : 1.0f;
+        for (int r = 0; r < nr; ++r) U->momentum1[rows[r]] = s[r];
+        adagrad_mult8(s, lr, U->opt->eps, mult);
+    } else {
+        for (int r = 0; r < ROW_BLOCK; ++r) mult[r] = lr;
+    }
+    for (int r = 0; r < nr; ++r) {
+        v8f *w = (v8f *)(U->weights + eo[r]);
+        const v8f *g = (const v8f *)gb[r];
+        const float m = mult[r];
+        for (int k = 0; k < nv; ++k) w[k] -= g[k] * m;
+    }
+}
+
 /* update_rows for SGD and row-wise Adagrad without weight decay or emitted tables, every dim a
  * multiple of 8 up to 64: the same arithmetic, reorganized. The distinct rows' starts are found
  * first (one branch-free pass over the chunk's keys into us, end - beg words of scratch); then
- * ROW_BLOCK rows at a time: all their gradients are summed (into L1), then their optimizer
- * multipliers computed, then their weights updated, so the per-row dependency chains (sum of
- * squares, sqrt, divide) of a block run side by side rather than one after another. */
+ * ROW_BLOCK rows at a time (update_block): all their gradients are summed (into L1), then their
+ * optimizer multipliers computed together, then their weights updated, so the per-row
+ * dependency chains (sum of squares, sqrt, divide) of a block run side by side rather than one
+ * after another. */
 static void update_rows_blocked(const update_t *U, int64_t beg, int64_t end, int64_t *us) {
     const layout_t *L = U->L;
     const int ks = U->kshift;
@@ -462,12 +541,8 @@ static void update_rows_blocked(const update_t *U, int64_t beg, int64_t end, int
         nu += r != prev;
         prev = r;
     }
-    float gb[ROW_BLOCK][64] __attribute__((aligned(32)));
-    float mult[ROW_BLOCK];
-    int64_t eo[ROW_BLOCK], dim[ROW_BLOCK];
+    int64_t ib[ROW_BLOCK], ie[ROW_BLOCK], eo[ROW_BLOCK];
     uint64_t rows[ROW_BLOCK];
-    const int adagrad = U->opt->kind == OPT_ROWWISE_ADAGRAD;
-    const float lr = U->opt->lr, eps = U->opt->eps;
     int64_t t = 0, pf_t = 0;
     for (int64_t j = 0; j < nu && j < PF_ROWS; ++j) prefetch_update(U, keys[us[j]] >> ks, &pf_t);
     for (int64_t j0 = 0; j0 < nu; j0 += ROW_BLOCK) {
@@ -475,39 +550,38 @@ static void update_rows_blocked(const update_t *U, int64_t beg, int64_t end, int
         const int nr = (int)(j1 - j0);
         for (int64_t j = j0 + PF_ROWS; j < j1 + PF_ROWS && j < nu; ++j)
             prefetch_update(U, keys[us[j]] >> ks, &pf_t);
+        int64_t D = -1; /* the block's common dim, or 0 if its rows' dims differ */
         for (int r = 0; r < nr; ++r) {
-            const int64_t i = us[j0 + r], e = j0 + r + 1 < nu ? us[j0 + r + 1] : end;
-            const uint64_t row = keys[i] >> ks;
+            ib[r] = us[j0 + r];
+            ie[r] = j0 + r + 1 < nu ? us[j0 + r + 1] : end;
+            const uint64_t row = keys[ib[r]] >> ks;
             while ((uint64_t)L->row_offsets[t + 1] <= row) ++t;
-            const int64_t D = L->dims[t];
             rows[r] = row;
-            dim[r] = D;
-            eo[r] = L->elem_offsets[t] + (int64_t)(row - (uint64_t)L->row_offsets[t]) * D;
+            eo[r] = L->elem_offsets[t] + (int64_t)(row - (uint64_t)L->row_offsets[t]) * L->dims[t];
+            D = D < 0 || D == L->dims[t] ? L->dims[t] : 0;
+        }
+        if (D > 0) {
             switch (D / 8) {
-#define ACC_CASE(k) \
-    case k: accum_vec(U, i, e, row, D, gb[r], k); break;
-                ACC_CASE(1) ACC_CASE(2) ACC_CASE(3) ACC_CASE(4)
-                ACC_CASE(5) ACC_CASE(6) ACC_CASE(7) ACC_CASE(8)
-#undef ACC_CASE
+#define BLOCK_CASE(k) \
+    case k: update_block(U, nr, ib, ie, rows, eo, k); break;
+                BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4)
+                BLOCK_CASE(5) BLOCK_CASE(6) BLOCK_CASE(7) BLOCK_CASE(8)
+#undef BLOCK_CASE
                 default: break; /* excluded by the caller */
             }
+            continue;
         }
-        if (adagrad) { /* as apply_row */
-            for (int r = 0; r < nr; ++r) {
-                float *m1 = U->momentum1 + rows[r];
-                const float s = *m1 + row_sumsq(gb[r], dim[r]) / (float)dim[r];
-                *m1 = s;
-                mult[r] = lr / (sqrtf(s) + eps);
-            }
-            for (int r = 0; r < nr; ++r) {
-                float *restrict w = U->weights + eo[r];
-                const float m = mult[r];
-                for (int64_t d = 0; d < dim[r]; ++d) w[d] -= gb[r][d] * m;
-            }
-        } else {
-            for (int r = 0; r < nr; ++r) {
-                float *restrict w = U->weights + eo[r];
-                for (int64_t d = 0; d < dim[r]; ++d) w[d] -= lr * gb[r][d];
+        /* A block across tables of different dims (rare): one row at a time. */
+        for (int r = 0; r < nr; ++r) {
+            int64_t tr = 0;
+            while ((uint64_t)L->row_offsets[tr + 1] <= rows[r]) ++tr;
+            switch (L->dims[tr] / 8) {
+#define BLOCK_CASE(k) \
+    case k: update_block(U, 1, ib + r, ie + r, rows + r, eo + r, k); break;
+                BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4)
+                BLOCK_CASE(5) BLOCK_CASE(6) BLOCK_CASE(7) BLOCK_CASE(8)
+#undef BLOCK_CASE
+                default: break;
             }
         }
     }
