@@ -41,6 +41,12 @@ enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAM = 2 };
 #ifndef PF_DIST
 #define PF_DIST 16
 #endif
+/* The forward looks further ahead: with skewed ids most rows it reads are cache hits, so covering
+ * as many DRAM misses takes more occurrences (8 x 1M x 64, batch 2048, pooling 100: forward
+ * 12.0 -> 10.9 ms at Zipf 1.05, 20.8 -> 21.2 ms uniform). */
+#ifndef FWD_PF_DIST
+#define FWD_PF_DIST 32
+#endif
 #ifndef PF_ROWS
 #define PF_ROWS 8
 #endif
@@ -98,8 +104,8 @@ static inline __attribute__((always_inline)) void bag_vec(const float *W, uint64
     v8f acc[8];
     for (int k = 0; k < nv; ++k) acc[k] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t p = lo; p < hi; ++p) {
-        if (p + PF_DIST < fend) {
-            const uint64_t q = (uint64_t)indices[p + PF_DIST];
+        if (p + FWD_PF_DIST < fend) {
+            const uint64_t q = (uint64_t)indices[p + FWD_PF_DIST];
             if (q < R) { /* prefetch_row with a constant trip count: fully unrolled */
                 const char *c = (const char *)(W + q * D);
                 for (int k = 0; k < nv; k += 2) __builtin_prefetch(c + 32 * k, 0, PF_LOCALITY);
@@ -155,8 +161,8 @@ int tbe_forward(const layout_t *L, const float *weights, const int64_t *indices,
         }
         memset(o, 0, (size_t)D * sizeof(float));
         for (int64_t p = lo; p < hi; ++p) {
-            if (p + PF_DIST < fend) {
-                const uint64_t q = (uint64_t)indices[p + PF_DIST];
+            if (p + FWD_PF_DIST < fend) {
+                const uint64_t q = (uint64_t)indices[p + FWD_PF_DIST];
                 if (q < R) prefetch_row(W + q * D, D);
             }
             const uint64_t id = (uint64_t)indices[p];
