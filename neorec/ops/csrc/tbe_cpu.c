@@ -818,6 +818,27 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
                 }
             }
             const int64_t kofs = fstart[f] - offsets[f * B]; /* key slot of position p */
+            if (packed && !psw) {
+                /* The common case without a branch per id (vectorizes): every key is written,
+                 * and only a bag holding a bad id is looked at again. */
+                uint64_t any_bad = 0;
+                uint64_t *restrict kb = keys + kofs;
+                const uint64_t hi = r0 << kshift;
+                for (int64_t p = offsets[i]; p < offsets[i + 1]; ++p) {
+                    const uint64_t id = (uint64_t)indices[p];
+                    any_bad |= id >= R; /* unsigned compare also catches negative ids */
+                    kb[p] = (hi + (id << kshift)) | gofs;
+                }
+                if (any_bad) {
+                    for (int64_t p = offsets[i]; p < offsets[i + 1]; ++p) {
+                        if ((uint64_t)indices[p] >= R) {
+                            if (p < my_bad) my_bad = p;
+                            break;
+                        }
+                    }
+                }
+                continue;
+            }
             for (int64_t p = offsets[i]; p < offsets[i + 1]; ++p) {
                 const uint64_t id = (uint64_t)indices[p];
                 const uint64_t q = (uint64_t)(p - base);
