@@ -458,6 +458,64 @@ def test_out_of_range_id_is_refused(backend: str, bad_id: int) -> None:
     assert torch.equal(w, c.weights), "nothing may be written when the batch is refused"
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_reports_the_first_bad_id_across_chunks(threads: int) -> None:
+    # Ids are checked chunk by chunk (a feature is cut into several); the error must still name
+    # the first bad position of the whole batch, whichever thread saw which.
+    layout, w0, idx, off, _, grad = big_case(7)
+    b = grad.shape[0]
+    early = int(off[2 * b]) + (int(off[3 * b]) - int(off[2 * b])) * 3 // 4  # feature 2, late
+    late = int(off[4 * b]) + 5  # feature 4 (table 2)
+    idx = idx.clone()
+    idx[late] = -5
+    idx[early] = 10**6
+    be = CpuBackend()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = w0.clone()
+        st = zeros_state(
+            "rowwise_adagrad", layout.total_rows, layout.total_elems, torch.device("cpu")
+        )
+        with pytest.raises(IndexError, match=r"feature 2 .*id 1000000\b"):
+            be.backward_update(
+                layout, w, st, idx, off, None, PoolingMode.SUM, grad, RowOptimizer(), 1
+            )
+        assert torch.equal(w, w0)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_cpu_one_row_tables(kind: str) -> None:
+    # A table of one row has no row bits to sort on; next to a wide one it must still come out
+    # as the reference does.
+    layout = TBELayout(rows=(1, 300, 1), dims=(8, 16, 4), feature_table=(0, 1, 2, 0))
+    gen = torch.Generator().manual_seed(3)
+    b = 64
+    lengths = torch.randint(0, 5, (layout.num_features * b,), generator=gen)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    ids = [
+        torch.randint(0, layout.rows[t], (int(lengths[f * b : (f + 1) * b].sum()),), generator=gen)
+        for f, t in enumerate(layout.feature_table)
+    ]
+    idx = torch.cat(ids)
+    w0 = torch.randn(layout.total_elems, generator=gen)
+    grad = torch.randn(b, layout.total_dim, generator=gen)
+    res = []
+    for be in (get_backend("reference"), CpuBackend()):
+        w = w0.clone()
+        st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+        be.backward_update(
+            layout, w, st, idx, offsets, None, PoolingMode.SUM, grad, RowOptimizer(kind=kind), 1
+        )
+        res.append((w, st))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-6, atol=1e-6)
+    for k in res[0][1]:
+        torch.testing.assert_close(res[1][1][k], res[0][1][k], rtol=1e-6, atol=1e-7)
+
+
 def test_cpu_rejects_malformed_inputs() -> None:
     c = make_case(10)
     be = get_backend("cpu")

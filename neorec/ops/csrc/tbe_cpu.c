@@ -7,8 +7,9 @@
  * Backward, in three passes over the batch:
  *   1. one 64-bit key per occurrence: global row (row_offsets[t] + id) in the high bits, and in
  *      the low bits a payload: the offset of its gradient row in the output gradient regrouped
- *      feature-major (or, with per-sample weights, its position);
- *   2. the keys are written grouped by table, and each table's segment gets a stable LSD radix
+ *      feature-major (or, with per-sample weights, its position); each key is built as the first
+ *      radix pass scatters it, so the unsorted keys are never written out;
+ *   2. the keys are grouped by table, and each table's segment gets a stable LSD radix
  *      sort on its local row bits only (as many passes as one table's row count needs, not 64
  *      bits): each row's occurrences end up adjacent, still in (feature, batch position) order;
  *   3. each distinct row is summed in that order and updated by one thread, in place.
@@ -194,36 +195,68 @@ int tbe_forward(const layout_t *L, const float *weights, const int64_t *indices,
 /* Stable parallel LSD radix sort of 64-bit keys, per table segment                           */
 /* ------------------------------------------------------------------------------------------ */
 
-/* The keys arrive grouped by table (one contiguous segment per table, each in feature then
+/* The keys are grouped by table (one contiguous segment per table, each in feature then
  * position order), so each segment only needs sorting by its local row, (key >> kshift) -
  * row_offsets[t]: log2 of one table's rows, often one pass fewer than the global row (8 x 1M
  * rows: 2 passes of 10 bits instead of 3 of 8). All segments go through each pass together.
  * Stability keeps equal keys in input order: the fixed summation order. Segments are cut into a
  * fixed set of chunks handed out dynamically (a thread delayed by another process does not hold
  * the others up); each chunk has its own histogram, so the result does not depend on which
- * thread took which chunk. Call from inside a parallel region, by all its threads. */
+ * thread took which chunk. A chunk never spans two features: chunk c holds the occurrences at
+ * input positions cpos[c] ... of feature cfeat[c], so the first pass can read ids straight from
+ * the batch and build each key as it scatters it (see tbe_backward_update). */
 typedef struct {
     int64_t nchunks;
-    const int64_t *cbeg;     /* [nchunks + 1] chunk c covers [cbeg[c], cbeg[c + 1]) */
+    const int64_t *cbeg;     /* [nchunks + 1] chunk c covers key slots [cbeg[c], cbeg[c + 1]) */
     const uint64_t *csub;    /* [nchunks] row_offsets[t] << kshift of the chunk's table */
     const int64_t *cfirst;   /* [nchunks] first chunk of the chunk's segment */
+    const int64_t *cfeat;    /* [nchunks] the chunk's feature */
+    const int64_t *cpos;     /* [nchunks] input position of the chunk's first occurrence */
+    const int64_t *cbag;     /* [nchunks] the bag holding cpos[c] (or before it: empty bags) */
     int kshift, lbits;       /* local row bits start at kshift, lbits of them */
 } segs_t;
+
+/* Passes and digit width for lbits local row bits: the fewest passes of at most
+ * MAX_DIGIT_BITS bits. The first pass always runs (with 0 bits, one bucket: a plain copy). */
+static void radix_geometry(int lbits, int *passes, int *digit) {
+    *passes = lbits <= 0 ? 1 : (lbits + MAX_DIGIT_BITS - 1) / MAX_DIGIT_BITS;
+    *digit = lbits <= 0 ? 0 : (lbits + *passes - 1) / *passes;
+}
+
+/* Per segment, digit-major, chunk-minor exclusive prefix from the segment's start: earlier
+ * chunks' items of a digit first. */
+static void radix_prefix(const segs_t *S, int64_t *hist, int64_t nb) {
+    const int64_t chunks = S->nchunks;
+    for (int64_t c0 = 0; c0 < chunks;) {
+        int64_t c1 = c0 + 1;
+        while (c1 < chunks && S->cfirst[c1] == c0) ++c1;
+        int64_t sum = S->cbeg[c0];
+        for (int64_t d = 0; d < nb; ++d) {
+            for (int64_t c = c0; c < c1; ++c) {
+                const int64_t cnt = hist[c * nb + d];
+                hist[c * nb + d] = sum;
+                sum += cnt;
+            }
+        }
+        c0 = c1;
+    }
+}
 
 /* Digit of key x (its segment's row base sub removed). */
 #define DIGIT(x) ((((x) - sub) >> shift) & mask)
 
+/* Passes first_pass, ... of the sort (keys already in *keys, as left by the passes before).
+ * Call from inside a parallel region, by all its threads. */
 static void radix_sort(uint64_t **keys, uint64_t **tmp, uint64_t **vals, uint64_t **vtmp,
-                       const segs_t *S, int64_t *hist /* [chunks][1<<digit] */) {
-    const int span = S->lbits;
-    const int passes = span <= 0 ? 0 : (span + MAX_DIGIT_BITS - 1) / MAX_DIGIT_BITS;
-    if (passes == 0) return;
-    const int digit = (span + passes - 1) / passes;
+                       const segs_t *S, int64_t *hist /* [chunks][1<<digit] */,
+                       int first_pass) {
+    int passes, digit;
+    radix_geometry(S->lbits, &passes, &digit);
     const int64_t nb = (int64_t)1 << digit;
     const uint64_t mask = (uint64_t)nb - 1;
     const int64_t chunks = S->nchunks; /* even: chunks 2j and 2j + 1 share a segment */
     const int64_t *cbeg = S->cbeg;
-    for (int pass = 0; pass < passes; ++pass) {
+    for (int pass = first_pass; pass < passes; ++pass) {
         const int shift = S->kshift + pass * digit;
         const uint64_t *restrict src = *keys;
         uint64_t *restrict dst = *tmp;
@@ -246,23 +279,7 @@ static void radix_sort(uint64_t **keys, uint64_t **tmp, uint64_t **vals, uint64_
             for (int64_t i = b0 + m; i < b1; ++i) hb[DIGIT(src[i])]++;
         } /* implicit barrier */
 #pragma omp single
-        {
-            /* Per segment, digit-major, chunk-minor exclusive prefix from the segment's start:
-             * earlier chunks' items of a digit first. */
-            for (int64_t c0 = 0; c0 < chunks;) {
-                int64_t c1 = c0 + 1;
-                while (c1 < chunks && S->cfirst[c1] == c0) ++c1;
-                int64_t sum = S->cbeg[c0];
-                for (int64_t d = 0; d < nb; ++d) {
-                    for (int64_t c = c0; c < c1; ++c) {
-                        const int64_t cnt = hist[c * nb + d];
-                        hist[c * nb + d] = sum;
-                        sum += cnt;
-                    }
-                }
-                c0 = c1;
-            }
-        } /* implicit barrier */
+        radix_prefix(S, hist, nb); /* implicit barrier */
         /* The scatter goes chunk by chunk: two chunks at once would write to twice as many
          * destination streams as L1 holds lines, which measured slower. */
 #pragma omp for schedule(dynamic, 1)
@@ -440,14 +457,16 @@ static int64_t count_emitted(const update_t *U, int64_t beg, int64_t end) {
 #define ROW_BLOCK 8
 
 /* Prefetch what updating global row `row` touches: its weight row and optimizer state. *t
- * tracks the row's table (rows ascend). */
+ * tracks the row's table (rows ascend). Plain reads into L2 like the rest, the row-wise state
+ * word too (as a prefetchw into L1 it measured 0.5 ms slower in the update phase under Zipf
+ * 1.05 ids, 8 x 1M x 64). */
 static inline void prefetch_update(const update_t *U, uint64_t row, int64_t *t) {
     const layout_t *L = U->L;
     while ((uint64_t)L->row_offsets[*t + 1] <= row) ++*t;
     const int64_t D = L->dims[*t];
     const int64_t eo = L->elem_offsets[*t] + (int64_t)(row - (uint64_t)L->row_offsets[*t]) * D;
     prefetch_row(U->weights + eo, D);
-    if (U->momentum1) __builtin_prefetch(U->momentum1 + row, 1, 3);
+    if (U->momentum1) __builtin_prefetch(U->momentum1 + row, 0, PF_LOCALITY);
     if (U->exp_avg) {
         prefetch_row(U->exp_avg + eo, D);
         prefetch_row(U->exp_avg_sq + eo, D);
@@ -663,10 +682,11 @@ typedef struct {
     int64_t keys, tmp, vals, vtmp, gofs_of, hist, gc, gbuf, segs, ecnt, total; /* bytes */
 } plan_t;
 
-/* Sort chunks: about CHUNKS_PER_THREAD per thread, an even number per table segment (at least
- * two): rounding up adds at most two per table. */
-static int64_t max_sort_chunks(int64_t T, int nthreads) {
-    return CHUNKS_PER_THREAD * (int64_t)nthreads + 2 * T;
+/* Sort chunks: about CHUNKS_PER_THREAD per thread, at least one per non-empty feature (a chunk
+ * never spans two features) and an even number per table (the count pass takes them in pairs):
+ * at most C + F + T. Each has a 2^digit histogram (16 KiB at 11 bits). */
+static int64_t max_sort_chunks(int64_t F, int64_t T, int nthreads) {
+    return CHUNKS_PER_THREAD * (int64_t)nthreads + F + T;
 }
 
 static int64_t align64(int64_t x) { return (x + 63) & ~(int64_t)63; }
@@ -693,10 +713,10 @@ static plan_t make_plan(const layout_t *L, int64_t n, int has_psw, int mean, int
     P.tmp = at, at += words;
     if (!P.packed) P.vals = at, at += words, P.vtmp = at, at += words;
     if (has_psw) P.gofs_of = at, at += words;
-    const int64_t max_chunks = max_sort_chunks(T, nthreads);
+    const int64_t max_chunks = max_sort_chunks(L->F, T, nthreads);
     P.hist = at, at += align64(max_chunks * ((int64_t)1 << MAX_DIGIT_BITS) * 8);
-    /* fstart[F], tpos[T], cbeg[max_chunks + 1], csub[max_chunks], cfirst[max_chunks] */
-    P.segs = at, at += align64((L->F + T + 3 * max_chunks + 1) * 8);
+    /* fstart[F], tpos[T], cbeg[max_chunks + 1], csub, cfirst, cfeat, cpos, cbag[max_chunks] */
+    P.segs = at, at += align64((L->F + T + 6 * max_chunks + 1) * 8);
     P.gc = at, at += align64(B * TD * (int64_t)sizeof(float));
     P.gbuf = at, at += align64((int64_t)nthreads * max_dim * (int64_t)sizeof(float));
     P.ecnt = at, at += align64((CHUNKS_PER_THREAD * (int64_t)nthreads + 1) * 8);
@@ -753,14 +773,15 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
         if (L->dims[t] > max_dim) max_dim = L->dims[t];
         if (L->dims[t] % 8 != 0 || L->dims[t] > 64) blocked = 0;
     }
-    /* Keys are written grouped by table, tables in order, each table's features in feature order
+    /* Keys are grouped by table, tables in order, each table's features in feature order
      * (fstart[f]: where feature f's occurrences start), so sorting each table's segment by local
      * row is a stable sort by global row. */
     const int64_t T = L->T, C = CHUNKS_PER_THREAD * (int64_t)nt_req;
     int64_t *fstart = (int64_t *)(ws + P.segs), *tpos = fstart + F, *cbeg = tpos + T;
-    const int64_t MC = max_sort_chunks(T, nt_req);
+    const int64_t MC = max_sort_chunks(F, T, nt_req);
     uint64_t *csub = (uint64_t *)(cbeg + MC + 1);
-    int64_t *cfirst = (int64_t *)(csub + MC);
+    int64_t *cfirst = (int64_t *)(csub + MC), *cfeat = cfirst + MC, *cpos = cfeat + MC,
+            *cbag = cpos + MC;
     for (int64_t t = 0; t < T; ++t) tpos[t] = 0;
     for (int64_t f = 0; f < F; ++f)
         tpos[L->feature_table[f]] += offsets[(f + 1) * B] - offsets[f * B];
@@ -774,96 +795,179 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
         fstart[f] = tpos[t];
         tpos[t] += offsets[(f + 1) * B] - offsets[f * B];
     } /* now tpos[t] is the end of table t's segment */
+    /* Chunks, table by table in segment order; within a table, feature by feature. */
     int64_t nchunks = 0;
     int lbits = 0;
     for (int64_t t = 0; t < T; ++t) {
-        const int64_t sb = t == 0 ? 0 : tpos[t - 1], len = tpos[t] - sb;
-        if (len <= 0) continue;
+        const int64_t first = nchunks;
+        int64_t longest = -1, longest_len = 0;
+        for (int64_t f = 0; f < F; ++f) {
+            const int64_t len = offsets[(f + 1) * B] - offsets[f * B];
+            if (L->feature_table[f] != t || len <= 0) continue;
+            int64_t k = len * C / n;
+            if (k < 1) k = 1;
+            if (len > longest_len) longest = f, longest_len = len;
+            for (int64_t j = 0; j < k; ++j, ++nchunks) cfeat[nchunks] = f;
+        }
+        if (nchunks == first) continue;
+        if ((nchunks - first) & 1) { /* even per table: one more chunk for the longest feature */
+            int64_t at = first;
+            while (cfeat[at] != longest) ++at;
+            for (int64_t c = nchunks; c > at; --c) cfeat[c] = cfeat[c - 1];
+            ++nchunks;
+        }
         const int lb = bits_for((uint64_t)(L->rows[t] > 0 ? L->rows[t] - 1 : 0));
         if (lb > lbits) lbits = lb;
-        int64_t k = len * C / n;
-        k += k & 1; /* even: the sort counts chunks in pairs */
-        if (k < 2) k = 2;
-        const int64_t first = nchunks;
-        for (int64_t j = 0; j < k; ++j, ++nchunks) {
-            cbeg[nchunks] = sb + len * j / k;
-            csub[nchunks] = (uint64_t)L->row_offsets[t] << kshift;
-            cfirst[nchunks] = first;
+        for (int64_t c = first; c < nchunks;) { /* cut each feature's run of chunks evenly */
+            const int64_t f = cfeat[c];
+            int64_t k = 0;
+            while (c + k < nchunks && cfeat[c + k] == f) ++k;
+            const int64_t len = offsets[(f + 1) * B] - offsets[f * B];
+            for (int64_t j = 0; j < k; ++j) {
+                const int64_t p0 = offsets[f * B] + len * j / k;
+                cbeg[c + j] = fstart[f] + len * j / k;
+                csub[c + j] = (uint64_t)L->row_offsets[t] << kshift;
+                cfirst[c + j] = first;
+                cpos[c + j] = p0;
+                /* the last bag of the feature starting at or before p0 */
+                int64_t lo = f * B, hi = (f + 1) * B - 1;
+                while (lo < hi) {
+                    const int64_t mid = lo + (hi - lo + 1) / 2;
+                    if (offsets[mid] <= p0) lo = mid;
+                    else hi = mid - 1;
+                }
+                cbag[c + j] = lo;
+            }
+            c += k;
         }
     }
     cbeg[nchunks] = n;
-    const segs_t S = {nchunks, cbeg, csub, cfirst, kshift, lbits};
+    const segs_t S = {nchunks, cbeg, csub, cfirst, cfeat, cpos, cbag, kshift, lbits};
+    int passes, digit;
+    radix_geometry(lbits, &passes, &digit);
+    const int64_t nb = (int64_t)1 << digit;
+    const uint64_t dmask = (uint64_t)nb - 1;
 
     int64_t bad = INT64_MAX;
 #pragma omp parallel num_threads(nt_req)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t my_bad = INT64_MAX;
-        /* 1. Keys; ids are range-checked before anything is written to weights or state. */
-#pragma omp for schedule(static)
+        /* 1. The output gradient, regrouped feature-major (see gc above). */
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < nbags; ++i) {
-            const int64_t f = i / B, b = i % B, t = L->feature_table[f];
-            const uint64_t R = (uint64_t)L->rows[t], r0 = (uint64_t)L->row_offsets[t];
-            const int64_t D = L->dims[t];
-            const uint64_t gofs = (uint64_t)(B * L->out_offsets[f] + b * D);
-            {
-                const float *restrict src = grad_out + b * TD + L->out_offsets[f];
-                float *restrict dst = gc + gofs;
-                if (mean) { /* d(out)/len once per bag, the same float division as the reference */
-                    const int64_t len = offsets[i + 1] - offsets[i];
-                    const float ln = (float)(len > 0 ? len : 1);
-                    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] / ln;
-                } else {
-                    memcpy(dst, src, (size_t)D * sizeof(float));
-                }
+            const int64_t f = i / B, b = i % B;
+            const int64_t D = L->dims[L->feature_table[f]];
+            const float *restrict src = grad_out + b * TD + L->out_offsets[f];
+            float *restrict dst = gc + B * L->out_offsets[f] + b * D;
+            if (mean) { /* d(out)/len once per bag, the same float division as the reference */
+                const int64_t len = offsets[i + 1] - offsets[i];
+                const float ln = (float)(len > 0 ? len : 1);
+                for (int64_t d = 0; d < D; ++d) dst[d] = src[d] / ln;
+            } else {
+                memcpy(dst, src, (size_t)D * sizeof(float));
             }
-            const int64_t kofs = fstart[f] - offsets[f * B]; /* key slot of position p */
-            if (packed && !psw) {
-                /* The common case without a branch per id (vectorizes): every key is written,
-                 * and only a bag holding a bad id is looked at again. */
-                uint64_t any_bad = 0;
-                uint64_t *restrict kb = keys + kofs;
-                const uint64_t hi = r0 << kshift;
-                for (int64_t p = offsets[i]; p < offsets[i + 1]; ++p) {
-                    const uint64_t id = (uint64_t)indices[p];
-                    any_bad |= id >= R; /* unsigned compare also catches negative ids */
-                    kb[p] = (hi + (id << kshift)) | gofs;
-                }
-                if (any_bad) {
-                    for (int64_t p = offsets[i]; p < offsets[i + 1]; ++p) {
-                        if ((uint64_t)indices[p] >= R) {
-                            if (p < my_bad) my_bad = p;
-                            break;
-                        }
+        }
+        /* 2. The first radix pass's digit counts, read straight from the ids (its digit is the
+         * id's low bits), and the range check: ids are checked before anything is written to
+         * weights or state. Chunks in pairs, interleaved as in radix_sort. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < nchunks; c += 2) {
+            int64_t *ha = hist + c * nb, *hb = ha + nb;
+            memset(ha, 0, 2 * (size_t)nb * sizeof(int64_t));
+            const uint64_t R = (uint64_t)L->rows[L->feature_table[cfeat[c]]];
+            const int64_t na = cbeg[c + 1] - cbeg[c], nbb = cbeg[c + 2] - cbeg[c + 1];
+            const uint64_t *restrict xa = (const uint64_t *)indices + cpos[c];
+            const uint64_t *restrict xb = (const uint64_t *)indices + cpos[c + 1];
+            const int64_t m = na < nbb ? na : nbb;
+            uint64_t any_bad = 0; /* unsigned compare also catches negative ids */
+            for (int64_t i = 0; i < m; ++i) {
+                const uint64_t ia = xa[i], ib = xb[i];
+                any_bad |= (ia >= R) | (ib >= R);
+                ha[ia & dmask]++;
+                hb[ib & dmask]++;
+            }
+            for (int64_t i = m; i < na; ++i) {
+                any_bad |= xa[i] >= R;
+                ha[xa[i] & dmask]++;
+            }
+            for (int64_t i = m; i < nbb; ++i) {
+                any_bad |= xb[i] >= R;
+                hb[xb[i] & dmask]++;
+            }
+            if (any_bad) { /* look again only here: the first bad position of either chunk */
+                for (int64_t i = 0; i < na; ++i)
+                    if (xa[i] >= R) {
+                        if (cpos[c] + i < my_bad) my_bad = cpos[c] + i;
+                        break;
                     }
-                }
-                continue;
-            }
-            for (int64_t p = offsets[i]; p < offsets[i + 1]; ++p) {
-                const uint64_t id = (uint64_t)indices[p];
-                const uint64_t q = (uint64_t)(p - base);
-                const int64_t k = p + kofs;
-                if (id >= R) { /* unsigned compare also catches negative ids */
-                    if (p < my_bad) my_bad = p;
-                    continue;
-                }
-                const uint64_t v = psw ? q : gofs;
-                if (psw) gofs_of[q] = (int64_t)gofs;
-                if (packed) {
-                    keys[k] = ((r0 + id) << kshift) | v;
-                } else {
-                    keys[k] = r0 + id;
-                    vals[k] = v;
-                }
+                for (int64_t i = 0; i < nbb; ++i)
+                    if (xb[i] >= R) {
+                        if (cpos[c + 1] + i < my_bad) my_bad = cpos[c + 1] + i;
+                        break;
+                    }
             }
         }
 #pragma omp critical
         if (my_bad < bad) bad = my_bad;
 #pragma omp barrier
         if (bad == INT64_MAX) {
-            /* 2. Group occurrences by global row, keeping input order within a row. */
-            radix_sort(&keys, &tmp, packed ? NULL : &vals, &vtmp, &S, hist);
-            /* 3. The sorted occurrences are cut into chunks moved to row boundaries, so every
+#pragma omp single
+            radix_prefix(&S, hist, nb); /* implicit barrier */
+            /* 3. Keys, built and scattered by the first digit in one go, chunk by chunk in input
+             * order (stable); the payload is the occurrence's gradient-row offset in gc (or,
+             * with per-sample weights, its position, and gofs_of maps it to the offset). */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t c = 0; c < nchunks; ++c) {
+                const int64_t f = cfeat[c], t = L->feature_table[f];
+                const uint64_t r0 = (uint64_t)L->row_offsets[t], hi = r0 << kshift;
+                const int64_t D = L->dims[t];
+                const uint64_t gbase = (uint64_t)(B * L->out_offsets[f]);
+                int64_t *h = hist + c * nb;
+                int64_t p = cpos[c], i = cbag[c];
+                const int64_t pend = p + (cbeg[c + 1] - cbeg[c]);
+                uint64_t *restrict dst = tmp, *restrict vd = vtmp;
+                while (p < pend) {
+                    while (offsets[i + 1] <= p) ++i; /* skips empty bags */
+                    const int64_t e = offsets[i + 1] < pend ? offsets[i + 1] : pend;
+                    const uint64_t gofs = gbase + (uint64_t)((i - f * B) * D);
+                    if (packed && !psw) {
+                        for (; p < e; ++p) {
+                            const uint64_t id = (uint64_t)indices[p];
+                            dst[h[id & dmask]++] = (hi + (id << kshift)) | gofs;
+                        }
+                        continue;
+                    }
+                    for (; p < e; ++p) {
+                        const uint64_t id = (uint64_t)indices[p];
+                        const uint64_t q = (uint64_t)(p - base);
+                        const uint64_t v = psw ? q : gofs;
+                        if (psw) gofs_of[q] = (int64_t)gofs;
+                        const int64_t at = h[id & dmask]++;
+                        if (packed) {
+                            dst[at] = ((r0 + id) << kshift) | v;
+                        } else {
+                            dst[at] = r0 + id;
+                            vd[at] = v;
+                        }
+                    }
+                }
+            } /* implicit barrier */
+#pragma omp single
+            {
+                uint64_t *x = keys;
+                keys = tmp;
+                tmp = x;
+                if (!packed) {
+                    x = vals;
+                    vals = vtmp;
+                    vtmp = x;
+                }
+            } /* implicit barrier */
+            /* 4. The remaining passes group occurrences by global row, keeping input order
+             * within a row. */
+            radix_sort(&keys, &tmp, packed ? NULL : &vals, &vtmp, &S, hist, 1);
+            /* 5. The sorted occurrences are cut into chunks moved to row boundaries, so every
              * row is summed and updated by exactly one thread, in sorted order: bitwise the same
              * result for any thread count or schedule. */
             const update_t U = {L,        weights,    momentum1, exp_avg,    exp_avg_sq,
