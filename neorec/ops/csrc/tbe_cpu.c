@@ -55,8 +55,12 @@ enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAM = 2 };
 #ifndef MAX_DIGIT_BITS
 #define MAX_DIGIT_BITS 11
 #endif
-/* Work chunks per thread for dynamically scheduled loops (sort, update). */
+/* Work chunks per thread for the dynamically scheduled sort loops. */
 #define CHUNKS_PER_THREAD 8
+/* ... and for the row update: smaller pieces leave less idle time at the end of the loop when
+ * chunks take unequal times (update phase -0.1 to -0.2 ms of ~13 at Zipf 1.05 on 8 x 1M x 64,
+ * 2 threads, against 8 per thread). */
+#define UPDATE_CHUNKS_PER_THREAD 32
 
 typedef struct {
     int64_t F, B, T, total_dim;
@@ -719,7 +723,7 @@ static plan_t make_plan(const layout_t *L, int64_t n, int has_psw, int mean, int
     P.segs = at, at += align64((L->F + T + 6 * max_chunks + 1) * 8);
     P.gc = at, at += align64(B * TD * (int64_t)sizeof(float));
     P.gbuf = at, at += align64((int64_t)nthreads * max_dim * (int64_t)sizeof(float));
-    P.ecnt = at, at += align64((CHUNKS_PER_THREAD * (int64_t)nthreads + 1) * 8);
+    P.ecnt = at, at += align64((UPDATE_CHUNKS_PER_THREAD * (int64_t)nthreads + 1) * 8);
     P.total = at;
     return P;
 }
@@ -975,7 +979,7 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
                                 opt,      base,       kshift,    vmask,      packed,
                                 emit_table, emit_rows, emit_grads, emit_stride};
             float *gacc = (float *)(ws + P.gbuf) + (int64_t)tid * max_dim;
-            const int64_t chunks = CHUNKS_PER_THREAD * (int64_t)nt;
+            const int64_t chunks = UPDATE_CHUNKS_PER_THREAD * (int64_t)nt;
             int64_t *ecnt = (int64_t *)(ws + P.ecnt); /* [chunks + 1]: first emit index */
             if (emit_table) {
                 /* Emitted rows keep sorted row order: count per chunk, then prefix. */
