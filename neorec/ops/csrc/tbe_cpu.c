@@ -246,6 +246,35 @@ static void radix_prefix(const segs_t *S, int64_t *hist, int64_t nb) {
     }
 }
 
+/* Digit counts of two chunks, xa[0, na) into ha and xb[0, nb) into hb (zeroed here, 2^digit
+ * counters each, ha and hb adjacent), digit ((x - sub) >> shift) & mask, in one interleaved loop:
+ * two independent chains of counter updates, so a run of equal digits (a hot row, after the
+ * first pass) does not serialize on one counter's store-to-load latency (measured: the second
+ * pass's count 1.06 -> 0.76 ms under Zipf ids, unchanged for uniform). With check, returns
+ * whether any x >= R (ids: an unsigned compare also catches negative ones). */
+static inline __attribute__((always_inline)) uint64_t
+count_pair(const uint64_t *restrict xa, int64_t na, const uint64_t *restrict xb, int64_t nb,
+           uint64_t sub, int shift, uint64_t mask, int64_t *ha, const int check, uint64_t R) {
+    int64_t *hb = ha + mask + 1;
+    memset(ha, 0, 2 * (size_t)(mask + 1) * sizeof(int64_t));
+    const int64_t m = na < nb ? na : nb;
+    uint64_t any = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        if (check) any |= (xa[i] >= R) | (xb[i] >= R);
+        ha[((xa[i] - sub) >> shift) & mask]++;
+        hb[((xb[i] - sub) >> shift) & mask]++;
+    }
+    for (int64_t i = m; i < na; ++i) {
+        if (check) any |= xa[i] >= R;
+        ha[((xa[i] - sub) >> shift) & mask]++;
+    }
+    for (int64_t i = m; i < nb; ++i) {
+        if (check) any |= xb[i] >= R;
+        hb[((xb[i] - sub) >> shift) & mask]++;
+    }
+    return any;
+}
+
 /* Digit of key x (its segment's row base sub removed). */
 #define DIGIT(x) ((((x) - sub) >> shift) & mask)
 
@@ -264,24 +293,12 @@ static void radix_sort(uint64_t **keys, uint64_t **tmp, uint64_t **vals, uint64_
         const int shift = S->kshift + pass * digit;
         const uint64_t *restrict src = *keys;
         uint64_t *restrict dst = *tmp;
-        /* Each task counts a pair of chunks in one interleaved loop: two independent chains of
-         * counter updates, so a run of equal digits (a hot row, after the first pass) does not
-         * serialize on one counter's store-to-load latency (measured: the second pass's count
-         * 1.06 -> 0.76 ms under Zipf ids, unchanged for uniform). */
+        /* Each task counts a pair of chunks (see count_pair). */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < chunks; c += 2) {
-            int64_t *ha = hist + c * nb, *hb = ha + nb;
-            const uint64_t sub = S->csub[c];
-            memset(ha, 0, 2 * (size_t)nb * sizeof(int64_t));
-            const int64_t a0 = cbeg[c], b0 = cbeg[c + 1], b1 = cbeg[c + 2];
-            const int64_t m = b0 - a0 < b1 - b0 ? b0 - a0 : b1 - b0;
-            for (int64_t i = 0; i < m; ++i) {
-                ha[DIGIT(src[a0 + i])]++;
-                hb[DIGIT(src[b0 + i])]++;
-            }
-            for (int64_t i = a0 + m; i < b0; ++i) ha[DIGIT(src[i])]++;
-            for (int64_t i = b0 + m; i < b1; ++i) hb[DIGIT(src[i])]++;
-        } /* implicit barrier */
+        for (int64_t c = 0; c < chunks; c += 2)
+            count_pair(src + cbeg[c], cbeg[c + 1] - cbeg[c], src + cbeg[c + 1],
+                       cbeg[c + 2] - cbeg[c + 1], S->csub[c], shift, mask, hist + c * nb, 0, 0);
+        /* implicit barrier */
 #pragma omp single
         radix_prefix(S, hist, nb); /* implicit barrier */
         /* The scatter goes chunk by chunk: two chunks at once would write to twice as many
@@ -874,32 +891,15 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
         }
         /* 2. The first radix pass's digit counts, read straight from the ids (its digit is the
          * id's low bits), and the range check: ids are checked before anything is written to
-         * weights or state. Chunks in pairs, interleaved as in radix_sort. */
+         * weights or state. Chunks in pairs (count_pair). */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nchunks; c += 2) {
-            int64_t *ha = hist + c * nb, *hb = ha + nb;
-            memset(ha, 0, 2 * (size_t)nb * sizeof(int64_t));
             const uint64_t R = (uint64_t)L->rows[L->feature_table[cfeat[c]]];
             const int64_t na = cbeg[c + 1] - cbeg[c], nbb = cbeg[c + 2] - cbeg[c + 1];
-            const uint64_t *restrict xa = (const uint64_t *)indices + cpos[c];
-            const uint64_t *restrict xb = (const uint64_t *)indices + cpos[c + 1];
-            const int64_t m = na < nbb ? na : nbb;
-            uint64_t any_bad = 0; /* unsigned compare also catches negative ids */
-            for (int64_t i = 0; i < m; ++i) {
-                const uint64_t ia = xa[i], ib = xb[i];
-                any_bad |= (ia >= R) | (ib >= R);
-                ha[ia & dmask]++;
-                hb[ib & dmask]++;
-            }
-            for (int64_t i = m; i < na; ++i) {
-                any_bad |= xa[i] >= R;
-                ha[xa[i] & dmask]++;
-            }
-            for (int64_t i = m; i < nbb; ++i) {
-                any_bad |= xb[i] >= R;
-                hb[xb[i] & dmask]++;
-            }
-            if (any_bad) { /* look again only here: the first bad position of either chunk */
+            const uint64_t *xa = (const uint64_t *)indices + cpos[c];
+            const uint64_t *xb = (const uint64_t *)indices + cpos[c + 1];
+            /* On a bad id, look again at this pair only: the first bad position of either. */
+            if (count_pair(xa, na, xb, nbb, 0, 0, dmask, hist + c * nb, 1, R)) {
                 for (int64_t i = 0; i < na; ++i)
                     if (xa[i] >= R) {
                         if (cpos[c] + i < my_bad) my_bad = cpos[c] + i;
