@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from neorec.errors import NeorecError
+
 __all__ = ["main"]
 
 BENCHES = {
@@ -153,21 +155,22 @@ def _data(action: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``neorec`` command."""
+    """Entry point of the ``neorec`` command.
+
+    A ``NeorecError`` (bad input, config, data, plan, checkpoint) is printed as one line and exits
+    with its code (2); anything else is a defect and keeps its traceback.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
-        return _bench(argv[1], argv[2:])
-    if argv[:2] == ["data", "preprocess"]:  # its flags (--input ...) go to it unparsed
-        return _data(argv[1], argv[2:])
-    args = build_parser().parse_args(argv)
-    from neorec.config import ConfigError
-
     try:
+        if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
+            return _bench(argv[1], argv[2:])
+        if argv[:2] == ["data", "preprocess"]:  # its flags (--input ...) go to it unparsed
+            return _data(argv[1], argv[2:])
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except ConfigError as e:
-        print(f"neorec: config error: {e}", file=sys.stderr)
-        return 2
-
+    except NeorecError as e:
+        print(f"neorec: error: {e}", file=sys.stderr)
+        return e.exit_code
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from neorec.errors import NeorecError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(NeorecError, ValueError):
     """A config value is missing, of the wrong type, or out of range; the message names it."""
 
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from neorec.errors import NeorecError
+
 __all__ = ["SparseFeatures", "SparseFeatureError"]
 
 
-class SparseFeatureError(ValueError):
+class SparseFeatureError(NeorecError, ValueError):
     """Bad sparse input: names the feature and the offending value."""
 
 

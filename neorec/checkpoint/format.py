@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from neorec.errors import NeorecError
 from neorec.ops.quant import IntRows, int_rowwise_dequantize, int_rowwise_quantize
 
 __all__ = [
@@ -57,7 +58,7 @@ ROW_STATE = ("momentum1",)
 """Optimizer state with one value per row (the rest has one value per element)."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(NeorecError, RuntimeError):
     """A checkpoint cannot be found, read or applied; the message says which and why."""
 
 

@@ -36,6 +36,7 @@ import torch
 
 from neorec.config import TableConfig
 from neorec.data.batch import Batch
+from neorec.errors import DataError
 from neorec.sparse import SparseFeatures
 
 __all__ = ["CriteoFormatError", "CriteoStats", "CriteoTSVDataset", "parse_line", "criteo_files"]
@@ -61,7 +62,7 @@ for _i, _c in enumerate("0123456789abcdef"):
 _FIELD_NAMES = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
 
 
-class CriteoFormatError(ValueError):
+class CriteoFormatError(DataError):
     """A malformed Criteo line: names file, line number and field."""
 
 

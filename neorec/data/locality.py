@@ -25,6 +25,7 @@ from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.data.ids import LOCALITY_REF_BATCH, LOCALITY_WEIGHTS, locality_layout
+from neorec.errors import DataError
 from neorec.sparse import SparseFeatures
 
 __all__ = [
@@ -72,7 +73,7 @@ REFERENCE_LOOKUP_SHARE: tuple[float, ...] = tuple(
 _GOLDEN = 0.6180339887498949
 
 
-class LocalityFormatError(ValueError):
+class LocalityFormatError(DataError):
     """A locality statistics file does not have the expected layout (names file:line)."""
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from neorec.errors import NeorecError
 from neorec.ops.quant import IntRows, int_rowwise_dequantize, int_rowwise_quantize
 
 __all__ = ["CODECS", "CodecError", "Codec", "FloatCodec", "Int8RowCodec", "make_codec"]
@@ -36,7 +37,7 @@ CODECS = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
 _ALIGN = 8
 
 
-class CodecError(ValueError):
+class CodecError(NeorecError, ValueError):
     """A message cannot be encoded (inf/NaN in it, or overflow under a static loss scale)."""
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
+from neorec.errors import NeorecError
 from neorec.sharding.cost_model import (
     CACHE_MIN_BATCHES,
     PHASES,
@@ -84,7 +85,7 @@ _CACHED_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TA
 """Sharding types offered with a cached tier (whole rows per shard, one cache per shard)."""
 
 
-class PlanningError(ValueError):
+class PlanningError(NeorecError, ValueError):
     """No plan fits in memory; the message lists which tables do not fit where and the fixes."""
 
     def __init__(self, message: str, tables: list[str]) -> None:

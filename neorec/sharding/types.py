@@ -29,6 +29,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
+from neorec.errors import NeorecError
+
 __all__ = [
     "ShardingType",
     "Shard",
@@ -82,7 +84,7 @@ _SHORT = {
 }
 
 
-class PlanValidationError(ValueError):
+class PlanValidationError(NeorecError, ValueError):
     """A plan is inconsistent; ``problems`` lists each issue naming the table and shard."""
 
     def __init__(self, problems: list[str]) -> None:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
+from neorec.errors import NeorecError
 from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
@@ -80,7 +81,7 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-class CacheCapacityError(ValueError):
+class CacheCapacityError(NeorecError, ValueError):
     """A batch needs more distinct rows of a table than its cache holds."""
 
 

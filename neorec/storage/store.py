@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from neorec.errors import NeorecError
 from neorec.ops.memory import table_zeros
 from neorec.storage import cache_ops
 
@@ -95,7 +96,7 @@ Records: TypeAlias = Tensor | Sequence[tuple[Tensor, Tensor]]
 """What ``RowStore.write`` stores: records [n, width], or per field a (buffer, rows) pair."""
 
 
-class StoreError(RuntimeError):
+class StoreError(NeorecError, RuntimeError):
     """A row store cannot be created, opened, read or written; the message names the file."""
 
 

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 from neorec.distributed.dense_blocks import block_dense, blocks_of, per_block
+from neorec.errors import NeorecError
 from neorec.modules.dlrm import build_dlrm
 from neorec.sparse import SparseFeatures
 from neorec.train.metrics import MetricState, binary_metrics
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(NeorecError, RuntimeError):
     """The loss became NaN or infinite."""
 
 

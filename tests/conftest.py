@@ -1,0 +1,27 @@
+"""Session hooks: the fault campaigns' summary table (see ``tests/faults.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from faults import OUTCOMES, REGISTRY
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """Counts per fault campaign: tried / clear error / handled / crash / silent / data lost."""
+    if not REGISTRY:
+        return
+    tr = terminalreporter
+    tr.section("fault campaigns")
+    head = f"{'campaign':<28}{'tried':>7}" + "".join(f"{o:>19}" for o in OUTCOMES)
+    tr.write_line(head)
+    rows = {}
+    for name in sorted(REGISTRY):
+        c = REGISTRY[name].counts()
+        rows[name] = c
+        tr.write_line(f"{name:<28}{c['tried']:>7}" + "".join(f"{c[o]:>19}" for o in OUTCOMES))
+    out = os.environ.get("NEOREC_FAULTS_JSON")
+    if out:
+        with open(out, "w") as fh:
+            json.dump(rows, fh, indent=1, sort_keys=True)
