@@ -172,5 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"neorec: error: {e}", file=sys.stderr)
         return e.exit_code
 
+
 if __name__ == "__main__":
     sys.exit(main())
