@@ -26,6 +26,15 @@ so the same sample must sit in a tensor of the same size on every world size.
 Other world sizes run each rank's slice as one block (equal to float tolerance, as before).
 Blocking changes no value beyond float rounding: each sample's output is its own, and a block's
 gradient is its samples' share of the batch gradient. G = 1 is the plain one-GEMM gradient.
+
+What makes a block's arithmetic the same in one process and on a rank is that its calls are the
+same: the same shapes, strides and memory alignment, and the same number of threads. The blocks
+give the shapes. Each block runs on inputs copied into new memory and passes its output gradient
+on in new memory (``_Fresh``), so a block that starts at an odd offset of the batch is aligned
+like a rank's own tensors (a BLAS may take another path for unaligned data). The thread count is
+the caller's: MKL / oneDNN choose their kernels per CPU, shape and thread count, so the bitwise
+equality holds when every process runs the same number of threads (``train.threads``), and
+otherwise to float tolerance (README, "Semantics worth knowing").
 """
 
 from __future__ import annotations
@@ -66,6 +75,19 @@ class _TreeFanout(torch.autograd.Function):
         return (None, *(tree_sum([grads[i * k + j] for i in range(n)]) for j in range(k)))
 
 
+class _Fresh(torch.autograd.Function):
+    """A copy of ``x`` in new (allocator-aligned) memory; its gradient is passed on in new
+    memory too."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.clone(memory_format=torch.contiguous_format)
+
+
 class _BlockedForward:
     """``module.forward`` run block by block (installed on the instance by ``block_dense``)."""
 
@@ -79,11 +101,20 @@ class _BlockedForward:
         rows = inputs[0].shape[0]
         if self._inside or rows % n:
             return self.plain(m, *inputs)
-        chunks = list(zip(*(x.chunk(n) for x in inputs)))
-        if n == 2 or not torch.is_grad_enabled():
+        chunks = [tuple(_Fresh.apply(x) for x in c) for c in zip(*(x.chunk(n) for x in inputs))]
+        if n <= 2 or not torch.is_grad_enabled():
             # Two blocks: autograd adds their gradients in one commutative addition, the tree
             # (a module that used a parameter twice per forward would need the aliases below).
-            return torch.cat([self.plain(m, *c) for c in chunks])
+            outs = [self.plain(m, *c) for c in chunks]
+        else:
+            outs = self._tree_blocks(chunks)
+        outs = [_Fresh.apply(o) for o in outs]
+        return outs[0] if n == 1 else torch.cat(outs)
+
+    def _tree_blocks(self, chunks: list[tuple[Tensor, ...]]) -> list[Tensor]:
+        """The blocks' outputs, each computed with its own aliases of the parameters, whose
+        gradients ``_TreeFanout`` adds in the tree order."""
+        m, n = self.module, len(chunks)
         named = [(k, p) for k, p in m.named_parameters() if p.requires_grad]
         aliases = _TreeFanout.apply(n, *(p for _, p in named))
         k = len(named)
@@ -95,16 +126,17 @@ class _BlockedForward:
                 outs.append(functional_call(m, params, c))
         finally:
             self._inside = False
-        return torch.cat(outs)
+        return outs
 
 
 def block_dense(module: nn.Module, blocks: int) -> nn.Module:
     """Run ``module`` (inputs and output batch-major) in ``blocks`` blocks with tree-summed
-    gradients; parameters, state_dict and outputs are unchanged. Returns ``module``."""
+    gradients, each block in memory of its own; parameters, state_dict and outputs are
+    unchanged. ``blocks = 1`` (a rank holding one block) runs the batch as one such block.
+    Returns ``module``."""
     if blocks < 1:
         raise ValueError(f"dense blocks must be >= 1, got {blocks}")
-    if blocks > 1:
-        module.forward = _BlockedForward(module, blocks)  # type: ignore[method-assign]
+    module.forward = _BlockedForward(module, blocks)  # type: ignore[method-assign]
     return module
 
 

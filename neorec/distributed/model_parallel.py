@@ -72,8 +72,9 @@ class DistributedModel(nn.Module):
         dims = {t.dim for t in emb.tables}
         dense = DenseArch(cfg.model, len(self.ebc.feature_names), dims.pop())
         world = dist.get_world_size() if dist.is_initialized() else 1
-        # This rank's share of the dense blocks: gradients bitwise those of one process.
-        block_dense(dense, local_blocks(cfg.train.dense_blocks, world))
+        if cfg.train.dense_blocks > 1:
+            # This rank's share of the dense blocks: gradients bitwise those of one process.
+            block_dense(dense, local_blocks(cfg.train.dense_blocks, world))
         self.dense_arch: nn.Module = DistributedDataParallel(dense) if world > 1 else dense
         self._setup_comm(cfg, world)
 

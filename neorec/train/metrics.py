@@ -1,9 +1,16 @@
-"""Click-prediction metrics: AUC, log loss, normalized entropy (NE), calibration."""
+"""Click-prediction metrics: AUC, log loss, normalized entropy (NE), calibration.
+
+Sums over samples are taken in NumPy (float64, one thread, pairwise), not in torch: a torch
+reduction over a large tensor splits it per thread, so its last bits depend on the thread count,
+and one process (all cores) and N ranks (one thread each) must report bitwise the same metrics of
+the same predictions. AUC sums half-integer ranks, which is exact in any order.
+"""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,11 +38,15 @@ def auc(scores: Tensor, labels: Tensor) -> float:
     return (rank_sum_pos - pos * (pos + 1) / 2) / (pos * neg)
 
 
+def _f64(x: Tensor) -> np.ndarray:
+    return x.detach().cpu().double().flatten().numpy()
+
+
 def log_loss(probs: Tensor, labels: Tensor) -> float:
     """Mean binary cross-entropy of probabilities."""
-    p = probs.double().clamp(_EPS, 1 - _EPS)
-    y = labels.double()
-    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+    p = np.clip(_f64(probs), _EPS, 1 - _EPS)
+    y = _f64(labels)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
 
 
 def _entropy(ctr: float) -> float:
@@ -46,14 +57,14 @@ def _entropy(ctr: float) -> float:
 
 def normalized_entropy(probs: Tensor, labels: Tensor) -> float:
     """Log loss divided by the entropy of the observed CTR (1.0 = no better than the base rate)."""
-    h = _entropy(float(labels.double().mean()))
+    h = _entropy(float(np.mean(_f64(labels))))
     return log_loss(probs, labels) / h if h > 0 else float("nan")
 
 
 def calibration(probs: Tensor, labels: Tensor) -> float:
     """Predicted CTR over observed CTR (1.0 = calibrated)."""
-    obs = float(labels.double().sum())
-    return float(probs.double().sum()) / obs if obs > 0 else float("nan")
+    obs = float(np.sum(_f64(labels)))
+    return float(np.sum(_f64(probs))) / obs if obs > 0 else float("nan")
 
 
 def binary_metrics(probs: Tensor, labels: Tensor) -> dict[str, float]:
@@ -63,7 +74,7 @@ def binary_metrics(probs: Tensor, labels: Tensor) -> dict[str, float]:
         "logloss": log_loss(probs, labels),
         "ne": normalized_entropy(probs, labels),
         "calibration": calibration(probs, labels),
-        "ctr": float(labels.double().mean()),
+        "ctr": float(np.mean(_f64(labels))),
         "samples": int(labels.numel()),
     }
 

@@ -239,6 +239,16 @@ class Progress:
     start: float = field(default_factory=time.perf_counter)
     samples: int = 0
     losses: list[float] = field(default_factory=list)
+    start_samples: int = 0
+    """Samples already trained when this process began (a resumed run's), left out of rates."""
+
+    def begin(self) -> None:
+        """Start the clock: rates count what this process trains from now on."""
+        self.start, self.start_samples = time.perf_counter(), self.samples
+
+    def rate(self, elapsed: float) -> float:
+        """Samples per second this process trained over ``elapsed`` seconds."""
+        return (self.samples - self.start_samples) / max(elapsed, 1e-9)
 
     def update(self, step: int, batch_size: int, loss: Tensor) -> None:
         """Record a step; print every ``every`` steps."""
@@ -247,7 +257,7 @@ class Progress:
         if not self.enabled or (step % self.every and step != self.total):
             return
         elapsed = time.perf_counter() - self.start
-        rate = self.samples / max(elapsed, 1e-9)
+        rate = self.rate(elapsed)
         recent = self.losses[-self.every :]
         total = f"/{self.total}" if self.total else ""
         print(
@@ -292,9 +302,10 @@ class Trainer:
             )
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        # The data's checks (paths, splits, table sizes) come before the tables are built.
+        self.source = make_source(cfg)
         self.model = model if model is not None else self._build_model()
         self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
-        self.source = make_source(cfg)
         self.step = 0
         self._fail_at = _injected_failure(self.rank)
         self._epoch = self._next_batch = 0  # data position: the next batch to read (checkpointed)
@@ -305,8 +316,9 @@ class Trainer:
     def _build_model(self) -> RecModel:
         if self.world == 1:
             model = build_dlrm(self.cfg)
-            # The dense gradient summed in the blocks' tree: what N ranks compute (bitwise).
-            block_dense(model.dense_arch, self.cfg.train.dense_blocks)
+            if self.cfg.train.dense_blocks > 1:
+                # The dense gradient summed in the blocks' tree: what N ranks compute (bitwise).
+                block_dense(model.dense_arch, self.cfg.train.dense_blocks)
             return model
         from neorec.distributed.model_parallel import (
             DistributedModel,
@@ -386,7 +398,9 @@ class Trainer:
             cfg.train.progress and self.rank == 0,
         )
         evals = self.ckpt.resume(self, progress) if self.ckpt is not None else []
-        t0 = time.perf_counter()
+        first_step = self.step
+        progress.begin()
+        t0 = progress.start
         positions: deque[tuple[int, int]] = deque()
         pipe = make_pipeline(
             cfg.train.pipeline,
@@ -410,6 +424,7 @@ class Trainer:
                 progress.update(self.step, out.batch.size * self.world, out.loss)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     evals.append({"step": self.step, **self.evaluate()})
+                    self._print_eval(evals[-1])
                 if self.ckpt is not None:
                     self.ckpt.after_step(self, progress, evals)
         finally:
@@ -420,7 +435,17 @@ class Trainer:
             self.ckpt.close()
         train_s = time.perf_counter() - t0
         final = self.evaluate()
-        return self.summarize(final, evals, progress, train_s)
+        return self.summarize(final, evals, progress, train_s, first_step)
+
+    def _print_eval(self, e: dict[str, Any]) -> None:
+        """One line of eval metrics (rank 0, progress on)."""
+        if self.rank == 0 and self.cfg.train.progress:
+            print(
+                f"eval at step {e['step']}  auc {e['auc']:.4f}  logloss {e['logloss']:.4f}  "
+                f"ne {e['ne']:.4f}  calibration {e['calibration']:.3f}",
+                file=self.out,
+                flush=True,
+            )
 
     def evaluate(self) -> dict[str, float]:
         """Eval metrics now (over the whole eval split, on every rank)."""
@@ -465,16 +490,22 @@ class Trainer:
         return out
 
     def summarize(
-        self, final: dict[str, float], evals: list[dict], progress: Progress, train_s: float
+        self,
+        final: dict[str, float],
+        evals: list[dict],
+        progress: Progress,
+        train_s: float,
+        first_step: int = 0,
     ) -> dict[str, Any]:
-        """Build, print and write the run summary."""
+        """Build, print and write the run summary (rates: what this process trained)."""
         teacher = self.source.reference_metrics()
         result: dict[str, Any] = {
             "train": {
                 "steps": self.step,
+                "resumed_at_step": first_step,
                 "samples": progress.samples,
                 "seconds": round(train_s, 3),
-                "samples_per_s": round(progress.samples / max(train_s, 1e-9), 1),
+                "samples_per_s": round(progress.rate(train_s), 1),
                 "final_loss": sum(progress.losses[-50:]) / max(1, len(progress.losses[-50:])),
                 **_memory_mb(),
             },
@@ -509,10 +540,16 @@ class Trainer:
         if self.rank != 0:
             return
         tr, ev, te = r["train"], r["eval"], r["teacher"]
+        first = tr.get("resumed_at_step", 0)
+        rate = f"in {tr['seconds']:.1f}s ({tr['samples_per_s']:,.0f} samples/s)"
+        if first:
+            done = f"trained steps {first + 1}-{tr['steps']} (resumed) {rate}; {tr['samples']:,}"
+            done += " samples in all"
+        else:
+            done = f"trained {tr['steps']} steps, {tr['samples']:,} samples {rate}"
         lines = [
             "",
-            f"trained {tr['steps']} steps, {tr['samples']:,} samples in {tr['seconds']:.1f}s "
-            f"({tr['samples_per_s']:,.0f} samples/s)",
+            done,
             f"{'':10}{'auc':>8}{'logloss':>10}{'ne':>8}{'calib':>8}",
             f"{'eval':10}{ev['auc']:8.4f}{ev['logloss']:10.4f}{ev['ne']:8.4f}{ev['calibration']:8.3f}",
         ]
