@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
 from torch import Tensor
@@ -32,7 +33,15 @@ class SparseFeatures:
     weights: Tensor | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.keys, str) or not isinstance(self.keys, Sequence):
+            raise SparseFeatureError(
+                f"keys must be a list of feature names, got {type(self.keys).__name__} "
+                f"{self.keys!r}"[:200]
+            )
         self.keys = list(self.keys)
+        bad = [k for k in self.keys if not isinstance(k, str) or not k]
+        if bad:
+            raise SparseFeatureError(f"feature keys must be non-empty strings, got {bad[:5]}")
         if len(set(self.keys)) != len(self.keys):
             raise SparseFeatureError(f"duplicate feature keys in {self.keys}")
         if not self.keys:
@@ -40,17 +49,37 @@ class SparseFeatures:
         for name, t in (("values", self.values), ("lengths", self.lengths)):
             if not isinstance(t, Tensor) or t.dim() != 1:
                 raise SparseFeatureError(f"{name} must be a 1-D tensor, got {_describe(t)}")
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                what = "ids" if name == "values" else "lengths"
+                raise SparseFeatureError(
+                    f"{name} must hold integer {what} (int64 or int32), got dtype {t.dtype}"
+                )
         if self.lengths.numel() % len(self.keys) != 0:
             raise SparseFeatureError(
                 f"lengths has {self.lengths.numel()} entries, not a multiple of "
                 f"{len(self.keys)} features {self.keys}"
             )
-        if self.weights is not None and (
-            not isinstance(self.weights, Tensor) or self.weights.shape != self.values.shape
-        ):
+        if self.weights is not None:
+            self._check_weights_shape()
+        devices = {t.device for t in (self.values, self.lengths, self.weights) if t is not None}
+        if any(d.type == "meta" for d in devices):
+            raise SparseFeatureError("values, lengths and weights on the meta device hold no data")
+        if len(devices) > 1:
+            raise SparseFeatureError(
+                f"values, lengths and weights must be on one device, got {sorted(map(str, devices))}"
+            )
+
+    def _check_weights_shape(self) -> None:
+        w = self.weights
+        if not isinstance(w, Tensor) or w.shape != self.values.shape:
             raise SparseFeatureError(
                 f"weights must be a tensor shaped like values {tuple(self.values.shape)}, "
-                f"got {_describe(self.weights)}"
+                f"got {_describe(w)}"
+            )
+        if not w.is_floating_point():
+            raise SparseFeatureError(
+                f"per-id weights of features {self.keys} must be floating point (float32, the "
+                f"tables' dtype), got dtype {w.dtype}"
             )
 
     # ---- construction -------------------------------------------------------------------
@@ -65,12 +94,16 @@ class SparseFeatures:
         batch = {len(v) for v in features.values()}
         if len(batch) != 1:
             raise SparseFeatureError(f"features have different batch sizes: {sorted(batch)}")
+        if weights is not None and set(weights) != set(keys):
+            raise SparseFeatureError(
+                f"weights are given for features {sorted(weights)}, ids for {sorted(keys)}"
+            )
         vals: list[int] = []
         lens: list[int] = []
         wts: list[float] = []
         for k in keys:
             for i, bag in enumerate(features[k]):
-                vals.extend(int(x) for x in bag)
+                vals.extend(_id(x, k, i) for x in bag)
                 lens.append(len(bag))
                 if weights is not None:
                     w = weights[k][i]
@@ -78,7 +111,7 @@ class SparseFeatures:
                         raise SparseFeatureError(
                             f"feature '{k}' sample {i}: {len(w)} weights for {len(bag)} ids"
                         )
-                    wts.extend(float(x) for x in w)
+                    wts.extend(_weight(x, k, i) for x in w)
         return cls(
             keys=keys,
             values=torch.tensor(vals, dtype=torch.int64),
@@ -181,11 +214,14 @@ class SparseFeatures:
         self,
         num_rows: Mapping[str, int] | None = None,
         table_names: Mapping[str, str] | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         """Raise SparseFeatureError naming the feature and value if the batch is malformed.
 
         ``num_rows`` maps feature key -> rows of the table it looks up; ids must lie in [0, rows).
         ``table_names`` (feature key -> table name) makes the messages name the table too.
+        ``weight_dtype``: the tables' dtype, which per-id weights must have (no silent rounding).
+        Per-id weights must be finite: one NaN would make the rows it touches NaN for good.
         """
         if self.values.dtype not in (torch.int64, torch.int32):
             raise SparseFeatureError(
@@ -201,11 +237,20 @@ class SparseFeatures:
             raise SparseFeatureError(
                 f"feature '{self.keys[f]}' sample {s}: negative length {int(lens[f, s])}"
             )
+        n = self.values.numel()
+        if lens.numel() and int(lens.max()) > n:  # (before the sum, which could overflow)
+            f, s = divmod(int(lens.argmax()), b)
+            raise SparseFeatureError(
+                f"feature '{self.keys[f]}' sample {s}: length {int(lens[f, s])} exceeds the "
+                f"{n} values of the batch"
+            )
         total = int(self.lengths.sum())
-        if total != self.values.numel():
+        if total != n:
             raise SparseFeatureError(
                 f"lengths sum to {total} but there are {self.values.numel()} values"
             )
+        if self.weights is not None:
+            self._validate_weights(weight_dtype)
         if num_rows is None:
             return
         per_key = self.lengths_per_key().tolist()
@@ -227,6 +272,46 @@ class SparseFeatures:
                 if hi >= rows:
                     raise SparseFeatureError(f"{where}: id {hi} >= table rows {rows}")
             start += n
+
+    def _validate_weights(self, dtype: torch.dtype | None) -> None:
+        self._check_weights_shape()
+        w = self.weights
+        assert w is not None
+        if dtype is not None and w.dtype != dtype:
+            raise SparseFeatureError(
+                f"per-id weights of features {self.keys} are {w.dtype}, the tables {dtype}: "
+                f"convert them (e.g. weights.to({dtype})) if the rounding is intended"
+            )
+        if bool(torch.isfinite(w).all()):
+            return
+        pos = int((~torch.isfinite(w)).nonzero()[0, 0])
+        bag = int(torch.searchsorted(self.offsets(), torch.tensor(pos), right=True)) - 1
+        f, s = divmod(bag, self.batch_size)
+        raise SparseFeatureError(
+            f"feature '{self.keys[f]}' sample {s}: per-id weight {float(w[pos])} at position "
+            f"{pos} is not finite"
+        )
+
+
+def _id(x: object, key: str, sample: int) -> int:
+    """An id from a Python list: an integer that fits int64 (not a float or bool)."""
+    if isinstance(x, bool) or not isinstance(x, Integral):
+        raise SparseFeatureError(
+            f"feature '{key}' sample {sample}: id {x!r} is not an integer"[:200]
+        )
+    v = int(x)
+    if not -(2**63) <= v < 2**63:
+        raise SparseFeatureError(f"feature '{key}' sample {sample}: id {v} does not fit int64")
+    return v
+
+
+def _weight(x: object, key: str, sample: int) -> float:
+    """A per-id weight from a Python list: a real number (finiteness is checked by validate)."""
+    if isinstance(x, bool) or not isinstance(x, Real):
+        raise SparseFeatureError(
+            f"feature '{key}' sample {sample}: weight {x!r} is not a number"[:200]
+        )
+    return float(x)
 
 
 def _describe(t: object) -> str:

@@ -172,3 +172,41 @@ def test_eval_no_grad_does_not_update():
     with torch.no_grad():
         model(dense, sparse)
     assert torch.equal(before, model.ebc.weights) and int(model.ebc.step) == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_zero_sample_batch_and_refused_backward_leave_the_step(backend):
+    """Adam's bias correction counts steps: a zero-sample batch or a refused update is none."""
+    from neorec.modules.embedding import EmbeddingBagCollection
+    from neorec.ops.tbe import NonFiniteGradientError
+
+    ebc = EmbeddingBagCollection(TABLES, RowOptimizer(kind="adam"), backend=backend)
+    keys = ebc.feature_names
+    empty = SparseFeatures(
+        keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    )
+    out = ebc(empty)
+    assert out.shape == (0, ebc.output_dim)
+    before = ebc.weights.clone()
+    out.sum().backward()
+    assert int(ebc.step) == 0 and torch.equal(before, ebc.weights)
+    _, sparse, _ = random_batch(4, seed=7)
+    with pytest.raises(NonFiniteGradientError, match="not updated"):
+        (ebc(sparse) * float("nan")).sum().backward()
+    assert int(ebc.step) == 0 and torch.equal(before, ebc.weights)
+    assert all(not bool(s.ne(0).any()) for s in ebc.optimizer_state().values())
+    ebc(sparse).sum().backward()
+    assert int(ebc.step) == 1
+
+
+def test_float64_and_nan_per_id_weights_are_refused():
+    cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1])
+    model = DLRM(cfg, TABLES, backend="reference")
+    dense, sparse, _ = random_batch(4, seed=8, weighted=True)
+    assert sparse.weights is not None
+    as64 = SparseFeatures(sparse.keys, sparse.values, sparse.lengths, sparse.weights.double())
+    with pytest.raises(SparseFeatureError, match="float64"):
+        model(dense, as64)
+    sparse.weights[0] = float("inf")
+    with pytest.raises(SparseFeatureError, match="not finite"):
+        model(dense, sparse)

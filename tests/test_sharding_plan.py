@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from neorec.config import TableConfig
@@ -212,3 +214,46 @@ def test_cached_storage_json_round_trip_validation_and_runtime_check(tmp_path) -
     bad = data_parallel(_t("x"), 4, storage="dram")
     bad.cache_fraction = 0.1
     assert "table-wise and row-split" in _bad(bad)
+
+
+def test_load_names_the_file_table_and_field_on_one_line(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    good = ShardingPlan(2, 2, [row_wise(_t("a", rows=4), [0, 1])]).to_dict()
+
+    def shard0(**kw: object) -> str:
+        d = json.loads(json.dumps(good))
+        d["tables"][0]["shards"][0].update(kw)
+        for k, v in kw.items():
+            if v is None:
+                del d["tables"][0]["shards"][0][k]
+        return json.dumps(d)
+
+    for text, wanted in [
+        ("", "empty"),
+        ("{", "not valid JSON"),
+        ('{"world_size": 2, "tables": {}}', "'tables' must be a list"),
+        (shard0(rows="0:2"), "table 'a' shard 0: 'rows' must be [start, end]"),
+        (shard0(rank=0.5), "table 'a' shard 0: 'rank' must be an integer"),
+        (shard0(rank=None), "table 'a' shard 0: field 'rank' is missing"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(PlanValidationError) as e:
+            ShardingPlan.load(path)
+        msg = str(e.value)
+        assert "\n" not in msg and str(path) in msg and wanted in msg, msg
+
+
+def test_load_checks_the_model_and_world_size(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    ShardingPlan(2, 2, [row_wise(_t("a", rows=4), [0, 1]), table_wise(_t("x"), 1)]).save(path)
+    tables = [_t("a", rows=4), _t("b")]
+    with pytest.raises(PlanValidationError) as e:
+        ShardingPlan.load(path, tables=tables, world_size=1)
+    msg = str(e.value)
+    assert "world_size 2, but 1 rank is running" in msg
+    assert "['x'] are in the plan but not in the model" in msg
+    assert "['b'] of the model have no entry" in msg
+    plan = ShardingPlan.load(path, tables=[_t("a", rows=4), _t("x")], world_size=2)
+    assert plan.source == str(path) and [t.name for t in plan.tables] == ["a", "x"]
+    with pytest.raises(PlanValidationError, match="the plan has 4 rows x 8 dims, the model 5 x 8"):
+        plan.check_model([_t("a", rows=5), _t("x")])

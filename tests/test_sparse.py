@@ -52,7 +52,11 @@ def test_validate_errors(values, lengths, rows, match):
 
 
 def test_non_integer_ids():
-    sf = SparseFeatures(["a"], torch.tensor([1.0, 2.0]), torch.tensor([2]))
+    # Refused when the batch is built (earlier than validate, which checks it again).
+    with pytest.raises(SparseFeatureError, match="integer ids"):
+        SparseFeatures(["a"], torch.tensor([1.0, 2.0]), torch.tensor([2]))
+    sf = SparseFeatures(["a"], torch.tensor([1, 2]), torch.tensor([2]))
+    sf.values = torch.tensor([1.0, 2.0])  # swapped in after construction
     with pytest.raises(SparseFeatureError, match="ids must be integers"):
         sf.validate({"a": 4})
 
@@ -64,3 +68,40 @@ def test_construction_errors():
         SparseFeatures(["a", "a"], torch.tensor([1]), torch.tensor([1, 0]))
     with pytest.raises(SparseFeatureError, match="weights must be a tensor shaped like values"):
         SparseFeatures(["a"], torch.tensor([1, 2]), torch.tensor([2]), torch.ones(3))
+
+
+def test_per_id_weights_must_be_finite_and_of_the_tables_dtype():
+    sf = make()
+    assert sf.weights is not None
+    sf.weights[4] = float("nan")  # feature 'b', sample 1
+    with pytest.raises(SparseFeatureError, match=r"feature 'b' sample 1: per-id weight nan"):
+        sf.validate()
+    sf = make()
+    sf.weights = sf.weights.double()  # type: ignore[union-attr]
+    sf.validate()  # no dtype asked for
+    with pytest.raises(SparseFeatureError, match="float64, the tables torch.float32"):
+        sf.validate(weight_dtype=torch.float32)
+    with pytest.raises(SparseFeatureError, match="must be floating point"):
+        SparseFeatures(["a"], torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([1, 2]))
+
+
+def test_construction_refuses_what_it_would_misread():
+    with pytest.raises(SparseFeatureError, match="list of feature names"):
+        SparseFeatures("ab", torch.tensor([1]), torch.tensor([1, 0]))  # type: ignore[arg-type]
+    with pytest.raises(SparseFeatureError, match="meta"):
+        SparseFeatures(["a"], torch.tensor([1], device="meta"), torch.tensor([1], device="meta"))
+    with pytest.raises(SparseFeatureError, match="does not fit int64"):
+        SparseFeatures.from_lists({"a": [[2**63]]})
+    with pytest.raises(SparseFeatureError, match="id 1.5 is not an integer"):
+        SparseFeatures.from_lists({"a": [[1.5]]})
+    sf = SparseFeatures(["a", "b"], torch.tensor([1, 2]), torch.tensor([2**62, 0, 0, 0]))
+    with pytest.raises(SparseFeatureError, match="length 4611686018427387904 exceeds the 2"):
+        sf.validate()
+
+
+def test_zero_sample_batch_is_valid():
+    sf = SparseFeatures(
+        ["a", "b"], torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    )
+    assert sf.batch_size == 0
+    sf.validate({"a": 3, "b": 3})

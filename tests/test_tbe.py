@@ -436,7 +436,9 @@ def test_int32_inputs(backend: str) -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(ws[0], ws[1])
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=BACKENDS[2].marks)])
+@pytest.mark.parametrize(
+    "backend", ["reference", "cpu", pytest.param("cuda", marks=BACKENDS[2].marks)]
+)
 @pytest.mark.parametrize("bad_id", [7, -1, 2**62])
 def test_out_of_range_id_is_refused(backend: str, bad_id: int) -> None:
     dev = device_of(backend)
@@ -514,6 +516,33 @@ def test_cpu_one_row_tables(kind: str) -> None:
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-6, atol=1e-6)
     for k in res[0][1]:
         torch.testing.assert_close(res[1][1][k], res[0][1][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_malformed_offsets_and_weights_are_refused_before_any_write(backend: str) -> None:
+    from neorec.ops.tbe import TBEInputError
+
+    c = make_case(11)
+    be = get_backend(backend)
+    b = c.grad.shape[0]
+    st = zeros_state("adam", c.layout.total_rows, c.layout.total_elems, torch.device("cpu"))
+    bad_offsets = c.offsets.clone()
+    bad_offsets[b] = bad_offsets[b + 1] + 1
+    for off, psw, match in [
+        (bad_offsets, c.psw, "decrease"),
+        (c.offsets + 1, c.psw, "offsets span"),
+        (c.offsets, c.psw.double(), "float32"),
+        (c.offsets, c.psw[:-1], "per_sample_weights"),
+    ]:
+        w = c.weights.clone()
+        with pytest.raises(TBEInputError, match=match):
+            be.forward(c.layout, w, c.indices, off, psw, PoolingMode.SUM)
+        with pytest.raises(TBEInputError, match=match):
+            be.backward_update(
+                c.layout, w, st, c.indices, off, psw, PoolingMode.SUM, c.grad,
+                RowOptimizer(kind="adam"), 1,
+            )  # fmt: skip
+        assert torch.equal(w, c.weights) and all(not bool(v.ne(0).any()) for v in st.values())
 
 
 def test_cpu_rejects_malformed_inputs() -> None:

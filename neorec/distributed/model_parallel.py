@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,7 +16,7 @@ from neorec.distributed.codecs import Codec, make_codec
 from neorec.distributed.comm import CommStats, coded_all_reduce
 from neorec.distributed.dense_blocks import block_dense, exact_world, local_blocks
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
-from neorec.modules.dlrm import DenseArch
+from neorec.modules.dlrm import DenseArch, check_dense_input
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.sparse import SparseFeatures
@@ -109,6 +108,9 @@ class DistributedModel(nn.Module):
 
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [b] for this rank's samples."""
+        arch = getattr(self.dense_arch, "module", self.dense_arch)  # under DDP or not
+        assert isinstance(arch, DenseArch)
+        check_dense_input(dense, sparse, arch)
         if self._ring_bytes and torch.is_grad_enabled():
             self.stats.add("allreduce_dense", self._ring_bytes)
         return self.dense_arch(dense, self.ebc(sparse))
@@ -127,16 +129,10 @@ def resolve_plan(cfg: Config, world_size: int, ranks_per_host: int | None = None
     rph = ranks_per_host or world_size
     sh = cfg.sharding
     if sh.plan:
-        path = Path(sh.plan)
-        if not path.exists():
-            raise ConfigError(f"sharding.plan: file not found: {path}")
-        plan = ShardingPlan.load(path)
+        # Checked against the model's tables and the ranks running: a table the model lacks,
+        # or one it has that the plan misses, is an error naming it.
+        plan = ShardingPlan.load(sh.plan, tables=cfg.embedding.tables, world_size=world_size)
         plan.check_storage(who="the distributed runtime")  # no cached tier it would ignore
-        if plan.world_size != world_size:
-            raise ConfigError(
-                f"sharding.plan {path} is for world_size {plan.world_size}, "
-                f"but {world_size} ranks are running"
-            )
         return plan
     unknown = sorted(set(sh.types) - {t.name for t in cfg.embedding.tables})
     if unknown:

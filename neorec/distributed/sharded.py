@@ -38,7 +38,7 @@ from neorec.distributed.comm import (
     all_to_all,
     ordered_all_reduce,
 )
-from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
+from neorec.modules.embedding import UpdateHook, checked_batch, init_rows, register_table_buffers
 from neorec.ops.cpu import CpuBackend
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer
@@ -294,9 +294,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def input_dist(self, sparse: SparseFeatures) -> Chain[LocalInput]:
         """Start sending this rank's bags to the shard owners (lengths now; ids on ``advance``)."""
-        sparse = sparse.reorder(self.feature_names)
-        if self.validate_ids:
-            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        sparse = checked_batch(self, sparse)
         b = sparse.batch_size
         per_unit = self._split_by_unit(sparse)
         lengths, values, weights = [], [], []
@@ -395,9 +393,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """One fused TBE call over all local model-parallel shards -> [W*b, D_local]."""
 
         def update(grad: Tensor) -> None:
-            self.step += 1
+            if local.batch_size == 0:  # every rank's slice is empty: nothing moves, not the step
+                return
+            step = int(self.step) + 1
             if self._cw_groups:
-                self._update_with_cw_rowwise(local, grad)
+                self._update_with_cw_rowwise(local, grad, step)
             else:
                 self.backend.backward_update(
                     self.layout,
@@ -409,8 +409,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     PoolingMode.SUM,
                     grad,
                     self.optimizer,
-                    int(self.step),
+                    step,
                 )
+            self.step.fill_(step)  # counted once the update went through
             for hook in self._hooks:
                 hook(self.layout, local.indices, local.offsets)
 
@@ -453,7 +454,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             out = out * scale
         return Done(out)
 
-    def _update_with_cw_rowwise(self, local: LocalInput, grad: Tensor) -> None:
+    def _update_with_cw_rowwise(self, local: LocalInput, grad: Tensor, step: int) -> None:
         """Update whose column-wise tables use full-row mean(g^2) (see _build_cw_groups).
 
         With the cpu kernel the other local tables take the fused update and only the column-wise
@@ -472,7 +473,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 PoolingMode.SUM,
                 grad,
                 opt,
-                int(self.step),
+                step,
                 emit_tables=cw_local,
             )
         else:
@@ -517,7 +518,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 s_all[rows] = s
             else:  # weight decay is already in g
                 no_wd = replace(opt, weight_decay=0.0)
-                update_table_rows(lay, self.weights, state, lt, ids, g, no_wd, int(self.step))
+                update_table_rows(lay, self.weights, state, lt, ids, g, no_wd, step)
 
     # ---- data-parallel replicas ------------------------------------------------------------
     def _dp_lookup(self, local: LocalInput) -> Tensor:
@@ -525,7 +526,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         dp = self.dp
 
         def update(grad: Tensor) -> None:
-            self._dp_update(local, grad)
+            if local.batch_size:  # an empty batch moves nothing, not the step
+                self._dp_update(local, grad)
 
         return tbe_lookup(
             self._dp_anchor,
@@ -552,14 +554,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
             PoolingMode.SUM, grad,
         )  # fmt: skip
         per_table = self._gather_dp_grads(lay, grads)
-        self.dp_step += 1
-        step = int(self.dp_step)
+        step = int(self.dp_step) + 1
         # Every rank's (id, row sum) pairs in rank order, added per row in that order and
         # applied once: the fused update of the backend, over all DP tables in a call or a few.
         apply_row_grads(
             self.backend, lay, self.dp_weights, self._state("dp_"),
             [(t, ids, g) for t, (ids, g) in enumerate(per_table)], self.optimizer, step,
         )  # fmt: skip
+        self.dp_step.fill_(step)  # counted once the update went through
         if self._hooks:
             touched = [torch.unique(ids) for ids, _ in per_table]
             # Report every row any rank's batch changed: one bag per feature, a table's rows on

@@ -9,11 +9,20 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import Config, ModelConfig, TableConfig
+from neorec.errors import DataError
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 
-__all__ = ["MLP", "DotInteraction", "CrossNet", "DenseArch", "DLRM", "build_dlrm"]
+__all__ = [
+    "MLP",
+    "DotInteraction",
+    "CrossNet",
+    "DenseArch",
+    "DLRM",
+    "build_dlrm",
+    "check_dense_input",
+]
 
 
 class MLP(nn.Sequential):
@@ -142,6 +151,7 @@ class DLRM(nn.Module):
 
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [B] for a batch."""
+        check_dense_input(dense, sparse, self.dense_arch)
         return self.dense_arch(dense, self.ebc(sparse))
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
@@ -155,6 +165,23 @@ class DLRM(nn.Module):
         fn = getattr(self.ebc, "prefetch", None)
         if callable(fn):
             fn(sparse, defer=True)
+
+
+def check_dense_input(dense: object, sparse: SparseFeatures, arch: DenseArch) -> None:
+    """Raise ``DataError`` unless ``dense`` is [B, num_dense] of the bottom MLP's dtype and B
+    is the sparse batch's size (checked before anything runs, so nothing is updated)."""
+    first = arch.bottom[0]
+    assert isinstance(first, nn.Linear)
+    want = first.weight.dtype
+    if not isinstance(dense, Tensor) or dense.dim() != 2:
+        shape = tuple(dense.shape) if isinstance(dense, Tensor) else type(dense).__name__
+        raise DataError(f"dense features must be a 2-D tensor [batch, num_dense], got {shape}")
+    b = sparse.batch_size if isinstance(sparse, SparseFeatures) else dense.shape[0]
+    if dense.dtype != want or tuple(dense.shape) != (b, first.in_features):
+        raise DataError(
+            f"dense features must be {want} [{b}, {first.in_features}] (batch of the sparse "
+            f"features x model.num_dense), got {dense.dtype} {list(dense.shape)}"
+        )
 
 
 def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:

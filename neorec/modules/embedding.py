@@ -5,17 +5,34 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Sequence
+from numbers import Integral, Real
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from neorec.config import TableConfig
+from neorec.config import ConfigError, TableConfig
 from neorec.ops.memory import table_empty
-from neorec.ops.row_optim import RowOptimizer, zeros_state
-from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
-from neorec.sparse import SparseFeatures
+from neorec.ops.row_optim import RowOptimizer, state_shapes, zeros_state
+from neorec.ops.tbe import (
+    PoolingMode,
+    TBEBackend,
+    TBELayout,
+    check_finite_weights,
+    check_grad_output,
+    get_backend,
+    tbe_lookup,
+)
+from neorec.sparse import SparseFeatureError, SparseFeatures
 
-__all__ = ["EmbeddingBagCollection", "UpdateHook", "init_rows", "INIT_CHUNK_ROWS"]
+__all__ = [
+    "EmbeddingBagCollection",
+    "UpdateHook",
+    "init_rows",
+    "INIT_CHUNK_ROWS",
+    "checked_batch",
+    "check_collection_args",
+]
 
 INIT_CHUNK_ROWS = 8192
 """Rows per independently seeded init chunk: any row range can be generated on its own."""
@@ -95,6 +112,7 @@ class EmbeddingBagCollection(nn.Module):
         validate_ids: bool = True,
     ) -> None:
         super().__init__()
+        check_collection_args(tables, optimizer, pooling, init_scale, seed, validate_ids)
         self.tables = list(tables)
         self.optimizer = optimizer or RowOptimizer()
         self.pooling = PoolingMode(pooling)
@@ -106,8 +124,9 @@ class EmbeddingBagCollection(nn.Module):
             dims=tuple(t.dim for t in self.tables),
             feature_table=feature_table,
         )
-        device = torch.device(device)
+        device = as_device(device)
         self.backend: TBEBackend = get_backend(backend, device)
+        check_memory(self.tables, self.layout, self.optimizer.kind, device)
         register_table_buffers(self, self.layout, self.optimizer.kind, device)
         # Zero-element tensor that puts the TBE op in the autograd graph (see tbe_lookup).
         self._anchor = torch.empty(0, device=device, requires_grad=True)
@@ -156,17 +175,24 @@ class EmbeddingBagCollection(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
-        sparse = sparse.reorder(self.feature_names)
-        if self.validate_ids:
-            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order.
+
+        The batch is checked first (see ``checked_batch``); a zero-sample batch gives a [0, D]
+        output whose backward changes nothing (no rows, no step).
+        """
+        sparse = checked_batch(self, sparse)
         dev = self.weights.device
         indices = sparse.values.to(dev, torch.int64)
         offsets = sparse.offsets().to(dev)
         psw = sparse.weights.to(dev) if sparse.weights is not None else None
+        samples = sparse.batch_size
 
         def update(grad_output: Tensor) -> None:
-            self.step += 1
+            if samples == 0:
+                return
+            check_grad_output(grad_output, self.layout)
+            check_finite_weights(psw)
+            step = int(self.step) + 1
             self.backend.backward_update(
                 self.layout,
                 self.weights,
@@ -177,8 +203,10 @@ class EmbeddingBagCollection(nn.Module):
                 self.pooling,
                 grad_output,
                 self.optimizer,
-                int(self.step),
+                step,
             )
+            # Counted once the update went through: a refused batch leaves Adam's count alone.
+            self.step.fill_(step)
             for hook in self._hooks:
                 hook(self.layout, indices, offsets)
 
@@ -193,3 +221,124 @@ class EmbeddingBagCollection(nn.Module):
             self.pooling,
             update,
         )
+
+
+def checked_batch(ebc: Any, sparse: SparseFeatures, ids: bool = False) -> SparseFeatures:
+    """``sparse`` in ``ebc``'s feature order, refused with a ``SparseFeatureError`` unless well
+    formed: lengths, finite per-id weights of the tables' dtype, and (``ebc.validate_ids`` or
+    ``ids``) ids within their tables. Vectorized: a few passes over the batch, no loop per id."""
+    if not isinstance(sparse, SparseFeatures):
+        raise SparseFeatureError(
+            f"{type(ebc).__name__} takes a SparseFeatures batch, got {type(sparse).__name__}"
+        )
+    sparse = sparse.reorder(ebc.feature_names)
+    rows = ebc._rows_by_feature if ebc.validate_ids or ids else None
+    sparse.validate(rows, ebc._table_by_feature, weight_dtype=ebc.weights.dtype)
+    return sparse
+
+
+def as_device(device: object) -> torch.device:
+    """``torch.device(device)``, or a ``ConfigError`` naming the bad value."""
+    try:
+        return torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device: {device!r} is not a device ({e})".splitlines()[0]) from None
+
+
+def check_collection_args(
+    tables: object,
+    optimizer: object,
+    pooling: object,
+    init_scale: object,
+    seed: object,
+    validate_ids: object,
+    who: str = "EmbeddingBagCollection",
+) -> None:
+    """Raise ``ConfigError`` naming the first bad constructor argument of collection ``who``."""
+    if isinstance(tables, str | bytes) or not isinstance(tables, Sequence) or not tables:
+        raise ConfigError(f"{who}: tables must be a non-empty list of TableConfig, got {tables!r}")
+    names: set[str] = set()
+    features: dict[str, str] = {}
+    for i, t in enumerate(tables):
+        _check_table(t, i, who)
+        if t.name in names:
+            raise ConfigError(f"{who}: table name '{t.name}' appears more than once")
+        names.add(t.name)
+        for f in t.features:
+            if f in features:
+                raise ConfigError(
+                    f"{who}: feature '{f}' reads both table '{features[f]}' and '{t.name}'"
+                )
+            features[f] = t.name
+    if optimizer is not None and not isinstance(optimizer, RowOptimizer):
+        raise ConfigError(
+            f"{who}: optimizer must be a RowOptimizer (e.g. RowOptimizer(kind='adam')), "
+            f"got {type(optimizer).__name__} {optimizer!r}"[:300]
+        )
+    if pooling not in [m.value for m in PoolingMode]:
+        raise ConfigError(f"{who}: pooling must be 'sum' or 'mean', got {pooling!r}")
+    scale = float(init_scale) if isinstance(init_scale, Real) else math.nan
+    if isinstance(init_scale, bool) or not (math.isfinite(scale) and scale >= 0):
+        raise ConfigError(
+            f"{who}: init_scale must be a finite number >= 0 (0 = sqrt(1/rows)), got {init_scale!r}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise ConfigError(f"{who}: seed must be an integer, got {seed!r}")
+    if not isinstance(validate_ids, bool):
+        raise ConfigError(f"{who}: validate_ids must be True or False, got {validate_ids!r}")
+
+
+def _check_table(t: object, i: int, who: str) -> None:
+    name = getattr(t, "name", None)
+    where = f"{who}: table {i}" + (f" '{name}'" if isinstance(name, str) else "")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: name must be a non-empty string, got {name!r}")
+    for attr in ("rows", "dim"):
+        v = getattr(t, attr, None)
+        if isinstance(v, bool) or not isinstance(v, Integral) or v <= 0:
+            raise ConfigError(f"{where}: {attr} must be an integer > 0, got {v!r}")
+    feats = getattr(t, "features", None)
+    if (
+        isinstance(feats, str)
+        or not isinstance(feats, Sequence)
+        or not feats
+        or not all(isinstance(f, str) and f for f in feats)
+    ):
+        raise ConfigError(f"{where}: features must be a non-empty list of names, got {feats!r}")
+    if len(set(feats)) != len(feats):
+        raise ConfigError(f"{where}: features {list(feats)} repeat a name")
+
+
+def check_memory(
+    tables: Sequence[TableConfig],
+    layout: TBELayout,
+    optimizer: str,
+    device: torch.device,
+    host_bytes: int = 0,
+) -> None:
+    """Refuse tables whose weights and optimizer state (and ``host_bytes`` more in host memory,
+    e.g. row stores) cannot fit this machine (RAM + swap) before allocating them: an allocation
+    that large fails late, or never returns."""
+    state = state_shapes(optimizer, layout.total_rows, layout.total_elems)
+    need = 4 * (layout.total_elems + sum(state.values()))
+    host = host_bytes + (need if device.type == "cpu" else 0)
+    avail = _memory_bytes()
+    if max(need, host) < 2**63 and (avail is None or host <= avail):
+        return
+    biggest = max(tables, key=lambda t: t.rows * t.dim)
+    have = f", this machine has {avail / 2**30:,.1f} GiB" if avail else ""
+    raise ConfigError(
+        f"the tables need {max(need, host) / 2**30:,.1f} GiB of memory{have} (largest: "
+        f"'{biggest.name}', {biggest.rows:,} rows x {biggest.dim}); lower the rows or put "
+        "large tables in storage ssd"
+    )
+
+
+def _memory_bytes() -> int | None:
+    """RAM + swap in bytes (Linux), else None (no check)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            kb = {ln.split(":")[0]: int(ln.split()[1]) for ln in fh if ln.split()[1:2]}
+        return 1024 * (kb["MemTotal"] + kb.get("SwapTotal", 0))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes
-from neorec.ops.tbe import PoolingMode, TBELayout
+from neorec.ops.tbe import PoolingMode, TBEIdError, TBEInputError, TBELayout
 
 __all__ = ["CpuBackend", "load_kernel", "cache_dir"]
 
@@ -187,12 +187,12 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def _check_f32(name: str, t: Tensor, numel: int) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(
+        raise TBEInputError(
             f"cpu TBE backend: {name} must be a contiguous float32 CPU tensor, "
             f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
         )
     if t.numel() != numel:
-        raise ValueError(f"cpu TBE backend: {name} has {t.numel()} elements, expected {numel}")
+        raise TBEInputError(f"cpu TBE backend: {name} has {t.numel()} elements, expected {numel}")
 
 
 class CpuBackend:
@@ -230,35 +230,38 @@ class CpuBackend:
         _check_f32("weights", weights, layout.total_elems)
         nf = layout.num_features
         if indices.dim() != 1 or offsets.dim() != 1:
-            raise ValueError("cpu TBE backend: indices and offsets must be 1-D")
+            raise TBEInputError("cpu TBE backend: indices and offsets must be 1-D")
         for name, t in (("indices", indices), ("offsets", offsets)):
             if t.dtype not in (torch.int32, torch.int64) or t.device.type != "cpu":
-                raise ValueError(
+                raise TBEInputError(
                     f"cpu TBE backend: {name} must be int32/int64 on CPU, got {t.dtype}"
                 )
         if nf == 0 or (offsets.numel() - 1) % nf != 0 or offsets.numel() < 1:
-            raise ValueError(
+            raise TBEInputError(
                 f"cpu TBE backend: offsets has {offsets.numel()} entries; expected F*B+1 for F={nf}"
             )
         b = (offsets.numel() - 1) // nf
         if nf * b >= 2**31:
-            raise ValueError(f"cpu TBE backend: {nf * b} bags exceed the kernel limit of 2^31")
+            raise TBEInputError(f"cpu TBE backend: {nf * b} bags exceed the kernel limit of 2^31")
         # One conversion each; no-ops for contiguous int64 input.
         indices = indices.to(torch.int64).contiguous()
         offsets = offsets.to(torch.int64).contiguous()
         first, last = int(offsets[0]), int(offsets[-1])
         if first < 0 or last > indices.numel():
-            raise ValueError(
+            raise TBEInputError(
                 f"cpu TBE backend: offsets span [{first}, {last}) but there are "
                 f"{indices.numel()} indices"
             )
         if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(torch.float32).contiguous()
-            if per_sample_weights.shape != indices.shape:
-                raise ValueError(
-                    f"cpu TBE backend: per_sample_weights shape {tuple(per_sample_weights.shape)}"
-                    f" != indices shape {tuple(indices.shape)}"
+            psw = per_sample_weights
+            # float32 like the tables: converting other dtypes would round them silently.
+            if psw.dtype != torch.float32 or psw.shape != indices.shape or psw.device.type != "cpu":
+                raise TBEInputError(
+                    f"cpu TBE backend: per_sample_weights must be float32 on the CPU shaped like "
+                    f"indices {tuple(indices.shape)}, got {psw.dtype} {tuple(psw.shape)} "
+                    f"on {psw.device}"
                 )
+            per_sample_weights = psw.contiguous()
         meta = layout.meta(torch.device("cpu"))
         lay = _Layout(
             nf,
@@ -323,7 +326,7 @@ class CpuBackend:
         lib = load_kernel()
         lay, idx, off, psw, b = self._prepare(layout, weights, indices, offsets, per_sample_weights)
         if tuple(grad_output.shape) != (b, layout.total_dim):
-            raise ValueError(
+            raise TBEInputError(
                 f"cpu TBE backend: grad_output shape {tuple(grad_output.shape)}, "
                 f"expected {(b, layout.total_dim)}"
             )
@@ -333,10 +336,12 @@ class CpuBackend:
         if len(emit) < layout.num_tables:
             for k, n in shapes.items():
                 if k not in state:
-                    raise ValueError(f"cpu TBE backend: optimizer '{opt.kind}' needs state '{k}'")
+                    raise TBEInputError(
+                        f"cpu TBE backend: optimizer '{opt.kind}' needs state '{k}'"
+                    )
                 _check_f32(f"state['{k}']", state[k], n)
             if opt.kind == "adam" and step < 1:
-                raise ValueError(f"adam step count must be >= 1 (1-based), got {step}")
+                raise TBEInputError(f"adam step count must be >= 1 (1-based), got {step}")
         else:
             shapes = {}  # nothing is updated: no state needed
         o = _Optim(
@@ -449,12 +454,12 @@ def _raise(rc: int, err: ctypes.Array, layout: TBELayout, idx: Tensor, off: Tens
         bag = int(torch.searchsorted(off, torch.tensor(pos), right=True)) - 1
         f = bag // b
         t = layout.feature_table[f]
-        raise IndexError(
+        raise TBEIdError(
             f"feature {f} (table {t}, rows {layout.rows[t]}): id {int(idx[pos])} at position "
             f"{pos} (sample {bag % b}) is out of range [0, {layout.rows[t]})"
         )
     if rc == _EOFFSETS:
-        raise ValueError(
+        raise TBEInputError(
             f"cpu TBE backend: offsets decrease at bag {int(err[0])} "
             f"(feature {int(err[0]) // b}, sample {int(err[0]) % b})"
         )

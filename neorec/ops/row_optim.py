@@ -14,12 +14,15 @@ Semantics (all backends must match these):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from neorec.config import ConfigError
 from neorec.ops.memory import table_zeros
 
 if TYPE_CHECKING:
@@ -48,25 +51,45 @@ class RowOptimizer:
     """L2 penalty added to the gradient of the rows a batch touches."""
 
     def __post_init__(self) -> None:
-        if self.kind not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown embedding optimizer '{self.kind}', expected one of {OPTIMIZERS}"
+        if not isinstance(self.kind, str) or self.kind not in OPTIMIZERS:
+            raise ConfigError(
+                f"unknown embedding optimizer {self.kind!r}, expected one of {OPTIMIZERS}"
             )
+        for name in ("lr", "eps", "beta1", "beta2", "weight_decay"):
+            _check_number(name, getattr(self, name))
         if not self.lr > 0:
-            raise ValueError(f"embedding optimizer lr must be > 0, got {self.lr}")
-        if not self.eps > 0:
-            raise ValueError(f"embedding optimizer eps must be > 0, got {self.eps}")
+            raise ConfigError(f"embedding optimizer lr must be > 0, got {self.lr}")
+        if not self.eps > 0 or float(torch.tensor(self.eps, dtype=torch.float32)) == 0.0:
+            raise ConfigError(
+                f"embedding optimizer eps must be > 0 (and not round to 0 in float32), "
+                f"got {self.eps}"
+            )
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
-                raise ValueError(f"embedding optimizer {name} must be in [0, 1), got {v}")
+                raise ConfigError(f"embedding optimizer {name} must be in [0, 1), got {v}")
         if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+            raise ConfigError(
+                f"embedding optimizer weight_decay must be >= 0, got {self.weight_decay}"
+            )
 
     @classmethod
     def from_config(cls, emb: EmbeddingConfig) -> RowOptimizer:
         """The fused optimizer an ``[embedding]`` config section asks for."""
         return cls(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_number(name: str, v: object) -> None:
+    """A real, finite number that float32 holds (the kernel computes in float32)."""
+    if isinstance(v, bool) or not isinstance(v, Real):
+        raise ConfigError(
+            f"embedding optimizer {name} must be a number, got {type(v).__name__} {v!r}"[:200]
+        )
+    if not math.isfinite(float(v)) or abs(float(v)) > _F32_MAX:
+        raise ConfigError(f"embedding optimizer {name} must be a finite float32 number, got {v}")
 
 
 def state_shapes(kind: str, total_rows: int, total_elems: int) -> dict[str, int]:
@@ -77,7 +100,7 @@ def state_shapes(kind: str, total_rows: int, total_elems: int) -> dict[str, int]
         return {"momentum1": total_rows}
     if kind == "adam":
         return {"exp_avg": total_elems, "exp_avg_sq": total_elems}
-    raise ValueError(f"unknown embedding optimizer '{kind}'")
+    raise ConfigError(f"unknown embedding optimizer '{kind}', expected one of {OPTIMIZERS}")
 
 
 def apply_rows(

@@ -28,7 +28,18 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from neorec.config import ConfigError
 from neorec.ops.row_optim import RowOptimizer, apply_rows
+from neorec.ops.tbe_checks import (
+    NonFiniteGradientError,
+    TBEIdError,
+    TBEInputError,
+    check_finite_weights,
+    check_grad_output,
+    check_ids,
+    check_offsets,
+    check_per_sample_weights,
+)
 
 __all__ = [
     "PoolingMode",
@@ -40,6 +51,13 @@ __all__ = [
     "tbe_lookup",
     "update_table_rows",
     "apply_row_grads",
+    "TBEInputError",
+    "TBEIdError",
+    "NonFiniteGradientError",
+    "check_offsets",
+    "check_ids",
+    "check_grad_output",
+    "check_finite_weights",
 ]
 
 
@@ -167,9 +185,26 @@ def _bag_ids(offsets: Tensor, n: int) -> Tensor:
 
 
 class ReferenceBackend:
-    """Plain PyTorch; the test oracle. Readable, not fast."""
+    """Plain PyTorch; the test oracle. Readable, not fast. Checks every input before it reads
+    or writes anything (Python's negative indexing would otherwise wrap a bad id silently)."""
 
     name = "reference"
+
+    def _check(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+    ) -> None:
+        if weights.numel() != layout.total_elems:
+            raise TBEInputError(
+                f"weights has {weights.numel()} elements, expected {layout.total_elems}"
+            )
+        b = check_offsets(offsets, indices.numel(), layout.num_features)
+        check_ids(layout, indices, offsets, b)
+        check_per_sample_weights(per_sample_weights, indices, weights)
 
     def forward(
         self,
@@ -181,6 +216,7 @@ class ReferenceBackend:
         pooling: PoolingMode,
     ) -> Tensor:
         """Pooled output [B, total_dim]."""
+        self._check(layout, weights, indices, offsets, per_sample_weights)
         nf = layout.num_features
         b = (offsets.numel() - 1) // nf
         out = torch.zeros(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
@@ -252,6 +288,12 @@ class ReferenceBackend:
         step: int,
     ) -> None:
         """Sum each distinct row's gradients, then apply the optimizer to those rows."""
+        self._check(layout, weights, indices, offsets, per_sample_weights)
+        b = (offsets.numel() - 1) // layout.num_features
+        if tuple(grad_output.shape) != (b, layout.total_dim):
+            raise TBEInputError(
+                f"grad_output shape {tuple(grad_output.shape)}, expected {(b, layout.total_dim)}"
+            )
         grads = self.row_grads(layout, indices, offsets, per_sample_weights, pooling, grad_output)
         for t, uniq, g in grads:
             update_table_rows(layout, weights, state, t, uniq, g, opt, step)
@@ -397,16 +439,20 @@ def _make(name: str) -> Any:
 def get_backend(name: str, device: torch.device | str = "cpu") -> TBEBackend:
     """Backend by name; ``auto`` picks ``cuda`` for CUDA weights, else ``cpu``."""
     device = torch.device(device)
+    if name == "auto" and device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"no TBE backend runs on device {device}; use cpu or cuda")
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "cpu"
         if name == "cpu" and not _cpu_kernel_available():
             name = "reference"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown TBE backend '{name}', expected auto or one of {list(_BACKENDS)}")
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise ConfigError(
+            f"unknown TBE backend {name!r}, expected auto or one of {list(_BACKENDS)}"
+        )
     if name == "cuda" and device.type != "cuda":
-        raise ValueError("TBE backend 'cuda' needs weights on a CUDA device")
+        raise ConfigError("TBE backend 'cuda' needs weights on a CUDA device")
     if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"TBE backend 'cpu' needs weights on the CPU, not {device}")
+        raise ConfigError(f"TBE backend 'cpu' needs weights on the CPU, not {device}")
     return _make(name)
 
 
@@ -462,7 +508,7 @@ def tbe_lookup(
     """
     expected = layout.num_features
     if (offsets.numel() - 1) % max(expected, 1) != 0:
-        raise ValueError(
+        raise TBEInputError(
             f"offsets has {offsets.numel()} entries; expected F*B+1 for F={expected} features"
         )
 

@@ -85,12 +85,20 @@ _SHORT = {
 
 
 class PlanValidationError(NeorecError, ValueError):
-    """A plan is inconsistent; ``problems`` lists each issue naming the table and shard."""
+    """A plan is malformed or inconsistent; ``problems`` lists each issue naming the table, shard
+    and field, ``source`` the file. The message is one line (the first few problems)."""
 
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"invalid sharding plan ({len(problems)} problem(s)):\n{lines}")
+    SHOWN = 4
+    """Problems spelled out in the message (all are in ``problems``)."""
+
+    def __init__(self, problems: list[str], source: str | Path = "") -> None:
+        self.problems = list(problems)
+        self.source = str(source)
+        where = f" {self.source}" if self.source else ""
+        shown = "; ".join(" ".join(p.split()) for p in self.problems[: self.SHOWN])
+        more = len(self.problems) - self.SHOWN
+        tail = f"; ... and {more} more problem(s)" if more > 0 else ""
+        super().__init__(f"invalid sharding plan{where}: {shown}{tail}")
 
 
 class TableLike(Protocol):
@@ -134,9 +142,10 @@ class Shard:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Shard:
-        """Inverse of ``to_dict``."""
-        (r0, r1), (c0, c1) = d["rows"], d["cols"]
-        return cls(int(d["rank"]), int(r0), int(r1), int(c0), int(c1))
+        """Inverse of ``to_dict`` (strict, as ``ShardingPlan.from_dict``)."""
+        from neorec.sharding.plan_json import parse_shard_dict
+
+        return parse_shard_dict(d)
 
     def __str__(self) -> str:
         return f"r{self.rank}[{self.row_start}:{self.row_end},{self.col_start}:{self.col_end}]"
@@ -187,16 +196,11 @@ class TablePlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TablePlan:
-        """Inverse of ``to_dict``; the type may be given by value (``row_wise``) or short (``RW``)."""
-        return cls(
-            name=str(d["name"]),
-            rows=int(d["rows"]),
-            dim=int(d["dim"]),
-            sharding_type=parse_sharding_type(str(d["type"])),
-            shards=[Shard.from_dict(s) for s in d["shards"]],
-            storage=str(d.get("storage", "device")),
-            cache_fraction=float(d.get("cache_fraction", 0.0)),
-        )
+        """Inverse of ``to_dict``; the type may be given by value (``row_wise``) or short (``RW``).
+        Strict, as ``ShardingPlan.from_dict``."""
+        from neorec.sharding.plan_json import parse_table_dict
+
+        return parse_table_dict(d)
 
 
 def parse_sharding_type(text: str) -> ShardingType:
@@ -218,6 +222,8 @@ class ShardingPlan:
     tables: list[TablePlan] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (planner version, predicted cost); not used by the runtime."""
+    source: str = field(default="", compare=False, repr=False)
+    """The file the plan was read from (named in its errors); not part of the plan."""
 
     # ---- access -------------------------------------------------------------------------------
     def table(self, name: str) -> TablePlan:
@@ -247,38 +253,45 @@ class ShardingPlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardingPlan:
-        """Inverse of ``to_dict``; ``ranks_per_host`` defaults to ``world_size`` (one host)."""
-        version = int(d.get("format_version", PLAN_FORMAT_VERSION))
-        if version > PLAN_FORMAT_VERSION:
-            raise ValueError(
-                f"plan format_version {version} is newer than supported {PLAN_FORMAT_VERSION}"
-            )
-        world = int(d["world_size"])
-        return cls(
-            world_size=world,
-            ranks_per_host=int(d.get("ranks_per_host", world)),
-            tables=[TablePlan.from_dict(t) for t in d["tables"]],
-            meta=dict(d.get("meta", {})),
-        )
+    def from_dict(cls, d: dict[str, Any], source: str = "") -> ShardingPlan:
+        """Inverse of ``to_dict``; ``ranks_per_host`` defaults to ``world_size`` (one host).
+
+        Strict: a missing, unknown or mistyped field is a ``PlanValidationError`` naming it.
+        """
+        from neorec.sharding.plan_json import parse_plan_dict  # (it builds on this module)
+
+        return parse_plan_dict(d, source)
 
     def to_json(self, indent: int | None = 1) -> str:
         """JSON text (stable key order)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> ShardingPlan:
-        """Plan from JSON text."""
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "") -> ShardingPlan:
+        """Plan from JSON text (``PlanValidationError`` if it is not a plan's JSON)."""
+        from neorec.sharding.plan_json import parse_plan_text
+
+        return parse_plan_text(text, source)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | Path, validate: bool = True) -> ShardingPlan:
-        """Read a JSON plan (validated unless ``validate=False``)."""
-        plan = cls.from_json(Path(path).read_text())
+    def load(
+        cls,
+        path: str | Path,
+        validate: bool = True,
+        tables: Iterable[TableLike] | None = None,
+        world_size: int | None = None,
+    ) -> ShardingPlan:
+        """Read a JSON plan: validated unless ``validate=False``, and checked against the model's
+        ``tables`` and the running ``world_size`` when given (see ``check_model``)."""
+        from neorec.sharding.plan_json import read_plan_file
+
+        plan = read_plan_file(path)
+        if tables is not None or world_size is not None:
+            plan.check_model(tables, world_size)  # first: a plan for another model or world
         if validate:
             plan.validate()
         return plan
@@ -326,7 +339,7 @@ class ShardingPlan:
             if t.storage not in supported
         ]
         if problems:
-            raise PlanValidationError(problems)
+            raise PlanValidationError(problems, self.source)
 
     def validate(self) -> None:
         """Raise ``PlanValidationError`` unless every table's shards tile it exactly once."""
@@ -341,7 +354,7 @@ class ShardingPlan:
                 f"got {self.ranks_per_host}"
             )
         if problems:
-            raise PlanValidationError(problems)
+            raise PlanValidationError(problems, self.source)
         seen: set[str] = set()
         for t in self.tables:
             if t.name in seen:
@@ -349,7 +362,41 @@ class ShardingPlan:
             seen.add(t.name)
             problems.extend(self._table_problems(t))
         if problems:
-            raise PlanValidationError(problems)
+            raise PlanValidationError(problems, self.source)
+
+    def check_model(
+        self, tables: Iterable[TableLike] | None = None, world_size: int | None = None
+    ) -> None:
+        """Raise ``PlanValidationError`` unless the plan is for exactly these ``tables`` (names,
+        rows, dims) and ``world_size`` ranks: a table the model lacks is refused, not ignored."""
+        problems: list[str] = []
+        if world_size is not None and self.world_size != world_size:
+            running = f"{world_size} rank" + ("s are" if world_size != 1 else " is")
+            problems.append(
+                f"the plan is for world_size {self.world_size}, but {running} running "
+                f"(neorec train --nproc {self.world_size} runs that many)"
+            )
+        if tables is not None:
+            model = {t.name: t for t in tables}
+            planned = {t.name: t for t in self.tables}
+            extra = [n for n in planned if n not in model]
+            if extra:
+                problems.append(
+                    f"table(s) {extra} are in the plan but not in the model "
+                    f"(model tables: {sorted(model)})"
+                )
+            missing = [n for n in model if n not in planned]
+            if missing:
+                problems.append(f"table(s) {missing} of the model have no entry in the plan")
+            for name, t in planned.items():
+                m = model.get(name)
+                if m is not None and (t.rows, t.dim) != (m.rows, m.dim):
+                    problems.append(
+                        f"table '{name}': the plan has {t.rows} rows x {t.dim} dims, "
+                        f"the model {m.rows} x {m.dim}"
+                    )
+        if problems:
+            raise PlanValidationError(problems, self.source)
 
     def _table_problems(self, t: TablePlan) -> list[str]:
         where = f"table '{t.name}' ({t.sharding_type.value})"
@@ -425,7 +472,7 @@ def _type_problems(t: TablePlan, where: str, world: int, rph: int) -> list[str]:
     if st is ShardingType.DATA_PARALLEL:
         out = _full_rows(t, where) + _full_cols(t, where)
         ranks = sorted(s.rank for s in t.shards)
-        if ranks != list(range(world)):
+        if len(ranks) != world or ranks != list(range(world)):
             out.append(f"{where}: needs one full replica on every rank 0..{world - 1}, got {ranks}")
         return out
     if st is ShardingType.TABLE_WISE:

@@ -34,9 +34,25 @@ from torch import Tensor, nn
 
 from neorec.config import TableConfig
 from neorec.errors import NeorecError
-from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
+from neorec.modules.embedding import (
+    UpdateHook,
+    as_device,
+    check_collection_args,
+    check_memory,
+    checked_batch,
+    init_rows,
+    register_table_buffers,
+)
 from neorec.ops.row_optim import RowOptimizer
-from neorec.ops.tbe import PoolingMode, TBEBackend, TBELayout, get_backend, tbe_lookup
+from neorec.ops.tbe import (
+    PoolingMode,
+    TBEBackend,
+    TBELayout,
+    check_finite_weights,
+    check_grad_output,
+    get_backend,
+    tbe_lookup,
+)
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
 from neorec.storage.store import (
@@ -148,6 +164,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         mapped_mb: int = 0,
     ) -> None:
         super().__init__()
+        check_collection_args(
+            tables, optimizer, pooling, init_scale, seed, validate_ids, type(self).__name__
+        )
         self.tables = list(tables)
         self.optimizer = optimizer or RowOptimizer()
         self.pooling = PoolingMode(pooling)
@@ -165,8 +184,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             dims=self.table_layout.dims,
             feature_table=feature_table,
         )
-        device = torch.device(device)
+        device = as_device(device)
         self.backend: TBEBackend = get_backend(backend, device)
+        check_memory(self.tables, self.layout, self.optimizer.kind, device, self._host_bytes())
         # Zeroed: free cache slots hold zeros, not garbage, in state_dict().
         register_table_buffers(
             self,
@@ -198,6 +218,17 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self._cached[i] = self._make_table(i, spec, storage, Path(storage_dir))
 
     # ---- construction ------------------------------------------------------------------------
+    def _host_bytes(self) -> int:
+        """Host memory of the dram/ssd tables beyond the cache: slot maps, DRAM row stores."""
+        total = 0
+        for t in self.tables:
+            storage = getattr(t, "storage", "memory")
+            if storage != "memory":
+                total += 4 * t.rows  # slot_of
+            if storage == "dram":
+                total += 4 * t.rows * sum(w for _, w in record_fields(self.optimizer.kind, t.dim))
+        return total
+
     def _make_table(self, i: int, spec: TableConfig, storage: str, root: Path) -> _Table:
         fields = record_fields(self.optimizer.kind, spec.dim)
         width = sum(w for _, w in fields)
@@ -360,9 +391,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def prepare(self, sparse: SparseFeatures) -> None:
         """Make every row ``sparse`` reads resident now (forward does this itself; a pipeline or a
         cache simulation may call it on its own)."""
-        sparse = sparse.reorder(self.feature_names)
-        if self.validate_ids:
-            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        sparse = checked_batch(self, sparse, ids=True)
         self._prepare(sparse.values.to(torch.int64), sparse.offsets(), pin=False)
 
     # ---- prefetch ------------------------------------------------------------------------------
@@ -377,9 +406,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         started at once, the reads would hold up batch i's own ``prepare`` (which waits for the
         prefetch thread); deferred, they overlap step i's dense compute and backward.
         """
-        sparse = sparse.reorder(self.feature_names)
-        if self.validate_ids:
-            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        sparse = checked_batch(self, sparse, ids=True)
         if defer:
             self._deferred = sparse
             return
@@ -417,51 +444,74 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
-        sparse = sparse.reorder(self.feature_names)
-        if self.validate_ids:
-            sparse.validate(self._rows_by_feature, self._table_by_feature)
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order.
+
+        Ids are always range-checked (whatever ``validate_ids`` says): the slot maps are indexed
+        by id. A batch refused here or in backward leaves the tables, their state and the step
+        as they were (its cache slots are released, not marked dirty).
+        """
+        sparse = checked_batch(self, sparse, ids=True)
         dev = self.weights.device
         indices = sparse.values.to(torch.int64)
         offsets = sparse.offsets()
         psw = sparse.weights.to(dev) if sparse.weights is not None else None
+        samples = sparse.batch_size
         training = torch.is_grad_enabled() and self._anchor.requires_grad
         slots, used = self._prepare(indices, offsets, pin=training)
         slots, offsets_dev = slots.to(dev), offsets.to(dev)
 
         def update(grad_output: Tensor) -> None:
-            self.step += 1
-            self.backend.backward_update(
+            written = False
+            try:
+                if samples:
+                    check_grad_output(grad_output, self.layout)
+                    check_finite_weights(psw)
+                    step = int(self.step) + 1
+                    self.backend.backward_update(
+                        self.layout,
+                        self.weights,
+                        self.optimizer_state(),
+                        slots,
+                        offsets_dev,
+                        psw,
+                        self.pooling,
+                        grad_output,
+                        self.optimizer,
+                        step,
+                    )
+                    self.step.fill_(step)  # counted once the update went through
+                    written = True
+            finally:
+                self._release(used, dirty=written)
+            if written:
+                for hook in self._hooks:
+                    hook(self.table_layout, indices, offsets)
+
+        try:
+            return tbe_lookup(
+                self._anchor,
+                self.backend,
                 self.layout,
                 self.weights,
-                self.optimizer_state(),
                 slots,
                 offsets_dev,
                 psw,
                 self.pooling,
-                grad_output,
-                self.optimizer,
-                int(self.step),
+                update,
             )
-            with _one_thread():
-                for i, s in used.items():
-                    c = self._cached[i]
-                    c.dirty[s] = True
-                    c.pins[s] -= 1
-            for hook in self._hooks:
-                hook(self.table_layout, indices, offsets)
+        except BaseException:
+            if training:
+                self._release(used, dirty=False)
+            raise
 
-        return tbe_lookup(
-            self._anchor,
-            self.backend,
-            self.layout,
-            self.weights,
-            slots,
-            offsets_dev,
-            psw,
-            self.pooling,
-            update,
-        )
+    def _release(self, used: dict[int, Tensor], dirty: bool) -> None:
+        """Unpin a batch's slots (marked dirty if its update was written)."""
+        with _one_thread():
+            for i, s in used.items():
+                c = self._cached[i]
+                if dirty:
+                    c.dirty[s] = True
+                c.pins[s] -= 1
 
     # ---- the cache -----------------------------------------------------------------------------
     def _feature_bounds(self, offsets: Tensor, bags: int) -> list[tuple[int, int]]:
@@ -518,9 +568,10 @@ class CachedEmbeddingBagCollection(nn.Module):
             ids, c.slot_of, mark, c.key, self._tick, lfu
         )
         n_hit, n_miss = hit_slots.numel(), missing.numel()
-        if not fits:
+        if not fits:  # (the misses are not all counted then: count the distinct ids here)
+            need = int(torch.unique(ids).numel())
             raise CacheCapacityError(
-                f"table '{c.name}': a batch needs {n_hit + n_miss} distinct rows but its cache "
+                f"table '{c.name}': a batch needs {need} distinct rows but its cache "
                 f"holds {c.capacity}; raise cache_rows / cache_fraction or lower the batch size"
             )
         if n_miss:

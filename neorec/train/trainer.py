@@ -302,6 +302,12 @@ class Trainer:
             )
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        if self.world == 1 and cfg.sharding.plan:
+            from neorec.sharding.types import ShardingPlan
+
+            # Read and checked although one process shards nothing: a plan for N ranks is
+            # refused (it says to run --nproc N), not ignored.
+            ShardingPlan.load(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
         # The data's checks (paths, splits, table sizes) come before the tables are built.
         self.source = make_source(cfg)
         self.model = model if model is not None else self._build_model()
