@@ -21,11 +21,8 @@ stores durable (checkpoints call it); ``stats()`` reports hits, misses, eviction
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
-from neorec.errors import NeorecError
 from neorec.modules.embedding import (
     UpdateHook,
     as_device,
@@ -55,6 +51,17 @@ from neorec.ops.tbe import (
 )
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
+from neorec.storage.cache_table import (
+    DEFAULT_CACHE_FRACTION,
+    EVICT_CHUNK,
+    POLICIES,
+    CacheCapacityError,
+    CacheTable,
+    StagedRows,
+    cache_capacity,
+    cache_stats,
+    one_thread,
+)
 from neorec.storage.store import (
     DramStore,
     Records,
@@ -70,77 +77,6 @@ __all__ = [
     "POLICIES",
     "DEFAULT_CACHE_FRACTION",
 ]
-
-POLICIES = ("lru", "lfu")
-DEFAULT_CACHE_FRACTION = 0.1
-"""Cache size of a dram/ssd table that sets neither cache_rows nor cache_fraction."""
-_EVICT_CHUNK = 64
-"""When the cache is full, evict at least capacity / _EVICT_CHUNK rows at once: choosing victims
-scans the whole cache, so doing it in chunks keeps that scan off most steps."""
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run the cache bookkeeping (many small index ops) on one intra-op thread.
-
-    Measured on a shared 2-core machine: a 10k-element index_put took 16 ms with 2 OpenMP threads
-    (each parallel region waits for a core another process holds) and 0.05 ms with one.
-    """
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-class CacheCapacityError(NeorecError, ValueError):
-    """A batch needs more distinct rows of a table than its cache holds."""
-
-
-def cache_capacity(t: TableConfig) -> int:
-    """Rows the cache of table ``t`` holds (all rows for storage = memory)."""
-    storage = getattr(t, "storage", "memory")
-    if storage == "memory":
-        return t.rows
-    rows = int(getattr(t, "cache_rows", 0))
-    frac = float(getattr(t, "cache_fraction", 0.0))
-    if rows <= 0:
-        rows = math.ceil((frac or DEFAULT_CACHE_FRACTION) * t.rows)
-    return max(1, min(rows, t.rows))
-
-
-@dataclass
-class _Table:
-    """Cache bookkeeping of one dram/ssd table."""
-
-    index: int
-    name: str
-    rows: int
-    dim: int
-    capacity: int
-    policy: str
-    store: RowStore
-    slot_of: Tensor  # [rows] int32, -1 = not resident
-    id_of: Tensor  # [capacity] int64, -1 = free slot
-    key: Tensor  # [capacity] int64 eviction priority (smallest goes first)
-    dirty: Tensor  # [capacity] bool
-    pins: Tensor  # [capacity] int32: batches awaiting backward that use the slot
-    free: Tensor  # [capacity] int64 stack of free slots; the first n_free are valid
-    n_free: int
-    counts: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Staged:
-    """Rows read ahead by ``prefetch``: sorted ids, their records, and which are still valid."""
-
-    ids: Tensor
-    records: Tensor
-    valid: Tensor
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -201,11 +137,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._hooks: list[UpdateHook] = []
         self._init_scale, self._seed = init_scale, seed
         self._tick = 0
-        self._staged: dict[int, _Staged] = {}
+        self._staged: dict[int, StagedRows] = {}
         self._prefetch_thread: threading.Thread | None = None
         self._prefetch_error: BaseException | None = None
         self._deferred: SparseFeatures | None = None
-        self._cached: dict[int, _Table] = {}
+        self._cached: dict[int, CacheTable] = {}
         self._io_threads = io_threads
         self._mapped_mb = mapped_mb
         for i, spec in enumerate(self.tables):
@@ -229,7 +165,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 total += 4 * t.rows * sum(w for _, w in record_fields(self.optimizer.kind, t.dim))
         return total
 
-    def _make_table(self, i: int, spec: TableConfig, storage: str, root: Path) -> _Table:
+    def _make_table(self, i: int, spec: TableConfig, storage: str, root: Path) -> CacheTable:
         fields = record_fields(self.optimizer.kind, spec.dim)
         width = sum(w for _, w in fields)
 
@@ -256,7 +192,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         policy = getattr(spec, "cache_policy", "lru")
         if policy not in POLICIES:
             raise ValueError(f"table '{spec.name}': cache_policy must be one of {POLICIES}")
-        return _Table(
+        return CacheTable(
             index=i,
             name=spec.name,
             rows=spec.rows,
@@ -329,7 +265,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def flush(self) -> None:
         """Write every dirty cached row (with its state) back and make the stores durable."""
         self._wait_prefetch()
-        with _one_thread():
+        with one_thread():
             self._flush_locked()
 
     def _flush_locked(self) -> None:
@@ -351,32 +287,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def stats(self) -> dict[str, Any]:
         """Cache counters: totals, hit rates, bytes per tier, and the same per table."""
-        tot: dict[str, int] = {}
-        per_table: dict[str, dict[str, Any]] = {}
-        tiers: dict[str, dict[str, int]] = {}
-        for c in self._cached.values():
-            for k, v in c.counts.items():
-                tot[k] = tot.get(k, 0) + v
-            moved = tiers.setdefault(c.store.tier, {"bytes_read": 0, "bytes_written": 0})
-            moved["bytes_read"] += c.store.bytes_read
-            moved["bytes_written"] += c.store.bytes_written
-            per_table[c.name] = {
-                **c.counts,
-                "tier": c.store.tier,
-                "capacity": c.capacity,
-                "resident": c.capacity - c.n_free,
-                "hit_rate": _rate(c.counts["hits"], c.counts["misses"]),
-            }
-        out: dict[str, Any] = dict(tot)
-        out["hit_rate"] = _rate(tot.get("hits", 0), tot.get("misses", 0))
-        out["lookup_hit_rate"] = _rate(
-            tot.get("lookup_hits", 0), tot.get("lookups", 0) - tot.get("lookup_hits", 0)
-        )
-        for tier, nbytes in tiers.items():
-            out[f"{tier}_bytes_read"] = nbytes["bytes_read"]
-            out[f"{tier}_bytes_written"] = nbytes["bytes_written"]
-        out["tables"] = per_table
-        return out
+        return cache_stats(list(self._cached.values()))
 
     def stats_line(self) -> str:
         """Short progress-line text: hit rate and MB moved per tier."""
@@ -426,7 +337,9 @@ class CachedEmbeddingBagCollection(nn.Module):
                 for i, c in self._cached.items():
                     ids = cache_ops.classify(self._table_ids(i, indices, bounds), c.slot_of)[0]
                     rec = c.store.read(ids)
-                    self._staged[i] = _Staged(ids, rec, torch.ones(ids.numel(), dtype=torch.bool))
+                    self._staged[i] = StagedRows(
+                        ids, rec, torch.ones(ids.numel(), dtype=torch.bool)
+                    )
             except BaseException as e:  # handed to the main thread at the next prepare
                 self._prefetch_error = e
 
@@ -506,7 +419,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _release(self, used: dict[int, Tensor], dirty: bool) -> None:
         """Unpin a batch's slots (marked dirty if its update was written)."""
-        with _one_thread():
+        with one_thread():
             for i, s in used.items():
                 c = self._cached[i]
                 if dirty:
@@ -530,7 +443,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Make every id resident; returns (slot indices for the kernel, distinct slots per table)."""
         self._wait_prefetch()
-        with _one_thread():
+        with one_thread():
             out = self._prepare_locked(indices, offsets, pin)
         if self._deferred is not None:
             nxt, self._deferred = self._deferred, None
@@ -560,7 +473,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 out[lo:hi] = indices[lo:hi]
         return out, used
 
-    def _admit(self, c: _Table, ids: Tensor) -> Tensor:
+    def _admit(self, c: CacheTable, ids: Tensor) -> Tensor:
         """Make ``ids`` of table ``c`` resident; returns their distinct slots (any order)."""
         mark = torch.zeros(c.capacity, dtype=torch.bool)
         lfu = c.policy == "lfu"
@@ -589,12 +502,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         c.counts["lookup_hits"] += lookup_hits
         return torch.cat([hit_slots, new]) if n_miss else hit_slots
 
-    def _evict(self, c: _Table, need: int, keep: Tensor) -> None:
+    def _evict(self, c: CacheTable, need: int, keep: Tensor) -> None:
         """Evict at least ``need`` resident slots not in ``keep`` nor pinned (dirty ones written
-        back); up to capacity / _EVICT_CHUNK when that many are evictable. Victims are the
+        back); up to capacity / EVICT_CHUNK when that many are evictable. Victims are the
         smallest (key, slot): LRU/LFU order, ties to the lower slot."""
         victims, evictable = cache_ops.select_victims(
-            c.key, c.pins, c.id_of, keep, need, c.capacity // _EVICT_CHUNK
+            c.key, c.pins, c.id_of, keep, need, c.capacity // EVICT_CHUNK
         )
         if evictable < need:
             raise CacheCapacityError(
@@ -613,7 +526,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         c.n_free = cache_ops.evict_commit(victims, c.id_of, c.slot_of, c.dirty, c.free, c.n_free)
         c.counts["evictions"] += victims.numel()
 
-    def _fill(self, c: _Table, slots: Tensor, ids: Tensor) -> None:
+    def _fill(self, c: CacheTable, slots: Tensor, ids: Tensor) -> None:
         """Load rows ``ids`` (sorted, distinct) into ``slots``: staged records first, else read."""
         st = self._staged.get(c.index)
         todo = slice(None)
@@ -642,7 +555,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             return s[self.layout.row_offsets[i] : self.layout.row_offsets[i + 1]]
         return self.layout.table(s, i)
 
-    def _field_views(self, c: _Table) -> list[Tensor]:
+    def _field_views(self, c: CacheTable) -> list[Tensor]:
         """The cache buffers of table ``c``, one per record field ([capacity, w] or [capacity])."""
         views = []
         for k, _ in c.store.fields:
@@ -652,7 +565,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 views.append(self._state_view(k, getattr(self, k), c.index))
         return views
 
-    def _record_sources(self, c: _Table, slots: Tensor) -> Records:
+    def _record_sources(self, c: CacheTable, slots: Tensor) -> Records:
         """The records of cache ``slots`` for ``RowStore.write``: per field (buffer, slots) on the
         CPU, so the store copies them straight from the cache; assembled records otherwise."""
         views = self._field_views(c)
@@ -662,7 +575,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return torch.cat([v[dev_slots].reshape(slots.numel(), -1) for v in views], 1).cpu()
 
     def _scatter_records(
-        self, c: _Table, slots: Tensor, rec: Tensor, rows: Tensor | None = None
+        self, c: CacheTable, slots: Tensor, rec: Tensor, rows: Tensor | None = None
     ) -> None:
         """Cache ``slots[i]`` = record ``rows[i]`` of ``rec`` (``i`` without ``rows``; a negative
         row skips the slot)."""
@@ -683,7 +596,3 @@ class CachedEmbeddingBagCollection(nn.Module):
             if t.name == name:
                 return i
         raise KeyError(f"no table '{name}' (tables: {[t.name for t in self.tables]})")
-
-
-def _rate(hits: int, misses: int) -> float:
-    return hits / (hits + misses) if hits + misses else 0.0
