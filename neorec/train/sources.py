@@ -1,0 +1,118 @@
+"""Data sources the trainer reads: the synthetic generator, Criteo TSV files, preprocessed shards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from neorec.config import Config, ConfigError
+from neorec.data.batch import Batch
+
+__all__ = ["DataSource", "SyntheticSource", "CriteoSource", "make_source"]
+
+
+class DataSource(Protocol):
+    """Global batches for training and eval."""
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Train batches (one epoch), starting at batch ``start``."""
+        ...
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """The held-out split."""
+        ...
+
+    def num_train_batches(self) -> int | None:
+        """Batches in one epoch, if known."""
+        ...
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """Best achievable eval metrics (synthetic teacher), if known."""
+        ...
+
+
+class SyntheticSource:
+    """Synthetic click data with a hidden teacher."""
+
+    def __init__(self, cfg: Config) -> None:
+        from neorec.data.synthetic import SyntheticClickData
+
+        self.bs = cfg.data.batch_size
+        self.data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Train split, from batch ``start``."""
+        for i in range(start, self.data.num_batches("train", self.bs)):
+            yield self.data.batch("train", i, self.bs)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """Eval split."""
+        return self.data.batches("eval", self.bs)
+
+    def num_train_batches(self) -> int | None:
+        """Batches per epoch."""
+        return int(self.data.num_batches("train", self.bs))
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """The teacher's metrics on the eval split."""
+        return dict(self.data.teacher_metrics("eval", self.bs))
+
+
+class CriteoSource:
+    """Criteo Kaggle/Terabyte TSV files."""
+
+    def __init__(self, cfg: Config) -> None:
+        from neorec.data.criteo import CriteoTSVDataset, criteo_files
+
+        if not cfg.data.path:
+            raise ConfigError("data.source = 'criteo' needs data.path (a TSV file or directory)")
+        files = [str(p) for p in criteo_files(cfg.data.path)]
+        if cfg.data.eval_path:
+            train_files, eval_files = files, [str(p) for p in criteo_files(cfg.data.eval_path)]
+        elif len(files) > 1:
+            train_files, eval_files = files[:-1], files[-1:]
+        else:
+            raise ConfigError(
+                f"data.path has one file ({files[0]}); set data.eval_path for the held-out split"
+            )
+        self.cfg = cfg
+
+        def make(paths: list[str]) -> Any:
+            return CriteoTSVDataset(
+                paths,
+                cfg.embedding.tables,
+                cfg.data.batch_size,
+                bad_lines=cfg.data.bad_lines,
+                hash_categories=cfg.data.hash_categories,
+            )
+
+        self.train_set, self.eval_set = make(train_files), make(eval_files)
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """Train files in order, skipping ``start`` batches."""
+        for i, b in enumerate(self.train_set):
+            if i >= start:
+                yield b
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """Eval files."""
+        return iter(self.eval_set)
+
+    def num_train_batches(self) -> int | None:
+        """Unknown without a pass over the files."""
+        return None
+
+    def reference_metrics(self) -> dict[str, float] | None:
+        """Not known for real data."""
+        return None
+
+
+def make_source(cfg: Config) -> DataSource:
+    """The data source a config names."""
+    if cfg.data.source == "synthetic":
+        return SyntheticSource(cfg)
+    from neorec.data.loader import PreprocessedSource, is_preprocessed
+
+    if cfg.data.path and is_preprocessed(cfg.data.path):  # written by `neorec data preprocess`
+        return PreprocessedSource(cfg)
+    return CriteoSource(cfg)
