@@ -6,9 +6,20 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
+from typing import Any
 
 from neorec.errors import NeorecError
+from neorec.launch import (
+    EXIT_INTERRUPTED,
+    interrupted_line,
+    is_worker,
+    launch,
+    resume_command,
+    run_worker,
+    step_of,
+)
 
 __all__ = ["main"]
 
@@ -26,12 +37,33 @@ BENCHES = {
 
 
 def _train(args: argparse.Namespace) -> int:
-    from neorec.config import load_config
+    from neorec.config import ConfigError, load_config
 
+    if is_worker():  # one rank of a --nproc / torchrun job
+        return run_worker(lambda: _train_worker(args))
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    resume = resume_command(args.config, args.set, args.nproc)
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch(args)
+    cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
+    if args.nproc > 1:
+        return _launch(args, cfg, resume)
+    from neorec.train.trainer import train
+
+    try:
+        train(cfg)
+    except KeyboardInterrupt as e:
+        print(interrupted_line(cfg, resume, step_of(e)), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _train_worker(args: argparse.Namespace) -> int:
+    from neorec.config import load_config
+
+    if args.resume:
+        args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
     cfg = load_config(args.config, args.set)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _train_distributed(cfg)
@@ -41,26 +73,28 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Start ``--nproc`` local ranks through PyTorch's launcher (torch.distributed.run)."""
-    from torch.distributed.run import main as torchrun
-
+def _launch(args: argparse.Namespace, cfg: Any, resume: str) -> int:
+    """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs)."""
     rest = ["train"]
     if args.config:
         rest += ["--config", args.config]
     for s in args.set:
         rest += ["--set", s]
-    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "neorec", *rest]
-    try:
-        torchrun(argv)
-    except Exception as e:  # ChildFailedError: a rank failed; the launcher stopped the others
-        print(f"neorec: distributed training failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    def on_signal(sig: signal.Signals) -> str:
+        what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+        return interrupted_line(cfg, resume, None, what)
+
+    return launch(args.nproc, rest, on_signal)
 
 
-def _train_distributed(cfg) -> int:
-    """One rank of a torchrun-launched job: gloo on CPU, NCCL on GPU."""
+def _train_distributed(cfg: Any) -> int:
+    """One rank of a torchrun-launched job: gloo on CPU, NCCL on GPU.
+
+    The process group is destroyed only after a clean run: after a failure the process exits
+    right away, once its error has been handed on (so that a peer whose collective breaks first
+    can tell it was not the cause).
+    """
     from datetime import timedelta
 
     import torch
@@ -70,10 +104,8 @@ def _train_distributed(cfg) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.collective_timeout_s))
-    try:
-        train(cfg)
-    finally:
-        dist.destroy_process_group()
+    train(cfg)
+    dist.destroy_process_group()
     return 0
 
 
@@ -117,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--resume",
-        metavar="PATH|latest",
-        help="continue from a checkpoint directory, or the latest one under checkpoint.dir",
+        metavar="PATH|latest|auto",
+        help="continue from a checkpoint directory, 'latest' (the most recently written one under "
+        "checkpoint.dir; an error if there is none) or 'auto' (latest if any, else a new run)",
     )
     t.set_defaults(func=_train)
 
@@ -158,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neorec`` command.
 
     A ``NeorecError`` (bad input, config, data, plan, checkpoint) is printed as one line and exits
-    with its code (2); anything else is a defect and keeps its traceback.
+    with its code (2); Ctrl-C prints one line and exits 130 (a rank of a distributed run stays
+    quiet: its launcher prints); anything else is a defect and keeps its traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -171,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     except NeorecError as e:
         print(f"neorec: error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:
+        if not is_worker():
+            print("neorec: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

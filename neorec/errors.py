@@ -8,7 +8,7 @@ This module imports nothing, so every layer (``ops`` included) may raise these.
 
 from __future__ import annotations
 
-__all__ = ["NeorecError", "DataError"]
+__all__ = ["NeorecError", "DataError", "ConfigError"]
 
 
 class NeorecError(Exception):
@@ -19,3 +19,7 @@ class NeorecError(Exception):
 
 class DataError(NeorecError, ValueError):
     """Input data cannot be read as promised (a path, a file's format, a split); names the file."""
+
+
+class ConfigError(NeorecError, ValueError):
+    """A config value is missing, of the wrong type, or out of range; the message names it."""

@@ -10,15 +10,16 @@ from faults import OUTCOMES, REGISTRY
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     """Counts per fault campaign: tried / clear error / handled / crash / silent / data lost."""
-    if not REGISTRY:
+    ran = {name: c for name, c in REGISTRY.items() if c.cases}  # campaigns this session ran
+    if not ran:
         return
     tr = terminalreporter
     tr.section("fault campaigns")
     head = f"{'campaign':<28}{'tried':>7}" + "".join(f"{o:>19}" for o in OUTCOMES)
     tr.write_line(head)
     rows = {}
-    for name in sorted(REGISTRY):
-        c = REGISTRY[name].counts()
+    for name in sorted(ran):
+        c = ran[name].counts()
         rows[name] = c
         tr.write_line(f"{name:<28}{c['tried']:>7}" + "".join(f"{c[o]:>19}" for o in OUTCOMES))
     out = os.environ.get("NEOREC_FAULTS_JSON")

@@ -10,8 +10,8 @@ import torch
 
 from neorec.checkpoint import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointManager,
+    NoCheckpointError,
     list_checkpoints,
     open_storage,
     resolve_checkpoint,
@@ -224,18 +224,26 @@ def test_corrupted_or_truncated_piece_is_detected(tmp_path):
         verify_checkpoint(open_storage(str(tmp_path / "ck")), name)
 
 
-def test_incomplete_checkpoint_is_invisible_and_cleaned(tmp_path):
+def test_incomplete_checkpoint_is_invisible_and_cleaned_only_in_its_lineage(tmp_path):
     cfg = tiny_cfg(tmp_path)
     model, opt = _model(cfg)
     ck = CheckpointConfig(async_write=False, fsync=False)
     root = tmp_path / "ck"
-    CheckpointManager(ck, model, opt, str(root)).save(1)
-    (root / "ckpt-0000000009-deadbeef" / "emb").mkdir(parents=True)  # a writer died here
+    first = CheckpointManager(ck, model, opt, str(root))
+    first.save(1)
+    mine = root / f"ckpt-0000000009-{first.lineage}-0badc0de"  # a writer of this run died here
+    other = root / "ckpt-0000000009-deadbeef-deadbeef"  # another run's unfinished write
+    for d in (mine, other):
+        (d / "emb").mkdir(parents=True)
     storage = open_storage(str(root))
     assert resolve_checkpoint(storage, "latest").startswith("ckpt-0000000001-")
-    CheckpointManager(ck, model, opt, str(root))
-    assert not (root / "ckpt-0000000009-deadbeef").exists()
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    resumed = CheckpointManager(ck, model, opt, str(root))
+    assert mine.exists() and other.exists()  # creating (or failing to resume) deletes nothing
+    resumed.restore("latest")
+    assert resumed.lineage == first.lineage
+    resumed.save(2)
+    assert not mine.exists() and other.exists()
+    with pytest.raises(NoCheckpointError, match="no checkpoint under"):
         resolve_checkpoint(open_storage(str(tmp_path / "empty")), "latest")
 
 
@@ -278,6 +286,51 @@ def test_fsspec_url_and_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "chain (restore applies in this order)" in out and "verified: " in out
     assert "4 bits (adaptive range)" in out and "restore reads" in out
-    assert cli_main(["ckpt", "inspect", str(tmp_path / "nothing")]) == 1
+    assert cli_main(["ckpt", "inspect", str(tmp_path / "nothing")]) == 2
+    assert "neorec: error: no checkpoint under" in capsys.readouterr().err
+    assert cli_main(["ckpt", "ls", str(tmp_path / "nothing")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
     manifest = json.loads(next((tmp_path / "ck").glob("*/manifest.json")).read_text())
-    assert manifest["format_version"] == 1 and manifest["pieces"][0]["crc32"]
+    assert manifest["format_version"] == 2 and manifest["pieces"][0]["crc32"]
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_interrupt_commits_the_inflight_write_and_propagates(tmp_path, monkeypatch, exc):
+    """Ctrl-C (or an error) mid-run: not swallowed; the async write in flight commits, nothing
+    unfinished is left, and the latest checkpoint verifies."""
+    import neorec.train.trainer as trainer_mod
+
+    real = trainer_mod.train_step
+
+    def step(model, opt, batch, s, bf16=False):
+        if s == 6:
+            raise exc("stop")
+        return real(model, opt, batch, s, bf16)
+
+    monkeypatch.setattr(trainer_mod, "train_step", step)
+    cfg = tiny_cfg(
+        tmp_path, "train.steps=9", "checkpoint.every_steps=5", "train.pipeline='sequential'"
+    )
+    with pytest.raises(exc, match="stop"):
+        Trainer(cfg).fit()
+    root = tmp_path / "checkpoints"
+    storage = open_storage(str(root))
+    name = resolve_checkpoint(storage, "latest")
+    assert name.startswith("ckpt-0000000005-") and verify_checkpoint(storage, name)["files"] == 4
+    assert all((d / "manifest.json").exists() for d in root.iterdir())
+
+
+def test_manifest_checksum_covers_every_field(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    model, opt = _model(cfg)
+    mgr = CheckpointManager(
+        CheckpointConfig(async_write=False, fsync=False), model, opt, str(tmp_path / "ck")
+    )
+    mgr.save(1)
+    p = next((tmp_path / "ck").glob("*/manifest.json"))
+    m = json.loads(p.read_text())
+    assert m["checksum"].startswith("sha256:") and m["lineage"] == mgr.lineage and m["seq"] == 1
+    m["step"] = 2
+    p.write_text(json.dumps(m))
+    with pytest.raises(CheckpointCorruptError, match="manifest checksum mismatch"):
+        verify_checkpoint(open_storage(str(tmp_path / "ck")), p.parent.name)

@@ -137,6 +137,7 @@ def _collectives(rank: int, world: int) -> None:
         assert all(torch.equal(e, out) for e in everyone), f"{name}: ranks disagree"
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("world", [2, 3])
 def test_coded_collectives(world):
     run_ranks(_collectives, world)

@@ -122,3 +122,33 @@ def test_directory_of_files_in_order(tmp_path: Path) -> None:
     ds = CriteoTSVDataset(tmp_path, TABLES, batch_size=2)
     assert [b.labels.tolist() for b in ds] == [[1.0, 0.0], [1.0]]
     assert ds.stats.lines == 3
+
+
+def test_lone_cr_is_one_bad_line_and_keeps_line_numbers(tmp_path: Path) -> None:
+    bad_cr = GOOD[0].replace("\t", "\t1\r2", 1)  # a lone CR inside field I1
+    bad_digit = _line(dense=["\u0663"] + ["0"] * 12)  # an Arabic-Indic 3 is not an integer
+    p = _write(tmp_path / "d.tsv", [GOOD[0], bad_cr, GOOD[1], bad_digit, GOOD[2]])
+    ds = CriteoTSVDataset(p, TABLES, batch_size=8, bad_lines="skip")
+    assert sum(b.size for b in ds) == 3 and ds.stats.lines == 5 and ds.stats.bad_lines == 2
+    assert [m.split(": ")[0] for m in ds.stats.examples] == ["d.tsv:2", "d.tsv:4"]
+    with pytest.raises(CriteoFormatError, match=r"^d\.tsv:2: field I1"):
+        list(CriteoTSVDataset(p, TABLES, batch_size=8))
+
+
+def test_64_bit_limits_and_crlf(tmp_path: Path) -> None:
+    big = _line(dense=["9223372036854775807"] + ["0"] * 12).replace("\n", "\r\n")
+    over = _line(dense=["1" * 24] + ["0"] * 12)
+    p = _write(tmp_path / "d.tsv", [big, over])
+    with pytest.raises(CriteoFormatError, match=r"d\.tsv:2: field I1: .* does not fit in 64 bits"):
+        list(CriteoTSVDataset(p, TABLES, batch_size=8))
+    (b,) = list(CriteoTSVDataset(p, TABLES, batch_size=8, bad_lines="skip"))
+    assert b.size == 1 and math.isclose(float(b.dense[0, 0]), math.log1p(2**63 - 1), rel_tol=1e-6)
+
+
+def test_missing_paths_are_data_errors(tmp_path: Path) -> None:
+    from neorec.errors import DataError
+
+    with pytest.raises(DataError, match="absent.tsv: no such file"):
+        CriteoTSVDataset(tmp_path / "absent.tsv", TABLES, 4)
+    with pytest.raises(DataError, match="no Criteo TSV files"):
+        CriteoTSVDataset(tmp_path, TABLES, 4)

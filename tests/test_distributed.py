@@ -233,6 +233,7 @@ def _bitwise_table_wise(rank: int, world: int, blocks: int) -> None:
         assert torch.equal(dm.ebc.gather_table(t.name), ref.ebc.table_weight(t.name)), where
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("world,blocks", [(2, 2), (2, 8), (4, 4)])
 def test_table_wise_training_is_bitwise_one_process(world, blocks):
     # (4, 4): the rank sums go through the tree all-reduce hook instead of DDP's ring.

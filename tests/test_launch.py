@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -84,3 +85,88 @@ def _mismatch(rank: int, world: int) -> None:
 
 def test_different_configs_detected():
     run_ranks(_mismatch, 2)
+
+
+# ---- the launcher's pieces, in process (the processes themselves: test_faults_process.py) ------
+def test_resume_command_round_trips_and_drops_old_resume():
+    from neorec.cli import build_parser
+    from neorec.launch import resume_command
+
+    sets_ = ["train.run_dir='/tmp/a b'", "checkpoint.resume='/x/ckpt-1'", "model.top_mlp=[8, 1]"]
+    cmd = resume_command("configs/dcn_small.toml", sets_, 2)
+    args = build_parser().parse_args(shlex.split(cmd)[1:])
+    assert (args.config, args.nproc, args.resume) == ("configs/dcn_small.toml", 2, "latest")
+    assert args.set == [sets_[0], sets_[2]]
+    assert "--nproc" not in resume_command(None, [], 1)
+
+
+def test_step_of_reads_the_trainer_in_the_traceback():
+    from neorec.launch import step_of
+
+    class Trainer:
+        step = 17
+
+        def fit(self):
+            raise KeyboardInterrupt
+
+    try:
+        Trainer().fit()
+    except KeyboardInterrupt as e:
+        assert step_of(e) == 17
+    assert step_of(KeyboardInterrupt()) is None
+
+
+def test_interrupted_line_without_checkpoint(tmp_path):
+    from neorec.launch import interrupted_line
+
+    cfg = load_config(overrides=[f"train.run_dir='{tmp_path}'"])
+    assert interrupted_line(cfg, "cmd", 5) == (
+        "neorec: interrupted at step 5 (no checkpoint to resume from)"
+    )
+    assert interrupted_line(None, "cmd", None) == "neorec: interrupted"
+
+
+def test_failure_line_prefers_the_first_reported_error(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from neorec import launch
+
+    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
+    fail = {
+        0: SimpleNamespace(timestamp=5, exitcode=1),
+        1: SimpleNamespace(timestamp=3, exitcode=-9),
+    }
+    # Nothing reported: the agent's first failure (a signal: exit 1).
+    assert launch.failure_line(fail, str(tmp_path)) == (
+        "neorec: error: rank 1 was killed by SIGKILL; the other ranks were stopped",
+        1,
+    )
+    assert launch._report(1, "RuntimeError: boom", defect=True)
+    line, code = launch.failure_line(fail, str(tmp_path))
+    assert line.startswith("neorec: error: rank 1 failed: RuntimeError: boom (traceback above)")
+    assert code == 1
+    time.sleep(0.01)
+    assert launch._report(0, "bad plan")  # later than rank 1's: rank 1 stays the first
+    assert launch.failure_line(fail, str(tmp_path))[0].startswith("neorec: error: rank 1 failed")
+    (tmp_path / "rank-1.json").unlink()
+    assert launch.failure_line(fail, str(tmp_path)) == ("neorec: error: rank 0: bad plan", 2)
+    assert launch._peer_failed(1) and not launch._peer_failed(0)
+    (tmp_path / "rank-0.json").unlink()
+    fail[1].exitcode = 130  # a SIGINT sent to that worker alone
+    assert launch.failure_line(fail, str(tmp_path)) == (
+        "neorec: rank 1 was interrupted; the other ranks were stopped",
+        130,
+    )
+
+
+def test_expected_parent(monkeypatch):
+    from neorec import launch
+
+    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(os.getppid()))
+    assert launch._expected_parent() == os.getppid()
+    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(os.getpid()))  # alive, not the parent: stale
+    assert launch._expected_parent() == os.getppid()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(dead.pid))  # the launcher died before us
+    assert launch._expected_parent() == dead.pid != os.getppid()

@@ -115,3 +115,28 @@ def test_train_from_preprocessed_directory(data: Path, tmp_path: Path) -> None:
     assert 0.0 <= result["eval"]["auc"] <= 1.0
     assert t.source.state_dict()["epoch"] == 2
     assert torch.isfinite(torch.tensor(result["train"]["final_loss"]))
+
+
+def test_split_from_manifest_and_legacy(data: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from neorec.config import ConfigError
+    from neorec.data.loader import _split
+
+    train, evals = _split(str(data), "")
+    assert (train.num_samples, evals.num_samples) == (600, 403)  # default: the last file
+    legacy = tmp_path / "legacy"
+    shutil.copytree(data, legacy)
+    m = json.loads((legacy / "manifest.json").read_text())
+    for s in m["shards"]:
+        del s["split"]
+    (legacy / "manifest.json").write_text(json.dumps(m))
+    train, evals = _split(str(legacy), "")
+    assert (train.num_samples, evals.num_samples) == (600, 403)
+    m["sources"] = m["sources"][:1]
+    for s in m["shards"]:
+        s["source"] = 0
+    (legacy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match="no held-out split"):
+        _split(str(legacy), "")

@@ -12,6 +12,9 @@ from neorec.modules.dlrm import DLRM, CrossNet, DotInteraction
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatureError, SparseFeatures
 
+# Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
+pytestmark = pytest.mark.bitwise
+
 TABLES = [
     TableConfig(name="a", rows=11, dim=4),
     TableConfig(name="b", rows=7, dim=4, features=["b", "b2"]),

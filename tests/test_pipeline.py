@@ -14,6 +14,9 @@ from neorec.distributed.model_parallel import DistributedModel
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import Trainer, make_dense_optimizer, train_step
 
+# Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
+pytestmark = pytest.mark.bitwise
+
 STEPS = 12
 COMMS = [
     CommConfig(),

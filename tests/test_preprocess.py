@@ -15,7 +15,7 @@ import pytest
 from neorec.config import TableConfig
 from neorec.data.criteo import CriteoFormatError, CriteoTSVDataset
 from neorec.data.loader import ShardedReader
-from neorec.data.preprocess import PreprocessOptions, main, preprocess
+from neorec.data.preprocess import KAGGLE_ROWS, PreprocessOptions, main, preprocess
 
 ROWS = [50 + 13 * j for j in range(26)]
 
@@ -180,8 +180,41 @@ def test_truncated_gz(tmp_path: Path) -> None:
 def test_cli_progress_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = write(tmp_path / "a.tsv", bad_lines())
     args = ["--input", str(f), "--output", str(tmp_path / "o"), "--rows", "1000"]
-    assert main(args) == 1
-    assert "a.tsv:4: expected 40 tab-separated fields, got 3" in capsys.readouterr().err
+    with pytest.raises(CriteoFormatError, match="a.tsv:4: expected 40 tab-separated fields, got 3"):
+        main(args)
     assert main([*args, "--bad-lines", "skip", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "convert: 1/1 units" in out and "bad lines: 3" in out and "C26=1000" in out
+
+
+def test_default_rows_are_the_kaggle_config_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from neorec.config import load_config
+
+    cfg = load_config(str(Path(__file__).parent.parent / "configs" / "criteo_kaggle.toml"))
+    assert KAGGLE_ROWS == [t.rows for t in cfg.embedding.tables]
+    f = write(tmp_path / "train.txt", make_lines(70, 12))
+    assert main(["--input", str(tmp_path), "--output", str(tmp_path / "o"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rows: the Criteo Kaggle table sizes" in out and "10 eval samples" in out
+    m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert m["rows"] == KAGGLE_ROWS and m["split"]["eval"] == 10 and f.exists()
+
+
+def test_eval_split_marks_the_last_samples(tmp_path: Path) -> None:
+    lines = make_lines(100, 13)
+    f = write(tmp_path / "d.tsv", lines)
+    s = preprocess(
+        [f], tmp_path / "o", PreprocessOptions(rows=ROWS, shard_rows=30, eval_fraction=0.25)
+    )
+    assert (s.train_rows, s.eval_rows) == (75, 25)
+    m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert [(sh["rows"], sh["split"]) for sh in m["shards"]] == [
+        (30, "train"),
+        (30, "train"),
+        (15, "train"),
+        (15, "eval"),
+        (10, "eval"),
+    ]
+    assert read_all(tmp_path / "o") == reference(lines, hash_row)  # nothing lost or repeated

@@ -19,6 +19,9 @@ from neorec.storage import cache_ops, rowio
 from neorec.storage.cached import CacheCapacityError, CachedEmbeddingBagCollection
 from neorec.storage.store import HEADER_BYTES, SsdStore, StoreError, record_fields
 
+# Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
+pytestmark = pytest.mark.bitwise
+
 TABLES = [
     TableConfig(name="a", rows=300, dim=8),
     TableConfig(name="b", rows=120, dim=8, features=["b1", "b2"]),

@@ -14,6 +14,9 @@ from neorec.ops.cuda import CudaBackend
 from neorec.ops.row_optim import RowOptimizer, zeros_state
 from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
 
+# Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
+pytestmark = pytest.mark.bitwise
+
 HAS_CUDA = torch.cuda.is_available()
 BACKENDS = [
     "reference",

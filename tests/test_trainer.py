@@ -43,6 +43,7 @@ def test_train_writes_metrics(tmp_path):
     )
 
 
+@pytest.mark.bitwise
 def test_same_seed_bitwise_identical(tmp_path):
     a = Trainer(tiny_cfg(tmp_path / "a", "train.steps=5"))
     b = Trainer(tiny_cfg(tmp_path / "b", "train.steps=5"))

@@ -1,6 +1,11 @@
 """Check-N-Run checkpoints: dirty-row tracking, quantized pieces, async writer, manifest, restore."""
 
-from neorec.checkpoint.format import CheckpointCorruptError, CheckpointError
+from neorec.checkpoint.format import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    NoCheckpointError,
+)
 from neorec.checkpoint.manager import (
     CheckpointManager,
     list_checkpoints,
@@ -14,6 +19,8 @@ from neorec.checkpoint.tracker import DirtyRowTracker, local_blocks
 __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "NoCheckpointError",
     "CheckpointManager",
     "DirtyRowTracker",
     "list_checkpoints",

@@ -12,11 +12,13 @@ holds every row of its range; an incremental piece the rows modified since its p
 bitmap or as int32 offsets (whichever is smaller).
 
 A piece file is ``MAGIC | u32 header length | JSON header | arrays``; no pickle, so reading a
-checkpoint never runs code. The manifest lists each file with its size and CRC-32.
+checkpoint never runs code. The manifest lists each file with its size and CRC-32, and carries
+a SHA-256 of its own canonical JSON (``checksum``), so an edited field is detected too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import zlib
@@ -35,6 +37,12 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointCorruptError",
+    "NoCheckpointError",
+    "CheckpointMismatchError",
+    "manifest_checksum",
+    "one_line",
+    "seal_manifest",
+    "check_manifest_checksum",
     "Piece",
     "encode_piece",
     "decode_piece",
@@ -46,8 +54,9 @@ __all__ = [
 ]
 
 FORMAT = "neorec.checkpoint"
-FORMAT_VERSION = 1
-"""Bumped on any incompatible change; readers refuse newer versions."""
+FORMAT_VERSION = 2
+"""Bumped on any incompatible change; readers refuse other versions (2: manifest checksum,
+lineage and write sequence, model description)."""
 MANIFEST = "manifest.json"
 MAGIC = b"NRCP"
 WEIGHT_BITS = (32, 8, 4, 3, 2)
@@ -64,6 +73,49 @@ class CheckpointError(NeorecError, RuntimeError):
 
 class CheckpointCorruptError(CheckpointError):
     """A stored file does not match the size or checksum its manifest recorded."""
+
+
+class NoCheckpointError(CheckpointError):
+    """There is no complete checkpoint under a root (nothing to resume or inspect)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint describes another model than the one it is being restored into."""
+
+
+def one_line(e: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message, shortened (for one-line errors)."""
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:limit]
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 (hex) of the manifest's canonical JSON without its ``checksum`` field."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def seal_manifest(manifest: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json``: the manifest with its ``checksum`` field set."""
+    manifest["checksum"] = "sha256:" + manifest_checksum(manifest)
+    return json.dumps(manifest, indent=1).encode()
+
+
+def check_manifest_checksum(manifest: dict[str, Any], where: str) -> None:
+    """Raise ``CheckpointCorruptError`` unless ``manifest`` carries its own correct checksum."""
+    stored = manifest.get("checksum")
+    if not isinstance(stored, str) or not stored.startswith("sha256:"):
+        raise CheckpointCorruptError(
+            f"{where}: the manifest has no checksum (edited, or written by an older neorec); "
+            f"it cannot be trusted: restore another checkpoint or start a new run"
+        )
+    got = manifest_checksum(manifest)
+    if stored != "sha256:" + got:
+        raise CheckpointCorruptError(
+            f"{where}: manifest checksum mismatch (sha256 {got[:16]}..., recorded "
+            f"{stored[7:23]}...): the manifest was edited or corrupted"
+        )
 
 
 def checksum(data: bytes) -> str:
@@ -238,9 +290,20 @@ def encode_piece(
 
 
 def decode_piece(data: bytes, where: str = "piece") -> Piece:
-    """Inverse of ``encode_piece`` (float32 tensors)."""
+    """Inverse of ``encode_piece`` (float32 tensors); CheckpointCorruptError on malformed bytes."""
     if data[:4] != MAGIC:
         raise CheckpointCorruptError(f"{where}: not a neorec checkpoint piece (bad magic)")
+    try:
+        return _decode_piece(data)
+    except Exception as e:  # any malformed header or array: the file is not what was written
+        raise CheckpointCorruptError(
+            f"{where}: malformed piece ({type(e).__name__}: {one_line(e)})"
+        ) from None
+
+
+def _decode_piece(data: bytes) -> Piece:
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than a piece header")
     (hlen,) = struct.unpack("<I", data[4:8])
     header = json.loads(data[8 : 8 + hlen])
     arrays = _read_arrays(header, memoryview(data)[8 + hlen :])

@@ -1,21 +1,37 @@
-"""The trainer's checkpoint hooks: periodic save, resume, and the trainer state that goes along.
+"""The trainer's checkpoint hooks: resume checks, periodic save, resume, and the trainer state.
 
 Trainer state = step, data position (epoch, next batch index: synthetic batches are random access,
 so the position is all a reader needs), RNG states, and the metric state (samples seen, recent
 losses, periodic evals), so that a resumed run prints and writes the same metrics.
+
+``checkpoint.resume``: ``""`` starts a new run; ``latest`` resumes the most recently written
+checkpoint under the root and is an error when there is none or it cannot be restored; ``auto``
+is the same but starts a new run when the root holds no checkpoint at all; anything else is a
+checkpoint directory (or a root, for its latest). ``preflight_resume`` resolves it and compares
+the checkpoint's model with the config before the model is built.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch.distributed as dist
 
-from neorec.checkpoint.format import CheckpointError
+from neorec.checkpoint.catalog import (
+    PREFIX,
+    load_chain,
+    resolve_checkpoint,
+    scan,
+    split_path,
+)
+from neorec.checkpoint.format import CheckpointError, NoCheckpointError
 from neorec.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
+from neorec.checkpoint.restore import check_model
+from neorec.checkpoint.storage import FsspecStorage, open_storage
 
-__all__ = ["TrainerCheckpoints", "checkpoint_root"]
+__all__ = ["TrainerCheckpoints", "ResumeTarget", "checkpoint_root", "preflight_resume"]
 
 
 def checkpoint_root(cfg: Any) -> str:
@@ -37,44 +53,147 @@ def _gather(values: list[float], world: int) -> list[list[float]]:
     return out
 
 
+@dataclass
+class ResumeTarget:
+    """The checkpoint a run resumes from, resolved and checked once, before the model exists."""
+
+    storage: FsspecStorage
+    name: str
+    manifest: dict[str, Any]
+    which: str
+
+    @property
+    def path(self) -> str:
+        """Where the checkpoint is (for messages)."""
+        return self.storage.path(self.name)
+
+
+MODEL_KEYS = ("num_dense", "bottom_mlp", "top_mlp", "interaction", "dcn_layers", "dcn_low_rank")
+"""The model settings that shape the dense part (recorded, so a resume compares them early)."""
+
+
+def describe_config(cfg: Any) -> dict[str, Any]:
+    """The parts of ``describe_model`` a config determines (no dense shapes: no model yet)."""
+    emb = cfg.embedding
+    return {
+        "tables": {
+            t.name: {"rows": int(t.rows), "dim": int(t.dim), "features": list(t.features)}
+            for t in emb.tables
+        },
+        "pooling": str(emb.pooling),
+        "embedding_optimizer": str(emb.optimizer),
+        "dense_optimizer": str(cfg.train.dense_optimizer),
+        "model_config": {k: getattr(cfg.model, k) for k in MODEL_KEYS},
+    }
+
+
+def preflight_resume(cfg: Any, out: TextIO | None = None, rank: int = 0) -> ResumeTarget | None:
+    """Resolve ``checkpoint.resume`` and check the checkpoint against ``cfg``; None = new run.
+
+    Reads manifests only. Every failure (nothing to resume, a broken or unreadable latest, a
+    model that differs) is a CheckpointError, raised before any table is built.
+    """
+    which = cfg.checkpoint.resume.strip()
+    if not which:
+        return None
+    root = checkpoint_root(cfg)
+    if which in ("latest", "auto"):
+        storage = open_storage(root, fsync=False)
+        try:
+            name = resolve_checkpoint(storage, None)
+        except NoCheckpointError as e:
+            if which == "auto":
+                if rank == 0 and out is not None:
+                    print(f"resume auto: {e}; starting a new run", file=out, flush=True)
+                return None
+            raise NoCheckpointError(
+                f"--resume latest: {e} to resume; drop --resume to start a new run (or use "
+                f"--resume auto to resume only when there is a checkpoint)"
+            ) from None
+    elif which.startswith(PREFIX) and "/" not in which:
+        storage, name = open_storage(root, fsync=False), which
+    else:
+        r, n = split_path(which)
+        storage = open_storage(r, fsync=False)
+        if not storage.exists(n or ""):
+            raise CheckpointError(
+                f"checkpoint.resume '{which}': no such checkpoint or directory; use latest, auto "
+                f"or the path of a checkpoint (neorec ckpt ls ROOT lists them)"
+            )
+        try:
+            name = resolve_checkpoint(storage, n)
+        except NoCheckpointError as e:
+            raise NoCheckpointError(f"checkpoint.resume '{which}': {e}") from None
+    chain = load_chain(storage, name)
+    check_model(storage.path(name), chain[-1]["model"], describe_config(cfg))
+    return ResumeTarget(storage, name, chain[-1], which)
+
+
 class TrainerCheckpoints:
     """Owns the CheckpointManager of a Trainer (duck-typed: cfg, model, opt, step, _epoch, ...)."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, target: ResumeTarget | None = None) -> None:
         self.cfg = trainer.cfg
+        self.target = target
         self.manager = CheckpointManager(
             self.cfg.checkpoint, trainer.model, trainer.opt, checkpoint_root(self.cfg)
         )
+        model_config = describe_config(self.cfg)["model_config"]
+        self.manager.extra_description = {"model_config": model_config}
         self.pauses_ms: list[float] = []
+        if target is None and self.cfg.checkpoint.every_steps and trainer.rank == 0:
+            self._note_other_runs(trainer)
 
     @classmethod
-    def create(cls, trainer: Any) -> TrainerCheckpoints | None:
+    def create(cls, trainer: Any, target: ResumeTarget | None = None) -> TrainerCheckpoints | None:
         """Hooks when the config checkpoints or resumes, else None."""
         c = trainer.cfg.checkpoint
-        return cls(trainer) if c.every_steps or c.resume else None
+        return cls(trainer, target) if c.every_steps or target is not None else None
+
+    def _note_other_runs(self, trainer: Any) -> None:
+        """One line when a new run writes into a root that holds earlier runs' checkpoints."""
+        entries = scan(self.manager.storage)
+        if not entries:
+            return
+        done = [e.manifest for e in entries if e.manifest is not None]
+        latest = max(done, key=lambda m: (m["seq"], m["created"]), default=None)
+        at = f" (latest: {latest['name']}, step {latest['step']})" if latest else ""
+        _say(
+            trainer,
+            f"checkpoints: {self.manager.storage.url} already holds {len(entries)} checkpoint "
+            f"directories of earlier runs{at}; this new run keeps them and writes its own "
+            f"(--resume latest would continue the latest instead)",
+        )
 
     def resume(self, trainer: Any, progress: Any) -> list[dict[str, Any]]:
-        """Restore model + trainer state if checkpoint.resume is set; returns the evals so far."""
-        which = self.cfg.checkpoint.resume
-        if not which:
+        """Restore model + trainer state from the resume target; returns the evals so far."""
+        t = self.target
+        if t is None:
             return []
+        extra = self.manager.restore_from(t.storage, t.name)
         try:
-            extra = self.manager.restore(which)
-        except CheckpointError as e:
-            if which == "latest" and str(e).startswith("no complete checkpoint"):
-                _say(trainer, f"resume latest: {e}; starting fresh")
-                return []
-            raise
-        trainer.step = int(extra["step"])
-        trainer._epoch, trainer._next_batch = int(extra["epoch"]), int(extra["next_batch"])
-        progress.samples = int(extra["samples"])
+            trainer.step = int(extra["step"])
+            trainer._epoch, trainer._next_batch = int(extra["epoch"]), int(extra["next_batch"])
+            samples, per_rank, rng = int(extra["samples"]), extra["losses"], extra["rng"]
+            evals = [dict(e) for e in extra["evals"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{t.path}: no trainer state ({type(e).__name__}: {e}); it was not written by "
+                f"neorec train: restore it with the CheckpointManager API"
+            ) from None
+        progress.samples = samples
         # losses are of each rank's own samples: take this rank's (rank 0's under another world)
-        per_rank = extra["losses"]
         mine = per_rank[trainer.rank] if len(per_rank) == trainer.world else per_rank[0]
         progress.losses = [float(x) for x in mine]
-        set_rng_state(extra["rng"])
-        _say(trainer, f"resumed from step {trainer.step} ({which})")
-        return [dict(e) for e in extra["evals"]]
+        set_rng_state(rng)
+        unfinished = [
+            e.name for e in scan(t.storage) if e.status == "incomplete" and e.name > t.name
+        ]
+        note = (
+            f"; ignored unfinished (no manifest): {', '.join(unfinished[:3])}" if unfinished else ""
+        )
+        _say(trainer, f"resumed from step {trainer.step} ({t.which}: {t.path}){note}")
+        return evals
 
     def after_step(self, trainer: Any, progress: Any, evals: list[dict[str, Any]]) -> None:
         """Checkpoint when the step is a multiple of checkpoint.every_steps."""
@@ -96,3 +215,22 @@ class TrainerCheckpoints:
     def close(self) -> None:
         """Wait for the last background write."""
         self.manager.close()
+
+    def abandon(self, world: int) -> None:
+        """After an error or Ctrl-C: let an in-flight write finish (one process) or leave it.
+
+        One process: the write is local and commits (or fails: its error is dropped, the
+        original one propagates). Several ranks: the writer's collectives may never complete, so
+        it is left; its directory has no manifest, is never taken as a checkpoint, and the next
+        writer of this run removes it. Never raises.
+        """
+        m = self.manager
+        if world == 1 and m._thread is not None:
+            m._thread.join()
+        m._thread, m._error = None, None
+
+    @property
+    def last_committed(self) -> str | None:
+        """Path of the last checkpoint this process committed (rank 0), for a resume hint."""
+        name = self.manager.last_committed
+        return None if name is None else self.manager.storage.path(name)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from neorec.checkpoint.format import MANIFEST, CheckpointError
-from neorec.checkpoint.manager import (
-    PREFIX,
-    list_checkpoints,
+from neorec.checkpoint.catalog import (
+    chain_problem,
     load_chain,
+    order_key,
     resolve_checkpoint,
+    scan,
     split_path,
     verify_checkpoint,
 )
+from neorec.checkpoint.format import NoCheckpointError
 from neorec.checkpoint.storage import open_storage
 
 __all__ = ["format_ls", "format_inspect", "run_ckpt_command"]
@@ -24,31 +25,43 @@ def _mb(n: float) -> str:
 
 
 def format_ls(root: str) -> str:
-    """One line per complete checkpoint under ``root`` (plus incomplete directories)."""
+    """One line per checkpoint directory under ``root``, in write order; unreadable, unfinished
+    and broken-chain ones are listed and marked, never skipped. A missing root is an error."""
     storage = open_storage(root, fsync=False)
-    ckpts = list_checkpoints(storage)
-    by_name = {m["name"]: m for m in ckpts}
+    if not storage.exists(""):
+        raise NoCheckpointError(f"{root}: no such checkpoint directory")
+    entries = scan(storage)
+    by_name = {e.name: e for e in entries}
+    ckpts = sorted((e.manifest for e in entries if e.manifest is not None), key=order_key)
     lines = [
-        f"{'name':<30} {'step':>8} {'kind':<9} {'policy':<11} {'bits':>4} {'opt':>4} "
+        f"{'name':<34} {'step':>8} {'kind':<9} {'policy':<11} {'bits':>4} {'opt':>4} "
         f"{'rows':>10} {'size':>12} {'chain':>5} {'restore reads':>14}"
     ]
+    broken = 0
     for m in ckpts:
-        chain = [by_name[n] for n in m["chain"] if n in by_name]
-        broken = "" if len(chain) == len(m["chain"]) else "  (chain incomplete)"
+        chain = [by_name[n].manifest for n in m["chain"] if n in by_name]
+        reads = sum(c["bytes"] for c in chain if c is not None)
+        problem = chain_problem(by_name, m)
+        broken += bool(problem)
         lines.append(
-            f"{m['name']:<30} {m['step']:>8} {m['kind']:<9} {m['policy']:<11} {m['bits']:>4} "
+            f"{m['name']:<34} {m['step']:>8} {m['kind']:<9} {m['policy']:<11} {m['bits']:>4} "
             f"{m['opt_bits']:>4} {m['rows']:>10,} {_mb(m['bytes']):>12} {len(m['chain']):>5} "
-            f"{_mb(sum(c['bytes'] for c in chain)):>14}{broken}"
+            f"{_mb(reads):>14}{f'  (BROKEN: {problem})' if problem else ''}"
         )
-    incomplete = [
-        n
-        for n in storage.listdir()
-        if n.startswith(PREFIX) and not storage.exists(f"{n}/{MANIFEST}")
-    ]
-    for n in incomplete:
-        lines.append(f"{n:<30} (incomplete: no manifest; ignored, removed by the next writer)")
+    for e in entries:
+        if e.status == "corrupt":
+            lines.append(f"{e.name:<34} (CORRUPT: {e.problem})")
+        elif e.status == "incomplete":
+            lines.append(f"{e.name:<34} (unfinished: no manifest; not a checkpoint)")
+    bad = sum(e.status == "corrupt" for e in entries)
+    unfinished = sum(e.status == "incomplete" for e in entries)
     total = sum(m["bytes"] for m in ckpts)
-    lines.append(f"{len(ckpts)} checkpoints, {_mb(total)} held under {root}")
+    lines.append(
+        f"{len(ckpts)} checkpoints, {_mb(total)} held under {root}"
+        + (f"; {broken} BROKEN (chain incomplete)" if broken else "")
+        + (f"; {bad} CORRUPT" if bad else "")
+        + (f"; {unfinished} unfinished" if unfinished else "")
+    )
     return "\n".join(lines)
 
 
@@ -63,6 +76,7 @@ def format_inspect(path: str, verify: bool = False) -> str:
         f"checkpoint {storage.path(name)}",
         f"  format {m['format']} v{m['format_version']}, step {m['step']}, {m['kind']} "
         f"({m['policy']}), world_size {m['world_size']}, optimizer {m['optimizer']}",
+        f"  run lineage {m['lineage']}, write #{m['seq']}",
         f"  embeddings {m['bits']} bits{' (adaptive range)' if m['adaptive_range'] else ''}, "
         f"optimizer state {m['opt_bits'] or 'not stored'}{' bits' if m['opt_bits'] else ''}, "
         f"snapshot pause {m['snapshot_ms']:.1f} ms, write {m['write_s']:.2f} s",
@@ -98,12 +112,8 @@ def format_inspect(path: str, verify: bool = False) -> str:
 def run_ckpt_command(
     action: str, path: str, verify: bool = False, out: TextIO | None = None
 ) -> int:
-    """The ``neorec ckpt`` subcommand; exit code 1 with a message on a checkpoint error."""
+    """The ``neorec ckpt`` subcommand; a CheckpointError propagates (the CLI: one line, exit 2)."""
     out = out or sys.stdout
-    try:
-        text = format_ls(path) if action == "ls" else format_inspect(path, verify)
-    except CheckpointError as e:
-        print(f"neorec ckpt: {e}", file=sys.stderr)
-        return 1
+    text = format_ls(path) if action == "ls" else format_inspect(path, verify)
     print(text, file=out)
     return 0

@@ -5,42 +5,68 @@ One ``save`` (every rank, same step)::
     wait for the previous write --> take dirty-row masks --> decide baseline / increment (same
     decision on every rank) --> copy rows + dense state (the only pause of training) --> background
     thread: encode pieces, write each under a temporary name + rename --> rank 0 gathers the piece
-    lists, writes manifest.json last --> drops checkpoints outside the last ``keep_last`` baselines
+    lists, writes manifest.json last --> drops this run's checkpoints outside its last
+    ``keep_last`` baseline families
+
+Each run has a lineage (a fresh run's own id; a resumed run keeps the checkpoint's): it is in every
+checkpoint's name and manifest, and retention and the cleaning of unfinished directories touch only
+the run's own lineage, never another run's checkpoints under the same root.
 
 Policies: ``full`` (always a baseline); ``one_shot`` (rows changed since the baseline); ``consecutive``
 (rows changed since the previous checkpoint; restore replays the chain); ``adaptive`` (consecutive,
 but a new baseline whenever replaying the chain would cost more than ``adaptive_threshold`` x a
-baseline). Restore reads baseline + chain, and only the pieces that intersect this rank's shards.
+baseline). Restore reads baseline + chain, and only the pieces that intersect this rank's shards,
+after checking that the checkpoint describes this model (``restore.check_model``). Reading and
+listing are in ``catalog``, the restore arithmetic in ``restore``.
 """
 
 from __future__ import annotations
 
 import copy
 import io
-import json
-import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from neorec.checkpoint.catalog import (
+    PREFIX,
+    list_checkpoints,
+    load_chain,
+    order_key,
+    parse_name,
+    read_manifest,
+    resolve_checkpoint,
+    scan,
+    split_path,
+    verify_checkpoint,
+)
 from neorec.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
     checksum,
-    decode_piece,
     encode_piece,
     row_bytes,
-    verify_bytes,
+    seal_manifest,
 )
-from neorec.checkpoint.storage import FsspecStorage, open_storage
+from neorec.checkpoint.restore import (
+    apply_dense,
+    check_model,
+    dense_module,
+    describe_model,
+    load_dense,
+    restore_embeddings,
+    rng_state,
+    set_rng_state,
+)
+from neorec.checkpoint.storage import open_storage
 from neorec.checkpoint.tracker import DP, DirtyRowTracker, LocalBlock, local_blocks
 from neorec.config import CheckpointConfig
 
@@ -52,88 +78,10 @@ __all__ = [
     "load_chain",
     "verify_checkpoint",
     "split_path",
+    "rng_state",
+    "set_rng_state",
+    "PREFIX",
 ]
-
-PREFIX = "ckpt-"
-
-
-# ---- reading ---------------------------------------------------------------------------------
-def read_manifest(storage: FsspecStorage, name: str) -> dict[str, Any]:
-    """The manifest of checkpoint ``name`` (CheckpointError if missing or of a newer version)."""
-    rel = f"{name}/{MANIFEST}"
-    try:
-        m: dict[str, Any] = json.loads(storage.read(rel))
-    except FileNotFoundError:
-        raise CheckpointError(f"{storage.path(name)}: no {MANIFEST} (incomplete)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{storage.path(rel)}: unreadable manifest: {e}") from None
-    if m.get("format") != FORMAT:
-        raise CheckpointError(f"{storage.path(rel)}: not a {FORMAT} manifest")
-    if int(m.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{storage.path(rel)}: format_version {m['format_version']} is newer than this "
-            f"neorec reads ({FORMAT_VERSION})"
-        )
-    return m
-
-
-def list_checkpoints(storage: FsspecStorage) -> list[dict[str, Any]]:
-    """Manifests of the complete checkpoints under the root, oldest first."""
-    out = []
-    for name in storage.listdir():
-        if name.startswith(PREFIX) and storage.exists(f"{name}/{MANIFEST}"):
-            try:
-                out.append(read_manifest(storage, name))
-            except CheckpointError:
-                continue
-    return sorted(out, key=lambda m: (m["step"], m["created"]))
-
-
-def split_path(path: str) -> tuple[str, str | None]:
-    """(root, checkpoint name or None) of a root directory or a checkpoint directory path."""
-    p = path.rstrip("/")
-    head, _, tail = p.rpartition("/")
-    if tail.startswith(PREFIX):
-        return head or ".", tail
-    return p, None
-
-
-def resolve_checkpoint(storage: FsspecStorage, name: str | None) -> str:
-    """``name`` itself, or (None / 'latest') the newest checkpoint whose whole chain is present."""
-    if name not in (None, "latest"):
-        return str(name)
-    complete = list_checkpoints(storage)
-    names = {m["name"] for m in complete}
-    for m in reversed(complete):
-        if all(n in names for n in m["chain"]):
-            return str(m["name"])
-    raise CheckpointError(f"no complete checkpoint under {storage.url}")
-
-
-def load_chain(storage: FsspecStorage, name: str) -> list[dict[str, Any]]:
-    """Manifests of the chain that restores ``name``: baseline first, ``name`` last."""
-    m = read_manifest(storage, name)
-    return [read_manifest(storage, n) for n in m["chain"][:-1]] + [m]
-
-
-def _read_verified(storage: FsspecStorage, ckpt: str, entry: dict[str, Any]) -> bytes:
-    rel = f"{ckpt}/{entry['file']}"
-    try:
-        data = storage.read(rel)
-    except FileNotFoundError:
-        raise CheckpointError(f"{storage.path(rel)}: listed in the manifest but missing") from None
-    verify_bytes(data, entry, storage.path(rel))
-    return data
-
-
-def verify_checkpoint(storage: FsspecStorage, name: str) -> dict[str, int]:
-    """Read every file of the chain of ``name`` and check its size and checksum."""
-    files = nbytes = 0
-    for m in load_chain(storage, name):
-        for entry in [*m["pieces"], m["dense"]]:
-            nbytes += len(_read_verified(storage, m["name"], entry))
-            files += 1
-    return {"files": files, "bytes": nbytes}
 
 
 # ---- snapshots -------------------------------------------------------------------------------
@@ -169,11 +117,6 @@ def _clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def _dense_module(model: nn.Module) -> nn.Module:
-    dense: nn.Module = model.dense_arch  # type: ignore[assignment]
-    return getattr(dense, "module", dense)  # DDP wraps the real module
-
-
 class CheckpointManager:
     """Check-N-Run checkpoints of a (sharded or unsharded) DLRM and its dense optimizer."""
 
@@ -203,8 +146,7 @@ class CheckpointManager:
         self.history: list[dict[str, Any]] = []
         self._group: Any = None
         self._wgroup: Any = None
-        if self.rank == 0:
-            self._remove_incomplete()
+        self._cleaned = False  # unfinished directories of this lineage removed (first save)
         run = [uuid.uuid4().hex[:8]]
         if self.distributed:
             # Own groups: the training thread's collectives and the writer thread's never mix.
@@ -212,6 +154,13 @@ class CheckpointManager:
             self._wgroup = dist.new_group(backend="gloo")
             dist.broadcast_object_list(run, src=0, group=self._group)
         self.run_id = run[0]
+        """This process group's session id (part of every checkpoint name it writes)."""
+        self.lineage = run[0]
+        """The run's lineage: a fresh run's own id; ``restore`` adopts the checkpoint's."""
+        self.extra_description: dict[str, Any] = {}
+        """Merged into the manifest's model description (the trainer adds its model config)."""
+        self.last_committed: str | None = None
+        """Name of the last checkpoint whose manifest this process wrote (rank 0)."""
         self._base_cost = self._all_reduce_sum([self._block_bytes(None)])[0]
 
     # ---- helpers -------------------------------------------------------------------------
@@ -249,9 +198,16 @@ class CheckpointManager:
         return total
 
     def _remove_incomplete(self) -> None:
-        """Drop leftovers of writes that never committed (a crash); run before anyone writes."""
+        """Drop unfinished directories of this run's lineage (writes that a crash cut short).
+
+        Runs on rank 0 at the first save, so a failed resume deletes nothing. Directories of other
+        lineages (another run may be writing them) and this session's own are left alone.
+        """
         for name in self.storage.listdir():
-            if name.startswith(PREFIX) and not self.storage.exists(f"{name}/{MANIFEST}"):
+            parsed = parse_name(name)
+            if parsed is None or parsed[1] != self.lineage or parsed[2] == self.run_id:
+                continue
+            if not self.storage.exists(f"{name}/{MANIFEST}"):
                 self.storage.remove(name)
 
     # ---- saving ----------------------------------------------------------------------------
@@ -284,6 +240,10 @@ class CheckpointManager:
         """Checkpoint now (every rank, same step); returns the training pause in ms."""
         t0 = time.perf_counter()
         self.wait()
+        if not self._cleaned:
+            if self.rank == 0:
+                self._remove_incomplete()
+            self._cleaned = True
         new = self.tracker.take()
         if DP in new and self.distributed:
             # replicas: a row touched on any rank changed everywhere
@@ -294,7 +254,7 @@ class CheckpointManager:
             self._since[k] |= new[k]
         (est,) = self._all_reduce_sum([self._block_bytes(self._since)])
         kind = self._decide(est)
-        name = f"{PREFIX}{step:010d}-{self.run_id}"
+        name = f"{PREFIX}{step:010d}-{self.lineage}-{self.run_id}"
         chain = [name] if kind == "baseline" else [*self._prefix, name]
         cost = est if kind != "baseline" else 0.0
         snap = _Snapshot(name, step, kind, chain, self._snap_blocks(kind), None, cost, 0.0)
@@ -340,7 +300,7 @@ class CheckpointManager:
         ebc = self.ebc
         steps = [int(ebc.step)] + ([int(ebc.dp_step)] if hasattr(ebc, "dp_step") else [])
         return {
-            "dense": _clone(_dense_module(self.model).state_dict()),
+            "dense": _clone(dense_module(self.model).state_dict()),
             "optimizer": _clone(self.opt.state_dict()),
             "emb_step": max(steps),
             "extra": _clone(extra),
@@ -415,15 +375,16 @@ class CheckpointManager:
         if errors:
             raise CheckpointError("; ".join(errors))
         all_pieces = [p for ps, _ in parts for p in ps]
-        manifest = self._manifest(snap, all_pieces, dense_entry, time.perf_counter() - t0)
-        self.storage.write_atomic(
-            f"{snap.name}/{MANIFEST}", json.dumps(manifest, indent=1).encode()
-        )
+        entries = scan(self.storage)
+        seq = 1 + max((int(e.manifest["seq"]) for e in entries if e.manifest), default=0)
+        manifest = self._manifest(snap, all_pieces, dense_entry, time.perf_counter() - t0, seq)
+        self.storage.write_atomic(f"{snap.name}/{MANIFEST}", seal_manifest(manifest))
         self.history.append(manifest)
-        self._retain()
+        self.last_committed = snap.name
+        self._retain([e.manifest for e in entries if e.manifest] + [manifest])
 
     def _manifest(
-        self, snap: _Snapshot, pieces: list[dict[str, Any]], dense: Any, write_s: float
+        self, snap: _Snapshot, pieces: list[dict[str, Any]], dense: Any, write_s: float, seq: int
     ) -> dict[str, Any]:
         cfg = self.cfg
         tables = {t.name: {"rows": t.rows, "dim": t.dim} for t in self.ebc.tables}
@@ -432,6 +393,8 @@ class CheckpointManager:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "name": snap.name,
+            "lineage": self.lineage,
+            "seq": seq,
             "step": snap.step,
             "kind": snap.kind,
             "policy": cfg.policy,
@@ -445,6 +408,7 @@ class CheckpointManager:
             "chunk_rows": cfg.chunk_rows,
             "world_size": self.world,
             "tables": tables,
+            "model": {**describe_model(self.model, self.opt), **self.extra_description},
             "pieces": pieces,
             "dense": dense,
             "bytes": nbytes,
@@ -455,40 +419,59 @@ class CheckpointManager:
             "created": time.time(),
         }
 
-    def _retain(self) -> None:
-        """Keep the last ``keep_last`` baselines and every checkpoint built on them."""
-        ckpts = list_checkpoints(self.storage)
-        baselines = [m["name"] for m in ckpts if m["kind"] == "baseline"]
-        keep = set(baselines[-self.cfg.keep_last :])
-        doomed = [m for m in ckpts if m["baseline"] not in keep]
-        # increments before baselines, manifest before files: never a visible orphan increment
-        for m in sorted(doomed, key=lambda m: m["kind"] == "baseline"):
+    def _retain(self, manifests: list[dict[str, Any]]) -> None:
+        """Keep this lineage's last ``keep_last`` baseline families (by their latest write).
+
+        A family is a baseline and every checkpoint built on it. Only this run's lineage is
+        counted and deleted; a checkpoint whose baseline is gone is left as it is.
+        """
+        own = sorted((m for m in manifests if m["lineage"] == self.lineage), key=order_key)
+        baselines = {m["name"] for m in own if m["kind"] == "baseline"}
+        recency: dict[str, int] = {}  # baseline -> position of its family's latest write
+        for i, m in enumerate(own):
+            if m["baseline"] in baselines:
+                recency[m["baseline"]] = i
+        keep = set(sorted(recency, key=recency.__getitem__)[-self.cfg.keep_last :])
+        doomed = [m for m in own if m["baseline"] in baselines and m["baseline"] not in keep]
+        # newest first, manifest before files: what is left of a family always has its chain
+        for m in reversed(doomed):
             self.storage.remove(f"{m['name']}/{MANIFEST}")
             self.storage.remove(m["name"])
 
     # ---- restoring ---------------------------------------------------------------------------
-    def restore(self, which: str = "latest") -> dict[str, Any]:
-        """Load a checkpoint (a name, a path, or 'latest') into the model; returns its extra state."""
+    def locate(self, which: str = "latest") -> tuple[Any, str]:
+        """(storage, checkpoint name) that ``which`` (a name, a path or 'latest') refers to."""
         storage, name = self.storage, None
         if which.startswith(PREFIX) and "/" not in which:
             name = which  # a checkpoint of our own root
         elif which != "latest":
             root, name = split_path(which)
             storage = open_storage(root, fsync=False)
-        name = resolve_checkpoint(storage, name)
+        return storage, resolve_checkpoint(storage, name)
+
+    def restore(self, which: str = "latest") -> dict[str, Any]:
+        """Load a checkpoint (a name, a path, or 'latest') into the model; returns its extra state.
+
+        Everything is read and checked (chain, model description, dense state) before the first
+        tensor of the model changes; a failure changes nothing and deletes nothing.
+        """
+        storage, name = self.locate(which)
+        return self.restore_from(storage, name)
+
+    def restore_from(self, storage: Any, name: str) -> dict[str, Any]:
+        """``restore`` of checkpoint ``name`` of ``storage`` (as ``locate`` returns them)."""
         chain = load_chain(storage, name)
+        last, cfg = chain[-1], self.cfg
+        check_model(storage.path(name), last["model"], describe_model(self.model, self.opt))
+        dense = load_dense(storage, name, last["dense"])
         restore_embeddings(storage, chain, self.blocks)
-        dense = torch.load(
-            io.BytesIO(_read_verified(storage, name, chain[-1]["dense"])), weights_only=True
-        )
-        _dense_module(self.model).load_state_dict(dense["dense"])
-        self.opt.load_state_dict(dense["optimizer"])
+        apply_dense(storage.path(name), dense, self.model, self.opt)
         self.ebc.step.fill_(dense["emb_step"])
         if hasattr(self.ebc, "dp_step"):
             self.ebc.dp_step.fill_(dense["emb_step"])
         self.tracker.take()
         self._since = {k: torch.zeros_like(v) for k, v in self._since.items()}
-        last, cfg = chain[-1], self.cfg
+        self.lineage = str(last["lineage"])
         same = (last["bits"], last["opt_bits"]) == (cfg.bits, cfg.opt_bits)
         # an increment must extend a chain stored the same way and in this root
         if same and storage.root == self.storage.root and cfg.policy != "full":
@@ -498,102 +481,3 @@ class CheckpointManager:
         else:
             self._prefix = []
         return dict(dense["extra"])
-
-
-def _apply(piece_meta: dict[str, Any], dec: Any, b: LocalBlock) -> None:
-    """Copy the rows of a decoded piece that fall in block ``b`` (per-row state: any columns)."""
-    r0, r1 = piece_meta["rows"]
-    c0, c1 = piece_meta["cols"]
-    g = torch.arange(r0, r1) if dec.ids is None else dec.ids + r0
-    sel = (g >= b.row_start) & (g < b.row_end)
-    rows = g[sel] - b.row_start
-    a, z = max(c0, b.col_start), min(c1, b.col_end)
-    if a < z:
-        b.weight[rows, a - b.col_start : z - b.col_start] = dec.weight[sel][:, a - c0 : z - c0]
-    for k, v in dec.state.items():
-        if k not in b.state:
-            continue
-        if v.dim() == 1:
-            b.state[k][rows] = v[sel]
-        elif a < z:
-            b.state[k][rows, a - b.col_start : z - b.col_start] = v[sel][:, a - c0 : z - c0]
-
-
-def _overlaps(p: dict[str, Any], b: LocalBlock) -> bool:
-    """Piece ``p`` holds rows of ``b``: overlapping columns, or a per-row state ``b`` needs."""
-    (r0, r1), (c0, c1) = p["rows"], p["cols"]
-    if p["table"] != b.table or r1 <= b.row_start or b.row_end <= r0:
-        return False
-    return (c0 < b.col_end and b.col_start < c1) or (
-        "momentum1" in p["state"] and ("momentum1" in b.state)
-    )
-
-
-def _area(p: dict[str, Any], b: LocalBlock) -> int:
-    r = min(p["rows"][1], b.row_end) - max(p["rows"][0], b.row_start)
-    c = min(p["cols"][1], b.col_end) - max(p["cols"][0], b.col_start)
-    return max(r, 0) * max(c, 0)
-
-
-def restore_embeddings(
-    storage: FsspecStorage, chain: list[dict[str, Any]], blocks: list[LocalBlock]
-) -> int:
-    """Apply baseline + increments to ``blocks``, reading only overlapping pieces; bytes read."""
-    base = chain[0]
-    for b in blocks:
-        spec = base["tables"].get(b.table)
-        if spec is None:
-            raise CheckpointError(f"table '{b.table}' is not in checkpoint {base['name']}")
-        if b.row_end > spec["rows"] or b.col_end > spec["dim"]:
-            raise CheckpointError(
-                f"table '{b.table}': checkpoint has {spec['rows']}x{spec['dim']}, "
-                f"the model needs rows [{b.row_start}, {b.row_end}) cols [{b.col_start}, {b.col_end})"
-            )
-        for s in b.state.values():
-            s.zero_()  # state the checkpoint does not store restarts from zero
-    covered = [0] * len(blocks)
-    nbytes = 0
-    for m in chain:
-        for p in m["pieces"]:
-            hits = [i for i, b in enumerate(blocks) if _overlaps(p, b)]
-            if not hits:
-                continue
-            data = _read_verified(storage, m["name"], p)
-            nbytes += len(data)
-            dec = decode_piece(data, storage.path(f"{m['name']}/{p['file']}"))
-            for i in hits:
-                _apply(p, dec, blocks[i])
-                if m is base:
-                    covered[i] += _area(p, blocks[i])
-    for b, c in zip(blocks, covered):
-        if c != b.rows * (b.col_end - b.col_start):
-            raise CheckpointError(
-                f"table '{b.table}' rows [{b.row_start}, {b.row_end}) cols [{b.col_start}, "
-                f"{b.col_end}): the baseline {base['name']} does not cover them"
-            )
-    return nbytes
-
-
-def rng_state() -> dict[str, Any]:
-    """Torch, Python and NumPy RNG states (JSON/tensor only, for ``weights_only`` loading)."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())
-        out["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    return out
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of ``rng_state``."""
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))

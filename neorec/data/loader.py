@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from neorec.data.batch import Batch
+from neorec.errors import DataError
 from neorec.sparse import SparseFeatures
 
 __all__ = [
@@ -55,13 +56,36 @@ def is_preprocessed(path: str | Path) -> bool:
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of a preprocessed directory (checks the format version)."""
+    """The manifest of a preprocessed directory (checks the format version and its fields);
+    a :class:`~neorec.errors.DataError` naming the file if it cannot be used."""
     p = Path(path) / MANIFEST
+    if not Path(path).exists():
+        raise DataError(f"{path}: no such file or directory (the data path); check the path")
     if not p.is_file():
-        raise FileNotFoundError(f"{path} is not a preprocessed Criteo directory (no {MANIFEST})")
-    m: dict[str, Any] = json.loads(p.read_text())
-    if m.get("format_version") not in _FORMAT_VERSIONS:
-        raise ValueError(f"{p}: format_version {m.get('format_version')} is not supported")
+        raise DataError(
+            f"{path} is not a preprocessed Criteo directory (no {MANIFEST}); run "
+            f"`neorec data preprocess --input RAW --output {path}` (again, if it was cut short)"
+        )
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{p}: unreadable ({type(e).__name__}); preprocess again") from None
+    if not isinstance(m, dict) or m.get("format_version") not in _FORMAT_VERSIONS:
+        v = m.get("format_version") if isinstance(m, dict) else None
+        raise DataError(f"{p}: format_version {v!r} is not supported; preprocess again")
+    try:
+        rows, shards = m["rows"], m["shards"]
+        ok = (
+            isinstance(m["features"], list)
+            and isinstance(rows, list)
+            and len(rows) == len(m["features"]) == len(m["multi_hot"])
+            and all(isinstance(s["name"], str) and int(s["rows"]) >= 0 for s in shards)
+            and int(m["num_dense"]) > 0
+        )
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise DataError(f"{p}: missing or malformed fields; preprocess again")
     return m
 
 
@@ -77,6 +101,29 @@ class ShardSet:
         self.bag_sizes = list(self.manifest["multi_hot"])
         self._maps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._pid = -1
+
+    def check_files(self) -> None:
+        """Every shard's three files exist with the shapes the manifest says (headers only)."""
+        d = self.path / "shards"
+        want = {
+            "labels": lambda n: (n,),
+            "dense": lambda n: (n, self.manifest["num_dense"]),
+            "sparse": lambda n: (n, sum(self.bag_sizes)),
+        }
+        for s in self.shards:
+            for c in _COLS:
+                f = d / f"{s['name']}.{c}.npy"
+                try:
+                    shape = np.load(f, mmap_mode="r").shape
+                except (OSError, ValueError) as e:
+                    raise DataError(
+                        f"{f}: cannot read this shard ({type(e).__name__}); preprocess again"
+                    ) from None
+                if shape != want[c](int(s["rows"])):
+                    raise DataError(
+                        f"{f}: shape {shape}, the manifest says {want[c](int(s['rows']))}; "
+                        "preprocess again"
+                    )
 
     def fingerprint(self) -> str:
         """Identifies the samples and their order before shuffling (checked on resume)."""
@@ -336,6 +383,10 @@ class PreprocessedSource:
         train, evals = _split(d.path, d.eval_path)
         keys = [t.features[0] for t in cfg.embedding.tables]
         _check_tables(train, cfg.embedding.tables)
+        if evals.path != train.path:
+            _check_tables(evals, cfg.embedding.tables)
+        train.check_files()
+        evals.check_files()
         common: dict[str, Any] = {"keys": keys, "rank": self.rank, "world_size": self.world}
         # Every rank needs a same-sized part (the sharded model's all-to-alls): a last global
         # batch that does not split evenly is dropped, and said so.
@@ -357,8 +408,13 @@ class PreprocessedSource:
             drop_last=_uneven(evals.num_samples, d.batch_size, self.world),
             **common,
         )
-        if len(self.train) == 0 or len(self.eval) == 0:
-            raise ConfigError(f"{d.path}: too few samples for data.batch_size {d.batch_size}")
+        for name, r in (("train", self.train), ("eval", self.eval)):
+            if len(r) == 0:
+                raise ConfigError(
+                    f"{r.data.path}: its {name} split has {r.data.num_samples} samples, too few "
+                    f"for data.batch_size {d.batch_size} on {self.world} ranks; lower the batch "
+                    "size or use more data"
+                )
         for name, r in (("train", self.train), ("eval", self.eval)):
             left = r.data.num_samples - len(r) * r.batch_size
             if r.drop_last and left and self.rank == 0:
@@ -406,33 +462,52 @@ def _uneven(n: int, batch: int, world: int) -> bool:
 
 
 def _split(path: str, eval_path: str) -> tuple[ShardSet, ShardSet]:
-    """(train, eval) shards: eval_path's, or else the shards of the last input file."""
+    """(train, eval) shards. The train shards are the ``train`` split of ``path`` (all its shards
+    if it has no split); the eval shards are those of ``eval_path`` if set, else the held-out
+    split of ``path`` (``neorec data preprocess --eval-fraction``, or by default the last file);
+    a directory written before splits were recorded holds out the shards of its last file."""
     from neorec.config import ConfigError
 
-    if eval_path:
-        return ShardSet(path), ShardSet(eval_path)
     m = read_manifest(path)
-    last = len(m["sources"]) - 1
-    if last == 0:
+    shards = m["shards"]
+    if any("split" in s for s in shards):
+        train = [s for s in shards if s.get("split") != "eval"]
+        held = [s for s in shards if s.get("split") == "eval"]
+    else:  # older manifests: the last input file is the held-out split
+        last = len(m["sources"]) - 1
+        train = [s for s in shards if s["source"] != last] if last > 0 else shards
+        held = [s for s in shards if s["source"] == last] if last > 0 else []
+    if eval_path:
+        return ShardSet(path, train), ShardSet(eval_path)
+    if not held:
         raise ConfigError(
-            f"{path} was made from one file ({m['sources'][0]}); set data.eval_path to a "
+            f"{path} has no held-out split (made from one file, or with --eval-fraction 0); "
+            "preprocess it again with --eval-fraction F (e.g. 0.1), or set data.eval_path to a "
             "preprocessed held-out directory"
         )
-    train = [s for s in m["shards"] if s["source"] != last]
-    evals = [s for s in m["shards"] if s["source"] == last]
-    return ShardSet(path, train), ShardSet(path, evals)
+    if not train:
+        raise ConfigError(f"{path}: every shard is in the held-out split; nothing to train on")
+    return ShardSet(path, train), ShardSet(path, held)
 
 
 def _check_tables(data: ShardSet, tables: Sequence[Any]) -> None:
-    """Every feature's rows must fit its table (a row id past the end is refused, not wrapped)."""
+    """The data's features must be the config's tables: as many, and each feature's rows must fit
+    its table (a row id past the end is refused, not wrapped); hashed data must have been hashed
+    modulo the table's rows (else the ids would not be the ones the model was sized for)."""
     from neorec.config import ConfigError
 
-    rows = data.manifest["rows"]
+    m = data.manifest
+    rows = m["rows"]
     if len(tables) != len(rows):
-        raise ConfigError(f"{data.path} has {len(rows)} features, the config {len(tables)} tables")
-    for f, r, t in zip(data.manifest["features"], rows, tables):
-        if r > t.rows:
+        raise ConfigError(
+            f"{data.path} has {len(rows)} features, the config {len(tables)} tables; use a "
+            "config with one table per feature (e.g. configs/criteo_kaggle.toml)"
+        )
+    hashed = m.get("options", {}).get("mode", "hash") == "hash"
+    for f, r, t in zip(m["features"], rows, tables):
+        if r > t.rows or (hashed and r != t.rows):
+            what = f"was hashed modulo {r}" if hashed else f"has ids up to {r - 1}"
             raise ConfigError(
-                f"feature {f} of {data.path} has ids up to {r - 1}, table '{t.name}' has only "
-                f"{t.rows} rows (preprocess with --config of this model, or enlarge the table)"
+                f"feature {f} of {data.path} {what}, table '{t.name}' has {t.rows} rows "
+                f"(preprocess with --config of this model, or set the table's rows to {r})"
             )

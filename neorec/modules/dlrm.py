@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import Config, ModelConfig, TableConfig
-from neorec.errors import DataError
+from neorec.errors import ConfigError, DataError
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
@@ -136,7 +136,7 @@ class DLRM(nn.Module):
         super().__init__()
         dims = {t.dim for t in tables}
         if len(dims) != 1:
-            raise ValueError(f"DLRM needs one embedding dim for all tables, got {sorted(dims)}")
+            raise ConfigError(f"DLRM needs one embedding dim for all tables, got {sorted(dims)}")
         torch.manual_seed(seed)
         # ebc: a prebuilt collection with the same tables (e.g. the row cache over DRAM/SSD)
         self.ebc = (

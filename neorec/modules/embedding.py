@@ -32,6 +32,8 @@ __all__ = [
     "INIT_CHUNK_ROWS",
     "checked_batch",
     "check_collection_args",
+    "check_memory",
+    "check_tables_memory",
 ]
 
 INIT_CHUNK_ROWS = 8192
@@ -332,6 +334,27 @@ def check_memory(
         f"'{biggest.name}', {biggest.rows:,} rows x {biggest.dim}); lower the rows or put "
         "large tables in storage ssd"
     )
+
+
+def check_tables_memory(
+    tables: Sequence[TableConfig], optimizer: str, device: torch.device | str = "cpu"
+) -> None:
+    """``check_memory`` for a config's tables before anything is built (data readers, workers,
+    the model): weights and optimizer state of the in-memory tables, plus the host memory of the
+    ``dram`` / ``ssd`` tables (a 4-byte slot per row; a DRAM store holds rows and state)."""
+    resident = [t for t in tables if t.storage == "memory"]
+    host = 0
+    for t in tables:
+        if t.storage != "memory":
+            host += 4 * t.rows
+        if t.storage == "dram":
+            host += 4 * (
+                t.rows * t.dim + sum(state_shapes(optimizer, t.rows, t.rows * t.dim).values())
+            )
+    layout = TBELayout(
+        rows=tuple(t.rows for t in resident), dims=tuple(t.dim for t in resident), feature_table=()
+    )
+    check_memory(list(tables), layout, optimizer, as_device(device), host)
 
 
 def _memory_bytes() -> int | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from neorec.config import ConfigError
+from neorec.errors import ConfigError
 from neorec.ops.memory import table_zeros
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from neorec.config import ConfigError
+from neorec.errors import ConfigError
 from neorec.ops.row_optim import RowOptimizer, apply_rows
 from neorec.ops.tbe_checks import (
     NonFiniteGradientError,

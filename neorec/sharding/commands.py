@@ -46,8 +46,9 @@ from neorec.config import (
     TrainConfig,
     load_config,
 )
+from neorec.errors import NeorecError
 from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
-from neorec.sharding.planner import PlanningError, format_report, plan_tables
+from neorec.sharding.planner import format_report, plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import CACHED_STORAGES
 
@@ -127,7 +128,10 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
         base = path.parent
-        data = tomllib.loads(path.read_text())
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
         planner = data.pop("planner", {})
         cfg = _config_from_dict(data, str(path)) if planner else load_config(path)
     topo_over = dict(planner.pop("topology", {}))
@@ -203,18 +207,18 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """``neorec plan``: print the report (or JSON), optionally write the plan; 2 if infeasible."""
+    """``neorec plan``: print the report (or JSON), optionally write the plan.
+
+    Bad input and an infeasible plan print ``neorec: error: ...`` on stderr and return 2.
+    """
     try:
         if args.calibrate:
             _calibrate(args)
         inp = load_plan_inputs(args)
         result = plan_tables(inp.tables, inp.topology, inp.batch_size, inp.optimizer, **inp.options)
-    except PlanningError as e:
-        print(f"neorec plan: {e}", file=sys.stderr)
+    except (NeorecError, ValueError) as e:  # PlanningError, ConfigError, bad table/topology files
+        print(f"neorec: error: {e}", file=sys.stderr)
         return 2
-    except (ConfigError, ValueError) as e:
-        print(f"neorec plan: error: {e}", file=sys.stderr)
-        return 1
     if args.out:
         result.plan.save(args.out)
     if args.json:

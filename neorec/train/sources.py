@@ -73,7 +73,9 @@ class CriteoSource:
             train_files, eval_files = files[:-1], files[-1:]
         else:
             raise ConfigError(
-                f"data.path has one file ({files[0]}); set data.eval_path for the held-out split"
+                f"data.path has one file ({files[0]}) and no held-out split: set data.eval_path, "
+                "or preprocess it (`neorec data preprocess --input FILE --output DIR` holds out "
+                "its last 1/7) and set data.path to DIR"
             )
         self.cfg = cfg
 
@@ -93,10 +95,12 @@ class CriteoSource:
         for i, b in enumerate(self.train_set):
             if i >= start:
                 yield b
+        _report_skipped("train", self.train_set)
 
     def eval_batches(self) -> Iterator[Batch]:
         """Eval files."""
-        return iter(self.eval_set)
+        yield from self.eval_set
+        _report_skipped("eval", self.eval_set)
 
     def num_train_batches(self) -> int | None:
         """Unknown without a pass over the files."""
@@ -107,12 +111,44 @@ class CriteoSource:
         return None
 
 
+def _report_skipped(split: str, data: Any) -> None:
+    """One line after a pass that skipped bad lines (data.bad_lines = "skip"): how many, and the
+    first one (rank 0 only)."""
+    import torch.distributed as dist
+
+    st = data.stats
+    if st.bad_lines and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(
+            f"data: skipped {st.bad_lines:,} bad lines of {st.lines:,} in the {split} files "
+            f"(first: {st.examples[0]})",
+            flush=True,
+        )
+
+
 def make_source(cfg: Config) -> DataSource:
-    """The data source a config names."""
+    """The data source a config names. Cheap checks only (paths, manifests, splits, table sizes),
+    so that bad data is refused before the tables are built."""
     if cfg.data.source == "synthetic":
         return SyntheticSource(cfg)
-    from neorec.data.loader import PreprocessedSource, is_preprocessed
+    from pathlib import Path
 
-    if cfg.data.path and is_preprocessed(cfg.data.path):  # written by `neorec data preprocess`
+    from neorec.data.loader import MANIFEST, PreprocessedSource, is_preprocessed
+    from neorec.errors import DataError
+
+    d = cfg.data
+    if not d.path:
+        raise ConfigError(
+            "data.source = 'criteo' needs data.path (a TSV file, a directory of them, or a "
+            "directory from `neorec data preprocess`); set it with --set data.path=..."
+        )
+    for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+        if path and not Path(path).exists():
+            raise DataError(f"{path}: no such file or directory ({key}); check the path")
+    if is_preprocessed(d.path):  # written by `neorec data preprocess`
         return PreprocessedSource(cfg)
+    if (Path(d.path) / "shards").is_dir():
+        raise DataError(
+            f"{d.path}: a preprocessed directory without {MANIFEST} (preprocessing did not "
+            "finish); run `neorec data preprocess` into it again"
+        )
     return CriteoSource(cfg)

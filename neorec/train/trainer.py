@@ -196,6 +196,12 @@ class Trainer:
             )
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        from neorec.config import check_trainable
+        from neorec.modules.embedding import check_tables_memory
+
+        check_trainable(cfg)  # one dim, the dense part's size, splits of at least one batch
+        if self.world == int(os.environ.get("LOCAL_WORLD_SIZE", self.world)):  # one host
+            check_tables_memory(cfg.embedding.tables, cfg.embedding.optimizer)
         if self.world == 1 and cfg.sharding.plan:
             from neorec.sharding.types import ShardingPlan
 
@@ -204,14 +210,16 @@ class Trainer:
             ShardingPlan.load(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
         # The data's checks (paths, splits, table sizes) come before the tables are built.
         self.source = make_source(cfg)
+        from neorec.checkpoint.hooks import TrainerCheckpoints, preflight_resume
+
+        # So does the checkpoint to resume: found, its chain read, its model compared with cfg.
+        resume = preflight_resume(cfg, self.out, self.rank)
         self.model = model if model is not None else self._build_model()
         self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
         self.step = 0
         self._fail_at = _injected_failure(self.rank)
         self._epoch = self._next_batch = 0  # data position: the next batch to read (checkpointed)
-        from neorec.checkpoint.hooks import TrainerCheckpoints
-
-        self.ckpt = TrainerCheckpoints.create(self)
+        self.ckpt = TrainerCheckpoints.create(self, resume)
 
     def _build_model(self) -> RecModel:
         if self.world == 1:
@@ -327,6 +335,12 @@ class Trainer:
                     self._print_eval(evals[-1])
                 if self.ckpt is not None:
                     self.ckpt.after_step(self, progress, evals)
+        except BaseException:
+            # Ctrl-C or an error: an in-flight checkpoint write commits (one process) or is left
+            # unfinished (never visible as a checkpoint); the exception itself propagates.
+            if self.ckpt is not None:
+                self.ckpt.abandon(self.world)
+            raise
         finally:
             pipe.close()
         self.pipe_times = pipe.times

@@ -1,0 +1,142 @@
+"""``Config``: every section of a run, and the checks that span sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from neorec.config.checks import show, suggest
+from neorec.config.model import EmbeddingConfig, ModelConfig
+from neorec.config.run import (
+    CheckpointConfig,
+    CommConfig,
+    DataConfig,
+    PlannerConfig,
+    ShardingConfig,
+    StorageConfig,
+    TrainConfig,
+)
+from neorec.errors import ConfigError
+
+__all__ = ["Config", "check_trainable", "dense_params", "MAX_DENSE_PARAMS"]
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Everything a run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    comm: CommConfig = field(default_factory=lambda: CommConfig())
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(Config)
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), hints[f.name]):
+                raise ConfigError(
+                    f"{f.name} must be a [{f.name}] section ({hints[f.name].__name__}), got "
+                    f"{show(getattr(self, f.name))}"
+                )
+        self._check_dims()
+        self._check_sharding()
+
+    def _check_dims(self) -> None:
+        dims = {t.dim for t in self.embedding.tables}
+        if self.model.interaction == "dot":
+            if len(dims) != 1:
+                raise ConfigError(
+                    f"the dot interaction needs one embedding dim, got {sorted(dims)}; "
+                    "use model.interaction = 'dcn' for tables of several dims"
+                )
+            (d,) = dims
+            if self.model.bottom_mlp[-1] != d:
+                raise ConfigError(
+                    f"model.bottom_mlp must end with the embedding dim {d} for the dot "
+                    f"interaction, got {self.model.bottom_mlp}"
+                )
+
+    def _check_sharding(self) -> None:
+        if self.planner.tables_file:
+            return  # the planner's tables come from that file, not from [embedding]
+        names = [t.name for t in self.embedding.tables]
+        known = set(names)
+        for table in self.sharding.types:
+            if table not in known:
+                raise ConfigError(
+                    f"sharding.types names unknown table '{table}'{suggest(table, names)}; "
+                    f"the tables are {show(names)}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-able)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+MAX_DENSE_PARAMS = 2**31
+"""Most dense parameters (bottom MLP + interaction + top MLP): 8 GiB of float32 weights."""
+
+
+def _mlp_params(widths: list[int], n_in: int) -> int:
+    total = 0
+    for w in widths:
+        total += n_in * w + w
+        n_in = w
+    return total
+
+
+def dense_params(cfg: Config) -> tuple[int, int, int]:
+    """Parameters of the bottom MLP, the interaction and the top MLP a config builds."""
+    m = cfg.model
+    feats = len(cfg.embedding.feature_names)
+    dim = cfg.embedding.tables[0].dim
+    bottom = _mlp_params(m.bottom_mlp, m.num_dense)
+    if m.interaction == "dot":
+        n = feats + 1
+        inter, out = 0, dim + (n * (n + 1) // 2 if m.dot_self else n * (n - 1) // 2)
+    else:
+        out = m.bottom_mlp[-1] + sum(t.dim * len(t.features) for t in cfg.embedding.tables)
+        per = 2 * out * m.dcn_low_rank + out if m.dcn_low_rank else out * out + out
+        inter = m.dcn_layers * per
+    return bottom, inter, _mlp_params(m.top_mlp, out)
+
+
+def check_trainable(cfg: Config) -> None:
+    """What training needs beyond a valid config (``neorec plan`` does not): one embedding dim for
+    all tables, a dense part that can be built, and synthetic splits of at least one batch each
+    (else training or eval finds no batch after the work before it). Pure arithmetic: run it
+    before anything heavy."""
+    dims = sorted({t.dim for t in cfg.embedding.tables})
+    if len(dims) != 1:
+        raise ConfigError(
+            f"training needs one embedding dim for all tables, got {dims} (several dims are for "
+            "planning only); give every table the same dim"
+        )
+    bottom, inter, top = dense_params(cfg)
+    if bottom + inter + top > MAX_DENSE_PARAMS:
+        raise ConfigError(
+            f"the dense part would have {bottom + inter + top:,} parameters (bottom MLP {bottom:,}"
+            f", {cfg.model.interaction} interaction {inter:,}, top MLP {top:,}), at most "
+            f"{MAX_DENSE_PARAMS:,}; use fewer features, smaller model.top_mlp or dcn_low_rank"
+        )
+    d = cfg.data
+    if d.source != "synthetic":
+        return
+    for split in ("train_samples", "eval_samples"):
+        n = getattr(d, split)
+        if n < d.batch_size:
+            raise ConfigError(
+                f"data.{split} {n:,} is less than one batch (data.batch_size {d.batch_size:,}): "
+                f"the split would have no batch; raise data.{split} or lower data.batch_size"
+            )

@@ -1,0 +1,271 @@
+"""Config sections of a run: data, training loop, sharding, planner, storage, checkpoints, wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from neorec.config.checks import (
+    MAX_SEED,
+    SHARDING_TYPES,
+    check_choice,
+    check_fields,
+    item_rule,
+    rule,
+)
+
+__all__ = [
+    "DataConfig",
+    "TrainConfig",
+    "ShardingConfig",
+    "PlannerConfig",
+    "StorageConfig",
+    "CheckpointConfig",
+    "CommConfig",
+    "check_sharding_type",
+    "_COMM_CODECS",
+]
+
+_MAX_SAMPLES = 2**48
+_MAX_BATCH = 2**24
+_MAX_STEPS = 2**48
+_MAX_THREADS = 4096
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where batches come from."""
+
+    source: str = field(default="synthetic", metadata=rule(choices=("synthetic", "criteo")))
+    """``synthetic`` or ``criteo`` (TSV files, or a directory from ``neorec data preprocess``)."""
+    path: str = ""
+    """Criteo: a file or directory of TSV (optionally .gz) files, or a preprocessed directory."""
+    eval_path: str = ""
+    """Criteo: held-out file(s); empty = the last file of ``path``."""
+    batch_size: int = field(default=512, metadata=rule(1, _MAX_BATCH))
+    """Global batch size."""
+    train_samples: int = field(default=1_000_000, metadata=rule(1, _MAX_SAMPLES))
+    """Synthetic: samples in the train split."""
+    eval_samples: int = field(default=50_000, metadata=rule(1, _MAX_SAMPLES))
+    """Synthetic: samples in the eval split."""
+    id_distribution: str = field(
+        default="locality", metadata=rule(choices=("locality", "zipf", "uniform"))
+    )
+    """Synthetic ids: ``locality`` (calibrated to production reuse), ``zipf``, ``uniform``."""
+    zipf_alpha: float = field(default=1.05, metadata=rule(0, 10))
+    """Zipf exponent when id_distribution = zipf (0 = uniform)."""
+    fixed_pooling: bool = False
+    """Synthetic: every bag has exactly pooling_factor ids (else Poisson-like variable)."""
+    teacher_scale: float = field(default=1.0, metadata=rule(0, 1000))
+    """Synthetic: logit scale of the hidden teacher (higher = more learnable signal)."""
+    hash_categories: bool = True
+    """Criteo: hash hex categories into rows modulo the table size."""
+    bad_lines: str = field(default="fail", metadata=rule(choices=("fail", "skip")))
+    """Criteo malformed lines: ``fail`` (error with file:line) or ``skip`` (counted)."""
+    seed: int = field(default=1234, metadata=rule(0, MAX_SEED))
+    """Data seed (synthetic generation, shuffling)."""
+    shuffle: bool = True
+    """Criteo preprocessed: shuffle shard order and samples within ``shuffle_buffer`` per epoch."""
+    shuffle_buffer: int = field(default=262_144, metadata=rule(1, _MAX_SAMPLES))
+    """Criteo preprocessed: samples shuffled together (a window of the epoch's shard stream)."""
+    workers: int = field(default=1, metadata=rule(0, 256))
+    """Criteo preprocessed: reader worker processes per rank (0 = read in the training process)."""
+    prefetch: int = field(default=4, metadata=rule(1, 1024))
+    """Criteo preprocessed: batches each reader worker prepares ahead."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Training loop."""
+
+    epochs: int = field(default=1, metadata=rule(1, 1_000_000))
+    """Passes over the train split (ignored when steps > 0)."""
+    steps: int = field(default=0, metadata=rule(0, _MAX_STEPS))
+    """Train steps; 0 = run ``epochs`` epochs."""
+    dense_optimizer: str = field(
+        default="adagrad", metadata=rule(choices=("sgd", "adagrad", "adam"))
+    )
+    """torch.optim optimizer for dense parameters: sgd, adagrad, adam."""
+    dense_lr: float = field(default=0.05, metadata=rule(gt=0, hi=1e30))
+    """Dense learning rate."""
+    eval_every: int = field(default=0, metadata=rule(0, _MAX_STEPS))
+    """Evaluate every N steps (0 = only at the end)."""
+    log_every: int = field(default=50, metadata=rule(0, _MAX_STEPS))
+    """Progress line every N steps (0 = every step)."""
+    run_dir: str = field(default="runs/latest", metadata=rule(nonempty=True))
+    """Where metrics.json (and checkpoints) go."""
+    seed: int = field(default=0, metadata=rule(0, MAX_SEED))
+    """Model init seed."""
+    threads: int = field(default=0, metadata=rule(0, _MAX_THREADS))
+    """torch intra-op threads (0 = leave PyTorch's default)."""
+    bf16_dense: bool = False
+    """Run the dense MLPs under bf16 autocast (CPU AMX); embeddings stay float32."""
+    progress: bool = True
+    """Print a progress line."""
+    dense_blocks: int = field(default=2, metadata=rule(1, 65_536))
+    """The dense part computes its gradient over this many equal blocks of the global batch and
+    adds them in a fixed pairwise tree (``neorec.distributed.dense_blocks``), so 1 process and N
+    ranks (N a power of two dividing it) train bitwise the same model; 1 = one GEMM per rank.
+    A batch that does not split evenly runs as one block."""
+    collective_timeout_s: int = field(default=300, metadata=rule(1, 7 * 86_400))
+    """Distributed runs: a collective that waits longer than this fails (no hang)."""
+    pipeline: str = field(default="overlapped", metadata=rule(choices=("overlapped", "sequential")))
+    """``overlapped``: batch i+1 is loaded, copied and its input distribution started while batch
+    i computes; ``sequential``: one batch at a time (the reference; same results, bitwise)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "train")
+
+
+def check_sharding_type(name: str, v: str) -> None:
+    """Refuse ``v`` unless it names a sharding type (value or abbreviation, any case)."""
+    known = [*SHARDING_TYPES, *(s.upper() for s in SHARDING_TYPES.values())]
+    t = v.strip().lower()
+    if t not in SHARDING_TYPES and t not in SHARDING_TYPES.values():
+        check_choice(name, v, known)
+
+
+@dataclass(kw_only=True)
+class ShardingConfig:
+    """How tables are placed on ranks (distributed runs)."""
+
+    plan: str = ""
+    """Path of a ShardingPlan JSON; empty = the planner (or ``default_type``)."""
+    default_type: str = ""
+    """Shard every table this way (data_parallel, table_wise, row_wise, column_wise,
+    table_row_wise, or DP, TW, RW, CW, TWRW); empty = use the planner."""
+    types: dict[str, str] = field(default_factory=dict)
+    """Per-table sharding type overrides {table: type}; the tables must exist."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "sharding")
+        if self.default_type:
+            check_sharding_type("sharding.default_type", self.default_type)
+        for table, t in self.types.items():
+            check_sharding_type(f"sharding.types.{table}", t)
+
+
+@dataclass(kw_only=True)
+class PlannerConfig:
+    """Inputs of the sharding planner beyond the model (``neorec plan``, distributed training)."""
+
+    tables_file: str = ""
+    """CSV/JSON table list (relative to the config); replaces embedding.tables for planning."""
+    batch_size: int = field(default=0, metadata=rule(0, _MAX_BATCH))
+    """Global batch for the cost model; 0 = data.batch_size."""
+    weight_bytes: int = field(default=4, metadata=rule(choices=(1, 2, 4, 8)))
+    """Bytes per stored weight element."""
+    allow_host: bool = True
+    """Tables may live in host DRAM (UVM-like tier)."""
+    allow_cached_tiers: bool = True
+    """``neorec plan`` may place tables in the cached tiers: rows in host DRAM (``dram``) or on
+    SSD (``ssd``, with ``topology.ssd_capacity_gb``) behind a row cache in device memory. Read by
+    ``neorec plan`` only: the distributed runtime plans without cached tiers (it does not run
+    cached tables)."""
+    cache_fractions: list[float] = field(
+        default_factory=lambda: [0.01, 0.05, 0.1, 0.25],
+        metadata=rule(nonempty=True, item=item_rule(gt=0, hi=1)),
+    )
+    """Row cache sizes (share of a shard's rows) the planner tries for the cached tiers."""
+    max_cw_slices: int = field(default=0, metadata=rule(0, 65_536))
+    """Most column slices per table (0 = planner default)."""
+    optimizer: str = field(
+        default="", metadata=rule(choices=("", "sgd", "rowwise_adagrad", "adam"))
+    )
+    """Optimizer the cost model assumes (empty = embedding.optimizer)."""
+    topology: dict[str, Any] = field(default_factory=dict)
+    """Topology fields (see neorec.sharding.topology.Topology)."""
+    topology_file: str = ""
+    """A topology JSON (e.g. written by ``neorec plan --calibrate``)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "planner")
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    """Memory hierarchy (tables with storage = dram | ssd): where store files go, prefetch."""
+
+    dir: str = field(default="/tmp/neorec-store", metadata=rule(nonempty=True))
+    """Directory of the SSD row store files (one ``<table>.rows`` per table, created anew)."""
+    io_threads: int = field(default=2, metadata=rule(1, 256))
+    """Threads copying records between an SSD store's mapping and the cache (the copies are
+    latency bound: measured on 2 cores, 2 threads took a cached step from 75.7 to 65.0 ms)."""
+    mapped_mb: int = field(default=0, metadata=rule(0, 2**40))
+    """File-backed RSS (MiB) above which the SSD stores' mapped pages are dropped from the process
+    (they stay in the page cache): bounds the RSS the stores add, whatever the files' size.
+    0 = a quarter of physical memory."""
+    prefetch: bool = True
+    """Read the next batch's missing rows in the background while the current batch computes."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "storage")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Check-N-Run checkpoints (neorec.checkpoint): when, what, how precisely, where."""
+
+    dir: str = ""
+    """Root directory or fsspec URL (s3://, gs://, memory://); empty = <train.run_dir>/checkpoints."""
+    every_steps: int = field(default=0, metadata=rule(0, _MAX_STEPS))
+    """Checkpoint every N train steps (0 = never)."""
+    policy: str = field(
+        default="adaptive", metadata=rule(choices=("full", "one_shot", "consecutive", "adaptive"))
+    )
+    """``full``, ``one_shot`` (rows changed since the baseline), ``consecutive`` (since the previous
+    checkpoint) or ``adaptive`` (consecutive; new baseline when the chain outweighs one)."""
+    bits: int = field(default=8, metadata=rule(choices=(32, 8, 4, 3, 2)))
+    """Stored precision of embedding rows: 32 (exact), 8, 4, 3 or 2 (row-wise integer codes)."""
+    adaptive_range: bool = True
+    """For bits <= 4: greedy per-row range search (min/max shrunk while the L2 error falls)."""
+    opt_bits: int = field(default=32, metadata=rule(choices=(32, 16, 8, 0)))
+    """Stored precision of fused optimizer state: 32, 16 (bfloat16), 8, or 0 (not stored).
+    32 by measurement (neorec bench ckpt): dropping it costs NE, and row-wise Adagrad's one float
+    per row is ~8% of an 8-bit checkpoint."""
+    keep_last: int = field(default=2, metadata=rule(1, 1_000_000))
+    """Baselines kept, each with the increments built on it."""
+    async_write: bool = True
+    """Encode and write in a background thread (training pauses only for the snapshot)."""
+    adaptive_threshold: float = field(default=1.0, metadata=rule(gt=0, hi=1e6))
+    """adaptive: new baseline when the chain to replay would exceed this x a baseline's bytes."""
+    full_every: int = field(default=0, metadata=rule(0, _MAX_STEPS))
+    """Also force a baseline after N increments (0 = only when the policy asks)."""
+    chunk_rows: int = field(default=65536, metadata=rule(1, 2**31))
+    """Rows per stored piece (pieces are cut at multiples of this global row index)."""
+    fsync: bool = True
+    """fsync local files before renaming them into place."""
+    resume: str = ""
+    """Resume from ``latest`` (under dir) or a checkpoint path; empty = start fresh."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "checkpoint")
+
+
+_COMM_CODECS = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
+_CODEC = rule(choices=_COMM_CODECS)
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Precision on the wire of distributed training (neorec.distributed.codecs)."""
+
+    forward: str = field(default="fp32", metadata=_CODEC)
+    """Codec of the forward all-to-all of pooled embeddings: fp32, fp16, bf16, fp8_e4m3,
+    fp8_e5m2, int8 (row-wise)."""
+    backward: str = field(default="fp32", metadata=_CODEC)
+    """Codec of the backward all-to-all of the pooled embeddings' gradients."""
+    allreduce: str = field(default="fp32", metadata=_CODEC)
+    """Codec of the dense (DDP) gradient all-reduce, and of data-parallel embedding tables' row
+    gradients (all-gathered as (id, row sum) pairs)."""
+    fp8_scaling: str = field(default="row", metadata=rule(choices=("row", "tensor")))
+    """fp8 scale: ``row`` (a power of two per row, 1 byte) or ``tensor`` (one per message)."""
+    loss_scale: float = field(default=0.0, metadata=rule(0, 3.4e38))
+    """fp16/fp8 gradients (backward, allreduce): 0 = a power-of-two scale per message from its
+    largest value (cannot overflow); > 0 = this fixed factor (overflow is an error)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "comm")

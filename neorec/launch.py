@@ -1,0 +1,399 @@
+"""Processes of a run: the ``--nproc`` launcher, its workers, Ctrl-C and signals.
+
+``neorec train --nproc N`` runs PyTorch's elastic agent (what ``torchrun`` runs) in this process;
+it starts N workers ``python -m neorec train ...`` with ``LOCAL_RANK`` set. What this module adds:
+
+- **Launcher death**: a worker exits within a second of losing its launcher, even when it is
+  blocked in a collective (``PR_SET_PDEATHSIG`` on Linux, and a thread that watches the parent pid
+  and ends the process with ``os._exit``). A SIGTERM / SIGINT of the launcher is forwarded to the
+  workers by the agent.
+- **One line**: a worker's ``NeorecError`` is handed to the launcher (a file in a directory named by
+  ``NEOREC_ERROR_DIR``), which prints ``neorec: error: rank R: <msg>`` once; torchrun's own log
+  lines and failure report are not printed (set ``LOGLEVEL`` to see them).
+- **Ctrl-C**: workers stay quiet; the launcher (or the single process) prints one line, with the
+  resume command when a complete checkpoint exists, and exits 130.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+from neorec.errors import NeorecError
+
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "LAUNCHER_PID_ENV",
+    "ERROR_DIR_ENV",
+    "is_worker",
+    "launch",
+    "watch_launcher",
+    "run_worker",
+    "failure_line",
+    "interrupted_line",
+    "resume_command",
+    "step_of",
+]
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+LAUNCHER_PID_ENV = "NEOREC_LAUNCHER_PID"
+ERROR_DIR_ENV = "NEOREC_ERROR_DIR"
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.5
+_GRACE_S = 3.0  # a failing rank waits this long for its launcher to stop it (see _consequence)
+
+
+def is_worker() -> bool:
+    """True in a process started by torchrun (or ``--nproc``) as one rank of a job."""
+    return "LOCAL_RANK" in os.environ
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+# ---- the worker side -----------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no /proc: ask the kernel
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _expected_parent() -> int:
+    """The launcher's pid: ``NEOREC_LAUNCHER_PID`` (set by ``--nproc``), else the parent now.
+
+    A value that is not our parent but names a live process is a stale variable (a job launched
+    from within another), so the parent we have now is the launcher.
+    """
+    raw = os.environ.get(LAUNCHER_PID_ENV, "")
+    parent = os.getppid()
+    if raw.isdigit() and int(raw) != parent and not _alive(int(raw)):
+        return int(raw)  # the launcher is already gone: the check below ends this process
+    return parent
+
+
+def watch_launcher(poll_s: float = _POLL_S) -> None:
+    """End this worker (``os._exit``) within ``poll_s`` seconds once its launcher is gone.
+
+    On Linux the kernel also sends SIGTERM when the parent dies (``PR_SET_PDEATHSIG``); the
+    watching thread covers the rest (other systems, a SIGTERM handler that cannot run while the
+    main thread waits in a collective). A launcher that died before this call ends the worker now.
+    """
+    expected = _expected_parent()
+    # (The kernel ties PDEATHSIG to the parent *thread* that forked us: the elastic agent starts
+    # workers from its main thread, so that thread's end is the launcher's end.)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != expected:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != expected:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="neorec-launcher-watch", daemon=True).start()
+
+
+class _WorkerState:
+    interrupted = False  # SIGINT received (forwarded by the launcher)
+    unwinding = False  # already handling a failure: a SIGINT now must not raise into it
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _WorkerState.interrupted = True
+    if not _WorkerState.unwinding:
+        raise KeyboardInterrupt
+
+
+def _peer_failed(rank: int) -> bool:
+    d = os.environ.get(ERROR_DIR_ENV, "")
+    if not d or not os.path.isdir(d):
+        return False
+    return any(n.endswith(".json") and n != f"rank-{rank}.json" for n in os.listdir(d))
+
+
+def _report(rank: int, message: str, defect: bool = False) -> bool:
+    """Hand a worker's failure to the launcher (which prints it once); False if there is none."""
+    d = os.environ.get(ERROR_DIR_ENV, "")
+    if not d or not os.path.isdir(d):
+        return False
+    try:
+        tmp = os.path.join(d, f".rank-{rank}.tmp")
+        with open(tmp, "w") as f:
+            record = {"rank": rank, "time": time.time(), "message": message, "defect": defect}
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(d, f"rank-{rank}.json"))
+    except OSError:
+        return False
+    return True
+
+
+def _consequence(rank: int, grace_s: float = _GRACE_S) -> bool:
+    """True if this rank's failure follows another's: Ctrl-C, or a peer that failed first.
+
+    A peer killed by a signal reports nothing, and this rank's collective then breaks
+    ("Connection reset by peer"): so a rank of a job waits ``grace_s`` seconds first, in which
+    the launcher, having seen the peer's end, stops this rank too (SIGTERM).
+    """
+    deadline = time.monotonic() + (grace_s if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0)
+    while True:
+        if _WorkerState.interrupted or _peer_failed(rank):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a failed or interrupted worker at once: no interpreter teardown, whose destructors of
+    a process group with a vanished peer can abort (``terminate called ...``) or wait."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def run_worker(fn: Callable[[], int]) -> int:
+    """Run one rank's work: watch the launcher, report errors once, stay quiet on Ctrl-C.
+
+    A ``NeorecError`` is reported (to the launcher, else as ``neorec: error: rank R: ...``) and
+    exits 2; Ctrl-C (a SIGINT forwarded by the launcher) exits 130 without a word, as does any
+    failure that follows it (a collective broken by a peer that stopped first). A failure that
+    follows a peer's (see ``_consequence``) also stays quiet (exit 1). Other exceptions are
+    defects: their traceback is printed and the launcher's line names the rank and the exception
+    (exit 1). A failed worker ends with ``os._exit``; a finished one returns 0.
+    """
+    watch_launcher()
+    rank = _rank()
+    with contextlib.suppress(ValueError):  # not the main thread: keep the default handler
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        return fn()
+    except NeorecError as e:
+        _WorkerState.unwinding = True
+        if not _report(rank, str(e)):
+            print(f"neorec: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        _exit_now(e.exit_code)
+    except KeyboardInterrupt:
+        _WorkerState.unwinding = True
+        _exit_now(EXIT_INTERRUPTED)
+    except Exception as e:
+        _WorkerState.unwinding = True
+        if _consequence(rank):
+            _exit_now(EXIT_INTERRUPTED if _WorkerState.interrupted else 1)
+        _report(rank, f"{type(e).__name__}: {e}".splitlines()[0], defect=True)
+        traceback.print_exc()
+        _exit_now(1)
+
+
+# ---- the launcher side ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_torchrun() -> Iterator[None]:
+    """No log lines from the elastic agent (it logs every signal and failure), unless LOGLEVEL."""
+    if os.environ.get("LOGLEVEL"):
+        yield
+        return
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _restore_signals() -> None:
+    """The agent leaves its raising handlers installed; put back Python's defaults."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+def _first_reported(errdir: str) -> dict[str, Any] | None:
+    """The earliest failure a worker reported (rank, message, defect), if any."""
+    found = []
+    for p in Path(errdir).glob("rank-*.json"):
+        try:
+            d = json.loads(p.read_text())
+            found.append((float(d["time"]), int(d["rank"]), str(d["message"]), bool(d["defect"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not found:
+        return None
+    _, rank, message, defect = min(found)
+    return {"rank": rank, "message": message, "defect": defect}
+
+
+def _exit_code(failures: dict[int, Any], rank: int) -> int:
+    code = int(getattr(failures.get(rank), "exitcode", 1))
+    return code if 0 < code < 256 else 1
+
+
+def failure_line(failures: dict[int, Any], errdir: str) -> tuple[str, int]:
+    """The one line and the exit code of a failed job: the first failure a rank reported, else
+    the first the agent saw (``failures``: global rank -> torch's ProcessFailure)."""
+    first = _first_reported(errdir)
+    stopped = "the other ranks were stopped"
+    if first is not None and not first["defect"]:
+        return f"neorec: error: rank {first['rank']}: {first['message']}", 2
+    if first is not None:
+        rank = first["rank"]
+        line = f"neorec: error: rank {rank} failed: {first['message']} (traceback above); {stopped}"
+        return line, _exit_code(failures, rank)
+    # (Whole seconds: on a tie the first the agent saw, which it lists first.)
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    code = int(failures[rank].exitcode)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"neorec: error: rank {rank} was killed by {name}; {stopped}", 1
+    if code == EXIT_INTERRUPTED:  # a SIGINT sent to that worker alone
+        return f"neorec: rank {rank} was interrupted; {stopped}", EXIT_INTERRUPTED
+    line = f"neorec: error: rank {rank} exited with code {code} (its output is above); {stopped}"
+    return line, _exit_code(failures, rank)
+
+
+def launch(nproc: int, worker_argv: list[str], on_signal: Callable[[signal.Signals], str]) -> int:
+    """Run ``python -m neorec WORKER_ARGV`` as ``nproc`` local ranks; one line if it fails.
+
+    Returns the exit code: 0; 2 when a worker reported a ``NeorecError`` (printed once as
+    ``neorec: error: rank R: ...``); a failed worker's own code; 128 + n when the launcher got
+    signal n (SIGINT: 130, after the workers stopped), printing ``on_signal(sig)``.
+    """
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import launch_agent
+
+    argv = [
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        f"--rdzv-id={uuid.uuid4()}",
+        "-m",
+        "neorec",
+        *worker_argv,
+    ]
+    errdir = tempfile.mkdtemp(prefix="neorec-errors-")
+    try:
+        with _quiet_torchrun():
+            targs = torchrun.parse_args(argv)
+            if targs.master_port is None:
+                targs.master_port = 29500  # as torchrun's run(); unused by c10d rendezvous
+            config, cmd, cmd_args = torchrun.config_from_args(targs)
+            with _env(**{LAUNCHER_PID_ENV: str(os.getpid()), ERROR_DIR_ENV: errdir}):
+                try:
+                    launch_agent(config, cmd, list(cmd_args))
+                finally:
+                    _restore_signals()
+        return 0
+    except ChildFailedError as e:
+        line, code = failure_line(e.failures, errdir)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:
+        sig = signal.Signals(e.sigval)
+        print(on_signal(sig), file=sys.stderr, flush=True)
+        return 128 + int(sig)
+    finally:
+        shutil.rmtree(errdir, ignore_errors=True)
+
+
+# ---- Ctrl-C and the resume command ---------------------------------------------------------
+def resume_command(config: str | None, sets: list[str], nproc: int) -> str:
+    """The ``neorec train`` command that continues a run from its latest checkpoint."""
+    argv = ["neorec", "train"]
+    if config:
+        argv += ["--config", config]
+    for s in sets:
+        if s.split("=", 1)[0].strip() != "checkpoint.resume":
+            argv += ["--set", s]
+    if nproc > 1:
+        argv += ["--nproc", str(nproc)]
+    return shlex.join([*argv, "--resume", "latest"])
+
+
+def _latest_checkpoint_step(cfg: Any) -> int | None:
+    """Step of the checkpoint ``--resume latest`` would restore, None if there is none."""
+    from neorec.checkpoint import list_checkpoints, open_storage, resolve_checkpoint
+    from neorec.checkpoint.hooks import checkpoint_root
+
+    try:
+        storage = open_storage(checkpoint_root(cfg), fsync=False)
+        name = resolve_checkpoint(storage, "latest")
+        steps = [int(m["step"]) for m in list_checkpoints(storage) if m["name"] == name]
+    except (NeorecError, OSError, KeyError, ValueError):
+        return None
+    return steps[0] if steps else None
+
+
+def interrupted_line(cfg: Any, resume: str, step: int | None, what: str = "interrupted") -> str:
+    """``neorec: interrupted at step S; resume from the checkpoint of step C with: ...``."""
+    head = f"neorec: {what}" + (f" at step {step}" if step is not None else "")
+    if cfg is None:
+        return head
+    ckpt = _latest_checkpoint_step(cfg)
+    if ckpt is None:
+        return f"{head} (no checkpoint to resume from)"
+    return f"{head}; resume from the checkpoint of step {ckpt} with: {resume}"
+
+
+def step_of(exc: BaseException) -> int | None:
+    """The step the trainer had finished when ``exc`` went through it (from its traceback)."""
+    tb: TracebackType | None = exc.__traceback__
+    step = None
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        value = getattr(obj, "step", None)
+        if type(obj).__name__ == "Trainer" and isinstance(value, int):
+            step = value
+        tb = tb.tb_next
+    return step
