@@ -33,6 +33,7 @@ BENCHES = {
     "cache": "neorec.bench.cache",
     "ckpt": "neorec.bench.ckpt",
     "data": "neorec.bench.data",
+    "lowp": "neorec.bench.lowp",
 }
 
 

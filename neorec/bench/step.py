@@ -58,7 +58,56 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bf16", action="store_true", help="dense MLPs under bf16 autocast (AMX)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument(
+        "--lowp",
+        default="",
+        metavar="MODE[,MODE...]",
+        help="LoKA precision modes to time side by side: off, auto, bf16, fp16, fp8 "
+        "(e.g. off,auto); each mode probes during the warm-up steps, then is timed",
+    )
+    p.add_argument("--tolerance", type=float, default=None, help="lowp.tolerance override")
     return p.parse_args(argv)
+
+
+class _Mode:
+    """A fresh model (same seed) trained in one lowp mode (or plain: mode '')."""
+
+    def __init__(self, cfg, a: argparse.Namespace, mode: str) -> None:
+        from neorec.lowp.dispatch import Dispatcher
+
+        self.model = build_dlrm(cfg)
+        self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
+        self.bf16 = a.bf16
+        self.disp = None
+        if mode and mode != "off":
+            tol = a.tolerance if a.tolerance is not None else 0.01
+            warm = max(a.warmup, 1)
+            self.disp = Dispatcher(
+                self.model.dense_arch, cfg.data.batch_size, mode, tol, probe_steps=warm, reprobe=0
+            )
+        self.times: list[float] = []
+
+    def step(self, i: int, batch: Batch, timed: bool) -> None:
+        t0 = time.perf_counter()
+        if self.disp is not None:
+            self.disp.before_step(i)
+        train_step(self.model, self.opt, batch, i + 1, bf16=self.bf16)
+        if self.disp is not None:
+            self.disp.after_step(i)
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+
+    def result(self) -> dict:
+        out = {
+            "ms": 1000 * statistics.median(self.times),
+            "ms_mean": 1000 * statistics.mean(self.times),
+            "backend": str(self.model.ebc.backend.name),  # type: ignore[union-attr]
+        }
+        if self.disp is not None:
+            out["plan"] = dict(self.disp.plan)
+            out["lowp_sites"] = sum(p != "fp32" for p in self.disp.plan.values())
+            self.disp.close()
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,17 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(path, sets)
     if a.threads:
         torch.set_num_threads(a.threads)
-    model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    modes = [m.strip() for m in a.lowp.split(",") if m.strip()] if a.lowp else [""]
+    from neorec.lowp.dispatch import MODES
+
+    bad = [m for m in modes if m and m not in MODES]
+    if bad:
+        raise SystemExit(f"neorec bench step: --lowp {bad[0]!r}: modes are {', '.join(MODES)}")
     batches = make_batches(cfg, 4, a.alpha)
-    times = []
+    # Every mode's model steps in turn (interleaved), so load on the machine hits them alike.
+    trainers = {m: _Mode(cfg, a, m) for m in modes}
     for i in range(a.warmup + a.iters):
-        t0 = time.perf_counter()
-        train_step(model, opt, batches[i % len(batches)], i + 1, bf16=a.bf16)
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-    ms = 1000 * statistics.median(times)
-    backend_name = str(model.ebc.backend.name)  # type: ignore[union-attr]
+        for tr in trainers.values():
+            tr.step(i, batches[i % len(batches)], timed=i >= a.warmup)
+    runs = {m: tr.result() for m, tr in trainers.items()}
+    first = runs[modes[0]]
+    ms = first["ms"]
+    backend_name = first["backend"]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t = cfg.embedding.tables
     result = {
@@ -111,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "bf16_dense": a.bf16,
         "threads": torch.get_num_threads(),
         "ms_per_step": round(ms, 2),
-        "ms_per_step_mean": round(1000 * statistics.mean(times), 2),
+        "ms_per_step_mean": round(first["ms_mean"], 2),
         "samples_per_s": round(cfg.data.batch_size / (ms / 1000), 1),
         "peak_rss_mb": round(rss_mb, 1),
     }
@@ -120,5 +174,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<22}{result[k]!s:>14}")
     for k in ("bf16_dense", "ms_per_step", "ms_per_step_mean", "samples_per_s", "peak_rss_mb"):
         print(f"{k:<22}{result[k]!s:>14}")
+    if a.lowp:
+        base = runs.get("off", first)["ms"]
+        result["lowp"] = {
+            m: {
+                "ms_per_step": round(r["ms"], 2),
+                "speedup_vs_off": round(base / r["ms"], 3),
+                **({"plan": r["plan"], "lowp_sites": r["lowp_sites"]} if "plan" in r else {}),
+            }
+            for m, r in runs.items()
+        }
+        print(f"{'lowp mode':<12}{'ms/step':>10}{'vs off':>9}{'lowp sites':>12}")
+        for m, r in result["lowp"].items():
+            sites = r.get("lowp_sites", 0)
+            print(f"{m:<12}{r['ms_per_step']:>10.2f}{r['speedup_vs_off']:>8.2f}x{sites:>12}")
     print(json.dumps(result))
     return 0

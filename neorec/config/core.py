@@ -13,6 +13,7 @@ from neorec.config.run import (
     CheckpointConfig,
     CommConfig,
     DataConfig,
+    LowpConfig,
     PlannerConfig,
     ShardingConfig,
     StorageConfig,
@@ -36,6 +37,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     comm: CommConfig = field(default_factory=lambda: CommConfig())
+    lowp: LowpConfig = field(default_factory=LowpConfig)
 
     def __post_init__(self) -> None:
         hints = get_type_hints(Config)

@@ -22,6 +22,7 @@ __all__ = [
     "StorageConfig",
     "CheckpointConfig",
     "CommConfig",
+    "LowpConfig",
     "check_sharding_type",
     "_COMM_CODECS",
 ]
@@ -269,3 +270,32 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "comm")
+
+
+@dataclass
+class LowpConfig:
+    """LoKA: low precision where the probe shows it is safe and the machine shows it is faster
+    (``neorec.lowp``)."""
+
+    mode: str = field(default="off", metadata=rule(choices=("off", "auto", "bf16", "fp16", "fp8")))
+    """``off``; ``auto`` = per site, the fastest precision whose probed error is within
+    ``tolerance`` and that is faster than fp32 here; ``bf16`` / ``fp16`` / ``fp8`` = forced on every
+    GEMM site (the probe still runs and reports)."""
+    tolerance: float = field(default=0.01, metadata=rule(hi=1.0, gt=0.0))
+    """Largest relative error (95% upper bound over the probed steps) of a site's output and
+    gradients vs fp32 that ``auto`` accepts."""
+    probe_steps: int = field(default=4, metadata=rule(1, 10_000))
+    """First steps probed (in fp32) before the first choice."""
+    reprobe_every: int = field(default=500, metadata=rule(0, 2**40))
+    """Probe again (and choose again) every this many steps; 0 = never."""
+    drift: float = field(default=4.0, metadata=rule(hi=1e6, gt=1.0))
+    """A low-precision site whose output amax grows past this factor of what it was after the
+    choice (or is not finite) goes back to fp32 at once and is probed again."""
+    keep_ends: bool = True
+    """Mod: the first and the last Linear stay fp32."""
+    row_scale: bool = True
+    """Mod: the dot interaction divides each vector by a power of two before the cast (exact), so
+    fp16 cannot overflow there."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "lowp")

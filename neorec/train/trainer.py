@@ -310,12 +310,16 @@ class Trainer:
         progress.begin()
         t0 = progress.start
         positions: deque[tuple[int, int]] = deque()
+        from neorec.lowp.hooks import TrainerLowp
+
+        self.lowp = TrainerLowp.create(self)
+        step_fn = train_step if self.lowp is None else self.lowp.wrap(train_step)
         pipe = make_pipeline(
             cfg.train.pipeline,
             self.model,
             self.opt,
             self._feed(positions),
-            train_step,
+            step_fn,
             bf16=cfg.train.bf16_dense,
         )
         try:
@@ -343,6 +347,8 @@ class Trainer:
             raise
         finally:
             pipe.close()
+            if self.lowp is not None:
+                self.lowp.close()  # the probe's table and lowp.json; every site back to fp32
         self.pipe_times = pipe.times
         self._comm = self.comm_metrics()
         if self.ckpt is not None:
@@ -433,6 +439,9 @@ class Trainer:
         # callable: the sharded collection's ``stats`` is its CommStats, not a cache report.
         if ebc is not None and callable(getattr(ebc, "stats", None)):
             result["storage"] = ebc.stats()  # row cache hit rate, bytes per tier, evictions
+        lowp = getattr(self, "lowp", None)
+        if lowp is not None:
+            result["lowp"] = lowp.summary()
         if teacher:
             result["eval_ne_gap_vs_teacher"] = final["ne"] / teacher["ne"] - 1.0
         self.write(result)

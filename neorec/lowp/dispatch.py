@@ -1,0 +1,319 @@
+"""LoKA's dispatch: per site, the fastest precision whose probed error is within tolerance.
+
+Rules (:func:`choose`): a candidate is *safe* at a site when the upper confidence bound of its
+worse error (forward output, input gradient, weight gradient) over the probed steps is at most
+``tolerance``; among the safe ones the fastest measured one wins, and only if it takes at most
+``MIN_GAIN`` (90%) of fp32's time (never a slower one, nor one within the timing noise). Forced modes (``bf16``, ``fp16``, ``fp8``) run every GEMM site in that
+format whatever the probe says, except where a mod keeps a site in fp32 (the first and last
+layers with ``keep_ends``).
+
+The chosen precision is installed by switching the module's class to a subclass with the same
+parameters and state-dict keys (:class:`LowpLinear`, :class:`LowpDot`), so checkpoints, DDP and
+the optimizer see the same model; :func:`uninstall` switches back.
+
+:class:`Dispatcher` drives it during training: probe the first steps, choose, then re-probe every
+``reprobe`` steps and choose again; between probes it watches each low-precision site's output
+amax, and a site whose amax grows past ``drift`` times what the probe saw, or whose output is not
+finite, falls back to fp32 at once and is probed again on the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from neorec.lowp.formats import CANDIDATES, Candidate, candidate
+from neorec.lowp.kernels import dot_bmm, linear
+from neorec.lowp.probe import Probe, SiteStats
+from neorec.lowp.timing import Timings
+from neorec.modules.dlrm import DotInteraction
+
+__all__ = [
+    "MODES",
+    "LowpLinear",
+    "LowpDot",
+    "choose",
+    "install",
+    "uninstall",
+    "Decision",
+    "Dispatcher",
+]
+
+MODES = ("off", "auto", "bf16", "fp16", "fp8")
+MIN_GAIN = 0.9
+"""A candidate must take at most this fraction of fp32's time: timings are noisy, and a switch
+that only measures as faster within the noise costs casts and can be slower in the run."""
+FP32 = candidate("fp32")
+
+
+class LowpLinear(nn.Linear):
+    """An ``nn.Linear`` whose GEMMs run in ``precision`` (fp32 master weights)."""
+
+    precision: Candidate = FP32
+    watch: Callable[[Tensor], None] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x W^T + b`` in the site's precision."""
+        y = linear(x, self.weight, self.bias, self.precision)
+        if self.watch is not None:
+            self.watch(y)
+        return y
+
+
+class LowpDot(DotInteraction):
+    """The DLRM dot interaction with its batched GEMM in ``precision``."""
+
+    precision: Candidate = FP32
+    watch: Callable[[Tensor], None] | None = None
+    row_scale: bool = True  # the mod: power-of-two row scaling before the cast
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """As ``DotInteraction.forward``."""
+        t = torch.cat([dense.unsqueeze(1), pooled], dim=1)
+        z = dot_bmm(t, self.precision, self.row_scale)
+        if self.watch is not None:
+            self.watch(z)
+        return torch.cat([dense, z[:, self.rows, self.cols]], dim=1)
+
+
+_SWAP: dict[type, type] = {nn.Linear: LowpLinear, DotInteraction: LowpDot}
+
+
+def _root(dense: nn.Module) -> nn.Module:
+    return getattr(dense, "module", dense)
+
+
+def install(dense: nn.Module, plan: dict[str, str]) -> None:
+    """Run each site named in ``plan`` in its precision (fp32 sites keep the plain class)."""
+    mods = dict(_root(dense).named_modules())
+    for name, prec in plan.items():
+        m = mods.get(name)
+        if m is None:
+            continue
+        base = next((b for b in _SWAP if type(m) in (b, _SWAP[b])), None)
+        if base is None:
+            continue
+        cand = candidate(prec)
+        m.__class__ = base if cand.kind == "fp32" else _SWAP[base]
+        if cand.kind != "fp32":
+            m.precision = cand  # type: ignore[assignment]
+
+
+def uninstall(dense: nn.Module) -> None:
+    """Every site back to fp32 (its plain class)."""
+    for m in _root(dense).modules():
+        for base, swapped in _SWAP.items():
+            if type(m) is swapped:
+                m.__class__ = base
+                m.__dict__.pop("precision", None)
+                m.__dict__.pop("watch", None)
+
+
+def choose(
+    results: dict[str, SiteStats],
+    times: dict[str, dict[str, float]],
+    tolerance: float,
+    mode: str = "auto",
+    keep_fp32: frozenset[str] = frozenset(),
+) -> dict[str, str]:
+    """Precision per GEMM site (``linear`` / ``interaction``) under the rules above."""
+    plan: dict[str, str] = {}
+    for name, r in results.items():
+        if r.site.kind not in ("linear", "interaction"):
+            continue
+        if name in keep_fp32 or mode == "off":
+            plan[name] = "fp32"
+            continue
+        if mode != "auto":
+            forced = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8-e4m3-row"}[mode]
+            plan[name] = forced
+            continue
+        t = times.get(name, {})
+        base = t.get("fp32", math.inf)
+        best, best_t = "fp32", base
+        for cand_name in r.errors:
+            bound = r.bound(cand_name)
+            ms = t.get(cand_name, math.inf)
+            if (
+                math.isfinite(bound)
+                and bound <= tolerance
+                and ms <= MIN_GAIN * base
+                and ms < best_t
+            ):
+                best, best_t = cand_name, ms
+        plan[name] = best
+    return plan
+
+
+@dataclass
+class Decision:
+    """A dispatch decision: the plan and what it was based on (for the report)."""
+
+    step: int
+    plan: dict[str, str]
+    times: dict[str, dict[str, float]]
+    fallbacks: list[str] = field(default_factory=list)
+
+
+class Dispatcher:
+    """Probe, choose and install precisions on a model's dense part during training.
+
+    Call :meth:`before_step` before each step's forward and :meth:`after_step` after its backward
+    (and optimizer step); the trainer does this when ``lowp.mode`` is not ``off``.
+    """
+
+    def __init__(
+        self,
+        dense: nn.Module,
+        batch: int,
+        mode: str = "auto",
+        tolerance: float = 0.01,
+        probe_steps: int = 4,
+        reprobe: int = 500,
+        drift: float = 4.0,
+        keep_ends: bool = True,
+        row_scale: bool = True,
+        timings: Timings | None = None,
+        weights: Callable[[], dict[str, Tensor]] | None = None,
+        candidates: tuple[Candidate, ...] = CANDIDATES,
+        sync: Callable[[dict[str, str]], dict[str, str]] | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"lowp.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.dense, self.batch, self.mode = dense, batch, mode
+        self.tolerance, self.probe_steps, self.reprobe, self.drift = (
+            tolerance,
+            probe_steps,
+            reprobe,
+            drift,
+        )
+        self.timings = timings if timings is not None else Timings()
+        self.row_scale = row_scale
+        # several ranks: the plan is rank 0's (sync), and a drift on any rank sends every
+        # low-precision site back to fp32 on every rank (any_rank: a collective OR)
+        self.sync, self.any_rank = sync, any_rank
+        self.probe = Probe(
+            dense, candidates, probe_steps, reprobe, weights=weights, row_scale=row_scale
+        )
+        gemm = [s for s in self.probe.sites if s.kind in ("linear", "interaction")]
+        linears = [s.name for s in gemm if s.kind == "linear"]
+        self.keep_fp32 = frozenset(
+            [linears[0], linears[-1]] if keep_ends and len(linears) > 1 else []
+        )
+        self.plan: dict[str, str] = {s.name: "fp32" for s in gemm}
+        self.decisions: list[Decision] = []
+        self._drifted: list[str] = []
+        self._force_probe = False
+
+    # ---- the training hooks ---------------------------------------------------------------------
+    def before_step(self, step: int) -> None:
+        """Arm the probe on sampled steps (and on the step after a fallback)."""
+        if self.probe.step_begin(step) or self._force_probe:
+            self.probe._active = True
+
+    def after_step(self, step: int) -> None:
+        """Measure a sampled step; decide after the first probe window and on each re-probe."""
+        measured = self.probe.collect()
+        drifted = bool(self._drifted)
+        if self.any_rank is not None and any(p != "fp32" for p in self.plan.values()):
+            drifted = self.any_rank(drifted)
+            if drifted:
+                self._drifted = [n for n, p in self.plan.items() if p != "fp32"]
+        if drifted:
+            self._fall_back(step)
+        elif measured and step + 1 >= self.probe_steps:  # the first window's end, a re-probe
+            self._force_probe = False
+            self.decide(step)
+
+    def decide(self, step: int) -> dict[str, str]:
+        """Choose and install the plan from what the probe has seen so far."""
+        times = self.site_times()
+        plan = choose(self.probe.results, times, self.tolerance, self.mode, self.keep_fp32)
+        if self.sync is not None:
+            plan = self.sync(plan)
+        self.plan = plan
+        uninstall(self.dense)
+        install(self.dense, plan)
+        self._watch()
+        self.decisions.append(Decision(step, dict(plan), times))
+        if len(self.decisions) == 1:
+            # Re-probes measure only what can be chosen here (a kernel exists, or the mode
+            # forces it); the first window's table keeps the rest (fp8 on a CPU, the weights).
+            keep = {c for row in times.values() for c, ms in row.items() if math.isfinite(ms)}
+            keep |= set(plan.values())
+            self.probe.candidates = [c for c in self.probe.candidates if c.name in keep]
+            self.probe.weights = None
+            # ... and only the sites where some candidate is fast enough to be chosen at all:
+            # on a machine where nothing beats fp32, re-probing costs nothing.
+            self.probe.skip = {
+                n
+                for n, row in times.items()
+                if plan.get(n) == "fp32"
+                and not any(ms <= MIN_GAIN * row["fp32"] for c, ms in row.items() if c != "fp32")
+            } | {s.name for s in self.probe.sites if s.kind not in ("linear", "interaction")}
+            if len(self.probe.skip) >= len(self.probe.sites):
+                self.probe.remove()  # nothing left to measure: no hooks in the way of a step
+        return plan
+
+    def site_times(self) -> dict[str, dict[str, float]]:
+        """ms per candidate of every GEMM site (from the machine's timing cache)."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.probe.sites:
+            if s.kind not in ("linear", "interaction") or not s.shape:
+                continue
+            rows = s.rows or self.batch
+            row = {"fp32": self.timings.get(s.kind, s.shape, rows, FP32)}
+            for c in self.probe.candidates:
+                row[c.name] = self.timings.get(s.kind, s.shape, rows, c)
+            out[s.name] = row
+        if self.timings.measured:
+            self.timings.save()
+        return out
+
+    # ---- drift --------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        mods = dict(_root(self.dense).named_modules())
+        for name, prec in self.plan.items():
+            m = mods.get(name)
+            if m is None or prec == "fp32":
+                continue
+            if isinstance(m, LowpDot):
+                m.row_scale = self.row_scale
+            m.watch = self._make_watch(name)  # type: ignore[assignment]
+
+    def _make_watch(self, name: str) -> Callable[[Tensor], None]:
+        state: dict[str, Any] = {"ref": None}  # the output amax of the first step after a choice
+
+        def watch(y: Tensor) -> None:
+            # note: a host sync on low-precision sites only, to catch overflow before it spreads
+            amax = float(y.detach().abs().amax()) if y.numel() else 0.0
+            if state["ref"] is None:
+                state["ref"] = amax
+            if not math.isfinite(amax) or amax > self.drift * max(state["ref"], 1e-30):
+                if name not in self._drifted:
+                    self._drifted.append(name)
+
+        return watch
+
+    def _fall_back(self, step: int) -> None:
+        plan = dict(self.plan)
+        for name in self._drifted:
+            plan[name] = "fp32"
+        self.plan = plan
+        uninstall(self.dense)
+        install(self.dense, plan)
+        self._watch()
+        self.decisions.append(Decision(step, dict(plan), {}, list(self._drifted)))
+        self._drifted = []
+        self._force_probe = True  # measure again on the next step, then choose again
+
+    def close(self) -> None:
+        """Detach the probe and return every site to fp32."""
+        self.probe.remove()
+        uninstall(self.dense)

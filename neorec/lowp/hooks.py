@@ -1,0 +1,124 @@
+"""The trainer's LoKA hooks: dispatch around each step, the probe's table at the end.
+
+With ``lowp.mode`` other than ``off`` the trainer probes the first ``lowp.probe_steps`` steps (in
+fp32), chooses per site, and re-probes every ``lowp.reprobe_every`` steps; at the end rank 0
+prints the probe's table and writes it with the plan and the timings to ``<run_dir>/lowp.json``.
+Several ranks run rank 0's plan (broadcast), so every replica computes alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from neorec.lowp.dispatch import Dispatcher
+from neorec.lowp.report import format_table, report_json
+
+__all__ = ["TrainerLowp"]
+
+
+def _broadcast_plan(plan: dict[str, str]) -> dict[str, str]:
+    box: list[Any] = [plan]
+    dist.broadcast_object_list(box, src=0)
+    return dict(box[0])
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class TrainerLowp:
+    """Owns the Dispatcher of a Trainer (duck-typed: cfg, model, rank, world, out)."""
+
+    def __init__(self, trainer: Any) -> None:
+        cfg = trainer.cfg
+        lp = cfg.lowp
+        model = trainer.model
+        ebc = getattr(model, "ebc", None)
+        weights = None
+        if ebc is not None and hasattr(ebc, "table_weight") and trainer.world == 1:
+            names = [t.name for t in cfg.embedding.tables]
+
+            def weights() -> dict[str, Any]:
+                return {n: ebc.table_weight(n) for n in names}
+
+        several = trainer.world > 1
+        self.disp = Dispatcher(
+            model.dense_arch,
+            max(1, cfg.data.batch_size // trainer.world),
+            mode=lp.mode,
+            tolerance=lp.tolerance,
+            probe_steps=lp.probe_steps,
+            reprobe=lp.reprobe_every,
+            drift=lp.drift,
+            keep_ends=lp.keep_ends,
+            row_scale=lp.row_scale,
+            weights=weights,
+            sync=_broadcast_plan if several else None,
+            any_rank=_any_rank if several else None,
+        )
+        self.rank, self.out = trainer.rank, trainer.out
+        self.run_dir = Path(cfg.train.run_dir)
+        self._index = 0
+
+    @classmethod
+    def create(cls, trainer: Any) -> TrainerLowp | None:
+        """Hooks when ``lowp.mode`` is not ``off``."""
+        lp = getattr(trainer.cfg, "lowp", None)
+        return cls(trainer) if lp is not None and lp.mode != "off" else None
+
+    def wrap(self, step_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """``step_fn`` (the trainer's train_step) with the dispatch hooks around it."""
+
+        def stepped(*args: Any, **kwargs: Any) -> Tensor:
+            self.before_step()
+            loss = step_fn(*args, **kwargs)
+            self.after_step()
+            return loss
+
+        return stepped
+
+    def before_step(self) -> None:
+        """Before a step's forward."""
+        self.disp.before_step(self._index)
+
+    def after_step(self) -> None:
+        """After a step's backward and optimizer step."""
+        self.disp.after_step(self._index)
+        self._index += 1
+
+    def summary(self) -> dict[str, Any]:
+        """The plan and how many sites run in low precision (for metrics.json)."""
+        plan = self.disp.plan
+        return {
+            "mode": self.disp.mode,
+            "tolerance": self.disp.tolerance,
+            "plan": dict(plan),
+            "low_precision_sites": sum(p != "fp32" for p in plan.values()),
+            "decisions": len(self.disp.decisions),
+            "fallbacks": sum(len(d.fallbacks) for d in self.disp.decisions),
+        }
+
+    def close(self) -> None:
+        """Print the table and write ``lowp.json`` (rank 0); detach the hooks."""
+        disp = self.disp
+        if self.rank == 0 and disp.decisions:
+            times = next((d.times for d in reversed(disp.decisions) if d.times), {})
+            probe = disp.probe.to_json()
+            print(format_table(probe, disp.plan, times, disp.tolerance), file=self.out, flush=True)
+            rep = report_json(
+                probe, disp.plan, times, disp.tolerance, disp.mode, disp.timings.machine
+            )
+            rep["summary"] = self.summary()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "lowp.json").write_text(json.dumps(rep, indent=1))
+        disp.close()
