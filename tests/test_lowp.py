@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import pytest
@@ -422,3 +423,45 @@ def test_trainer_runs_lowp_and_reports(tmp_path, monkeypatch):
     # the specification: the fp32 run; bf16 sites train to nearly the same model
     assert m["eval"]["ne"] == pytest.approx(ref["eval"]["ne"], rel=0.01)
     assert "lowp" not in ref
+
+
+def _wire_rank(rank: int, world: int, tmp: str) -> None:
+    from neorec.train.trainer import Trainer
+
+    os.environ["NEOREC_LOWP_TIMINGS"] = f"{tmp}/timings-{rank}.json"
+    over = [
+        "embedding.num_tables=3",
+        "embedding.rows=200",
+        "embedding.dim=8",
+        "model.bottom_mlp=[16, 8]",
+        "model.top_mlp=[16, 1]",
+        "data.batch_size=64",
+        "data.train_samples=1280",
+        "data.eval_samples=640",
+        "train.progress=false",
+        "train.threads=1",
+        "sharding.default_type='table_wise'",
+        "lowp.probe_steps=2",
+    ]
+    ref = Trainer(load_config(overrides=[*over, f"train.run_dir='{tmp}/ref'"])).fit()
+    tr = Trainer(
+        load_config(
+            overrides=[*over, "lowp.mode='auto'", "lowp.tolerance=0.01", f"train.run_dir='{tmp}/w'"]
+        )
+    )
+    m = tr.fit()
+    wire = m["lowp"]["wire"]
+    # the pooled vectors and gradients are within 1% in fp16 (probed ~2.5e-4): fp16 on the wire
+    assert wire == {"pooled.forward": "fp16", "pooled.backward": "fp16"}, wire
+    assert all(c is not None and "fp16" in type(c).__name__.lower() + repr(c).lower()
+               for c in tr.model.ebc.codecs)  # fmt: skip
+    assert m["eval"]["ne"] == pytest.approx(ref["eval"]["ne"], rel=0.01)
+    if rank == 0:
+        rep = json.loads(open(f"{tmp}/w/lowp.json").read())
+        assert rep["plan"]["pooled.forward"] == "fp16"
+
+
+def test_distributed_auto_puts_the_pooled_all_to_all_on_the_wire_format(tmp_path):
+    from dist_util import run_ranks
+
+    run_ranks(_wire_rank, 2, str(tmp_path))

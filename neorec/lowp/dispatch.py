@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from neorec.lowp.formats import CANDIDATES, Candidate, candidate
 from neorec.lowp.kernels import dot_bmm, linear
-from neorec.lowp.probe import Probe, SiteStats
+from neorec.lowp.probe import Probe, SiteStats, upper_bound
 from neorec.lowp.timing import Timings
 from neorec.modules.dlrm import DotInteraction
 
@@ -114,6 +114,27 @@ def uninstall(dense: nn.Module) -> None:
                 m.__dict__.pop("watch", None)
 
 
+WIRE = ("fp16", "bf16")
+"""Wire formats dispatch may pick for the pooled all-to-all, fewest bytes first then most
+precise: the codecs cast exactly as the probe emulates them (fp8's wire codec scales by a power
+of two per row, not by the probe's amax scale, so it is left to ``comm.*``)."""
+
+
+def choose_wire(r: SiteStats, tolerance: float) -> dict[str, str]:
+    """Codecs of the pooled site's all-to-all: forward (the vectors) and backward (their
+    gradients), each the first wire format whose probed bound is within ``tolerance``."""
+    out = {}
+    for direction, what in (("forward", "fwd"), ("backward", "grad")):
+        pick = "fp32"
+        for name in WIRE:
+            v = r.errors.get(name, {}).get(what)
+            if v and upper_bound(v) <= tolerance:
+                pick = name
+                break
+        out[f"{r.site.name}.{direction}"] = pick
+    return out
+
+
 def choose(
     results: dict[str, SiteStats],
     times: dict[str, dict[str, float]],
@@ -183,6 +204,7 @@ class Dispatcher:
         candidates: tuple[Candidate, ...] = CANDIDATES,
         sync: Callable[[dict[str, str]], dict[str, str]] | None = None,
         any_rank: Callable[[bool], bool] | None = None,
+        wire: Callable[[str, str], None] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"lowp.mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -198,6 +220,9 @@ class Dispatcher:
         # several ranks: the plan is rank 0's (sync), and a drift on any rank sends every
         # low-precision site back to fp32 on every rank (any_rank: a collective OR)
         self.sync, self.any_rank = sync, any_rank
+        # wire(direction, codec): sets the pooled all-to-all's codec (distributed auto runs whose
+        # comm.forward / comm.backward were left at fp32)
+        self.wire = wire
         self.probe = Probe(
             dense, candidates, probe_steps, reprobe, weights=weights, row_scale=row_scale
         )
@@ -235,11 +260,15 @@ class Dispatcher:
         """Choose and install the plan from what the probe has seen so far."""
         times = self.site_times()
         plan = choose(self.probe.results, times, self.tolerance, self.mode, self.keep_fp32)
+        pooled = self.probe.results.get("pooled")
+        if self.wire is not None and self.mode == "auto" and pooled is not None:
+            plan.update(choose_wire(pooled, self.tolerance))
         if self.sync is not None:
             plan = self.sync(plan)
         self.plan = plan
         uninstall(self.dense)
         install(self.dense, plan)
+        self._set_wire(plan)
         self._watch()
         self.decisions.append(Decision(step, dict(plan), times))
         if len(self.decisions) == 1:
@@ -256,7 +285,12 @@ class Dispatcher:
                 for n, row in times.items()
                 if plan.get(n) == "fp32"
                 and not any(ms <= MIN_GAIN * row["fp32"] for c, ms in row.items() if c != "fp32")
-            } | {s.name for s in self.probe.sites if s.kind not in ("linear", "interaction")}
+            } | {
+                s.name
+                for s in self.probe.sites
+                if s.kind not in ("linear", "interaction")
+                and not (s.kind == "pooled" and self.wire is not None and self.mode == "auto")
+            }
             if len(self.probe.skip) >= len(self.probe.sites):
                 self.probe.remove()  # nothing left to measure: no hooks in the way of a step
         return plan
@@ -275,6 +309,14 @@ class Dispatcher:
         if self.timings.measured:
             self.timings.save()
         return out
+
+    def _set_wire(self, plan: dict[str, str]) -> None:
+        if self.wire is None:
+            return
+        for direction in ("forward", "backward"):
+            codec = plan.get(f"pooled.{direction}")
+            if codec is not None:
+                self.wire(direction, codec)
 
     # ---- drift --------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -308,6 +350,7 @@ class Dispatcher:
         self.plan = plan
         uninstall(self.dense)
         install(self.dense, plan)
+        self._set_wire(plan)
         self._watch()
         self.decisions.append(Decision(step, dict(plan), {}, list(self._drifted)))
         self._drifted = []

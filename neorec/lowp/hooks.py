@@ -52,6 +52,22 @@ class TrainerLowp:
                 return {n: ebc.table_weight(n) for n in names}
 
         several = trainer.world > 1
+        wire = None
+        sharded: Any = getattr(model, "ebc", None)
+        if (
+            several
+            and lp.mode == "auto"
+            and cfg.comm.forward == "fp32"
+            and cfg.comm.backward == "fp32"
+            and hasattr(sharded, "codecs")
+        ):
+            from neorec.distributed.codecs import make_codec
+
+            def wire(direction: str, codec: str) -> None:
+                fwd, bwd = sharded.codecs
+                made = make_codec(codec, cfg.comm.fp8_scaling, cfg.comm.loss_scale)
+                sharded.codecs = (made, bwd) if direction == "forward" else (fwd, made)
+
         self.disp = Dispatcher(
             model.dense_arch,
             max(1, cfg.data.batch_size // trainer.world),
@@ -65,6 +81,7 @@ class TrainerLowp:
             weights=weights,
             sync=_broadcast_plan if several else None,
             any_rank=_any_rank if several else None,
+            wire=wire,
         )
         self.rank, self.out = trainer.rank, trainer.out
         self.run_dir = Path(cfg.train.run_dir)
@@ -100,10 +117,13 @@ class TrainerLowp:
         """The plan and how many sites run in low precision (for metrics.json)."""
         plan = self.disp.plan
         return {
+            "wire": {k: v for k, v in plan.items() if k.startswith("pooled.")},
             "mode": self.disp.mode,
             "tolerance": self.disp.tolerance,
             "plan": dict(plan),
-            "low_precision_sites": sum(p != "fp32" for p in plan.values()),
+            "low_precision_sites": sum(
+                p != "fp32" for k, p in plan.items() if not k.startswith("pooled.")
+            ),
             "decisions": len(self.disp.decisions),
             "fallbacks": sum(len(d.fallbacks) for d in self.disp.decisions),
         }
