@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from faults import campaign, judge_cli, run_cli
+from test_launch import TINY as LAUNCH_TINY
 
 from neorec.cli import build_parser
 from neorec.config import load_config
@@ -38,19 +39,10 @@ from neorec.sharding.types import plan_by_type
 C = campaign("processes")
 GONE_S = 10.0  # a worker must be gone this long after its launcher
 START_S = 120.0  # time allowed for a run to start training (2 busy cores)
-TINY = [
-    "embedding.num_tables=3",
-    "embedding.rows=300",
-    "embedding.dim=8",
-    "model.bottom_mlp=[16, 8]",
-    "model.top_mlp=[16, 1]",
-    "data.batch_size=64",
-    "data.train_samples=1920",
-    "data.eval_samples=640",
-    "train.log_every=10",
+TINY = [  # test_launch's tiny model, long enough that every case stops it
+    *LAUNCH_TINY,
     "train.threads=1",
-    "train.collective_timeout_s=60",
-    "train.steps=1000000",  # far more than any case waits for: the run is always stopped
+    "train.steps=1000000",
 ]
 
 

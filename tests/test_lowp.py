@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from test_trainer import tiny_cfg
 
 from neorec.config import load_config
 from neorec.lowp.dispatch import Dispatcher, LowpLinear, choose, install, uninstall
@@ -393,21 +394,7 @@ def test_trainer_runs_lowp_and_reports(tmp_path, monkeypatch):
     monkeypatch.setenv("NEOREC_LOWP_TIMINGS", str(tmp_path / "timings.json"))
 
     def cfg(run, *extra):
-        return load_config(
-            overrides=[
-                "embedding.num_tables=3",
-                "embedding.rows=200",
-                "embedding.dim=8",
-                "model.bottom_mlp=[16, 8]",
-                "model.top_mlp=[16, 1]",
-                "data.batch_size=64",
-                "data.train_samples=2560",
-                "data.eval_samples=640",
-                f"train.run_dir='{tmp_path / run}'",
-                "train.progress=false",
-                *extra,
-            ]
-        )
+        return tiny_cfg(tmp_path / run, *extra)
 
     ref = Trainer(cfg("fp32")).fit()
     m = Trainer(
@@ -429,26 +416,9 @@ def _wire_rank(rank: int, world: int, tmp: str) -> None:
     from neorec.train.trainer import Trainer
 
     os.environ["NEOREC_LOWP_TIMINGS"] = f"{tmp}/timings-{rank}.json"
-    over = [
-        "embedding.num_tables=3",
-        "embedding.rows=200",
-        "embedding.dim=8",
-        "model.bottom_mlp=[16, 8]",
-        "model.top_mlp=[16, 1]",
-        "data.batch_size=64",
-        "data.train_samples=1280",
-        "data.eval_samples=640",
-        "train.progress=false",
-        "train.threads=1",
-        "sharding.default_type='table_wise'",
-        "lowp.probe_steps=2",
-    ]
-    ref = Trainer(load_config(overrides=[*over, f"train.run_dir='{tmp}/ref'"])).fit()
-    tr = Trainer(
-        load_config(
-            overrides=[*over, "lowp.mode='auto'", "lowp.tolerance=0.01", f"train.run_dir='{tmp}/w'"]
-        )
-    )
+    over = ["train.threads=1", "sharding.default_type='table_wise'", "lowp.probe_steps=2"]
+    ref = Trainer(tiny_cfg(f"{tmp}/ref", *over)).fit()
+    tr = Trainer(tiny_cfg(f"{tmp}/w", *over, "lowp.mode='auto'", "lowp.tolerance=0.01"))
     m = tr.fit()
     wire = m["lowp"]["wire"]
     # the pooled vectors and gradients are within 1% in fp16 (probed ~2.5e-4): fp16 on the wire

@@ -274,6 +274,18 @@ def _few(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _only_on_one_side(saved: dict[str, Any], current: dict[str, Any], what: str) -> list[str]:
+    """Lines naming the keys only the checkpoint has, and those only this model has."""
+    out = []
+    for keys, where in (
+        ([k for k in saved if k not in current], "the checkpoint"),
+        ([k for k in current if k not in saved], "this model"),
+    ):
+        if keys:
+            out.append(f"{what} only in {where}: {_few(keys)}")
+    return out
+
+
 def model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Every way the model a checkpoint describes differs from ``current`` (same layout).
 
@@ -282,14 +294,8 @@ def model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[st
     out: list[str] = []
     st, ct = saved.get("tables", {}), current.get("tables", {})
     if list(st) != list(ct):
-        only_s = [t for t in st if t not in ct]
-        only_c = [t for t in ct if t not in st]
-        if only_s:
-            out.append(f"tables only in the checkpoint: {_few(only_s)}")
-        if only_c:
-            out.append(f"tables only in this model: {_few(only_c)}")
-        if not only_s and not only_c:
-            out.append(f"table order {list(st)} != {list(ct)}")
+        missing = _only_on_one_side(st, ct, "tables")
+        out += missing or [f"table order {list(st)} != {list(ct)}"]
     for t in (t for t in st if t in ct):
         for k in ("rows", "dim", "features"):
             if k in st[t] and k in ct[t] and st[t][k] != ct[t][k]:
@@ -306,12 +312,7 @@ def model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[st
         out.append(f"model.{k} {sm[k]} != {cm[k]}")
     sd, cd = saved.get("dense"), current.get("dense")
     if sd is not None and cd is not None:
-        only_s = [k for k in sd if k not in cd]
-        only_c = [k for k in cd if k not in sd]
-        if only_s:
-            out.append(f"dense parameters only in the checkpoint: {_few(only_s)}")
-        if only_c:
-            out.append(f"dense parameters only in this model: {_few(only_c)}")
+        out += _only_on_one_side(sd, cd, "dense parameters")
         shapes = [f"{k} {sd[k]} != {cd[k]}" for k in sd if k in cd and sd[k] != cd[k]]
         if shapes:
             out.append(f"dense shapes (model.bottom_mlp / top_mlp / interaction): {_few(shapes)}")

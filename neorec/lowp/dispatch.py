@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from neorec.lowp.formats import CANDIDATES, Candidate, candidate
@@ -72,13 +71,12 @@ class LowpDot(DotInteraction):
     watch: Callable[[Tensor], None] | None = None
     row_scale: bool = True  # the mod: power-of-two row scaling before the cast
 
-    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
-        """As ``DotInteraction.forward``."""
-        t = torch.cat([dense.unsqueeze(1), pooled], dim=1)
+    def gram(self, t: Tensor) -> Tensor:
+        """``t @ t^T`` per sample in the site's precision."""
         z = dot_bmm(t, self.precision, self.row_scale)
         if self.watch is not None:
             self.watch(z)
-        return torch.cat([dense, z[:, self.rows, self.cols]], dim=1)
+        return z
 
 
 _SWAP: dict[type, type] = {nn.Linear: LowpLinear, DotInteraction: LowpDot}

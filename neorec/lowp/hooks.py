@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -29,8 +30,6 @@ def _broadcast_plan(plan: dict[str, str]) -> dict[str, str]:
 
 
 def _any_rank(flag: bool) -> bool:
-    import torch
-
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

@@ -165,9 +165,5 @@ class Timings:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         data: dict[str, Any] = {k: v for k, v in self._all.items()}
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=_inf_json))
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))  # inf as Infinity
         os.replace(tmp, self.path)
-
-
-def _inf_json(o: Any) -> Any:  # pragma: no cover - floats serialise natively (inf as Infinity)
-    return str(o)

@@ -61,8 +61,12 @@ class DotInteraction(nn.Module):
     def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
         """``dense`` [B, D], ``pooled`` [B, F, D] -> [B, D + pairs]."""
         t = torch.cat([dense.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
-        z = torch.bmm(t, t.transpose(1, 2))  # [B, F+1, F+1]
+        z = self.gram(t)  # [B, F+1, F+1]
         return torch.cat([dense, z[:, self.rows, self.cols]], dim=1)
+
+    def gram(self, t: Tensor) -> Tensor:
+        """``t @ t^T`` per sample (the one GEMM; a low-precision form overrides it)."""
+        return torch.bmm(t, t.transpose(1, 2))
 
 
 class CrossNet(nn.Module):
