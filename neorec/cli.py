@@ -1,4 +1,5 @@
-"""Command line: ``neorec train | plan | bench | data | ckpt``."""
+"""Command line: ``neorec train | runs | report | eval | predict | export | plan | bench | data |
+ckpt``."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ BENCHES = {
     "ckpt": "neorec.bench.ckpt",
     "data": "neorec.bench.data",
     "lowp": "neorec.bench.lowp",
+    "dmt": "neorec.bench.dmt",
 }
 
 
@@ -44,18 +46,28 @@ def _train(args: argparse.Namespace) -> int:
         return run_worker(lambda: _train_worker(args))
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    resume = resume_command(args.config, args.set, args.nproc)
+    sets = list(args.set)
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
     cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
+    from neorec.train.runs import resolve_run
+
+    run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)
+    resume = resume_command(args.config, sets, args.nproc, run.name if run.root else None)
     if args.nproc > 1:
-        return _launch(args, cfg, resume)
+        code = 1
+        try:
+            code = _launch(args, run.apply(cfg), resume, run.env())
+        finally:
+            if code:
+                run.discard_if_empty()  # no rank got as far as writing into it
+        return code
     from neorec.train.trainer import train
 
     try:
-        train(cfg)
+        train(cfg, run=run)
     except KeyboardInterrupt as e:
-        print(interrupted_line(cfg, resume, step_of(e)), file=sys.stderr, flush=True)
+        print(interrupted_line(run.apply(cfg), resume, step_of(e)), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
 
@@ -74,8 +86,9 @@ def _train_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, cfg: Any, resume: str) -> int:
-    """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs)."""
+def _launch(args: argparse.Namespace, cfg: Any, resume: str, env: dict[str, str]) -> int:
+    """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs);
+    ``env`` hands them the run folder."""
     rest = ["train"]
     if args.config:
         rest += ["--config", args.config]
@@ -86,7 +99,7 @@ def _launch(args: argparse.Namespace, cfg: Any, resume: str) -> int:
         what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
         return interrupted_line(cfg, resume, None, what)
 
-    return launch(args.nproc, rest, on_signal)
+    return launch(args.nproc, rest, on_signal, env)
 
 
 def _train_distributed(cfg: Any) -> int:
@@ -108,6 +121,12 @@ def _train_distributed(cfg: Any) -> int:
     train(cfg)
     dist.destroy_process_group()
     return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from neorec.train.runlist import run_runs_command
+
+    return run_runs_command(args.root, args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -151,16 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume",
         metavar="PATH|latest|auto",
-        help="continue from a checkpoint directory, 'latest' (the most recently written one under "
-        "checkpoint.dir; an error if there is none) or 'auto' (latest if any, else a new run)",
+        help="continue from a checkpoint directory, 'latest' (the latest checkpoint of the latest "
+        "run, or of the run train.name names, in its own folder; an error if there is none) or "
+        "'auto' (latest if any, else a new run)",
     )
     t.set_defaults(func=_train)
+
+    rs = sub.add_parser("runs", help="list the runs under a runs folder (newest last)")
+    rs.add_argument("--root", default="runs", help="the runs folder (train.runs_dir; default runs)")
+    rs.add_argument("--json", action="store_true", help="print the rows as JSON")
+    rs.set_defaults(func=_runs)
 
     ck = sub.add_parser("ckpt", help="list or inspect Check-N-Run checkpoints")
     ck.add_argument("action", choices=["ls", "inspect"])
     ck.add_argument("path", help="checkpoint root (ls) or a checkpoint / 'ROOT' for its latest")
     ck.add_argument("--verify", action="store_true", help="inspect: read and checksum every file")
     ck.set_defaults(func=_ckpt)
+
+    from neorec.serve.commands import add_parsers  # eval, predict, export
+
+    add_parsers(sub)
+    from neorec.train.report import add_parser as add_report  # neorec report RUN
+
+    add_report(sub)
 
     pl = sub.add_parser("plan", help="plan how tables are sharded over ranks")
     try:

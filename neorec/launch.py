@@ -300,8 +300,15 @@ def failure_line(failures: dict[int, Any], errdir: str) -> tuple[str, int]:
     return line, _exit_code(failures, rank)
 
 
-def launch(nproc: int, worker_argv: list[str], on_signal: Callable[[signal.Signals], str]) -> int:
+def launch(
+    nproc: int,
+    worker_argv: list[str],
+    on_signal: Callable[[signal.Signals], str],
+    env: dict[str, str] | None = None,
+) -> int:
     """Run ``python -m neorec WORKER_ARGV`` as ``nproc`` local ranks; one line if it fails.
+
+    ``env``: more environment for the workers (e.g. the run folder the launcher chose).
 
     Returns the exit code: 0; 2 when a worker reported a ``NeorecError`` (printed once as
     ``neorec: error: rank R: ...``); a failed worker's own code; 128 + n when the launcher got
@@ -329,7 +336,8 @@ def launch(nproc: int, worker_argv: list[str], on_signal: Callable[[signal.Signa
             if targs.master_port is None:
                 targs.master_port = 29500  # as torchrun's run(); unused by c10d rendezvous
             config, cmd, cmd_args = torchrun.config_from_args(targs)
-            with _env(**{LAUNCHER_PID_ENV: str(os.getpid()), ERROR_DIR_ENV: errdir}):
+            ours = {LAUNCHER_PID_ENV: str(os.getpid()), ERROR_DIR_ENV: errdir}
+            with _env(**ours, **(env or {})):
                 try:
                     launch_agent(config, cmd, list(cmd_args))
                 finally:
@@ -348,14 +356,18 @@ def launch(nproc: int, worker_argv: list[str], on_signal: Callable[[signal.Signa
 
 
 # ---- Ctrl-C and the resume command ---------------------------------------------------------
-def resume_command(config: str | None, sets: list[str], nproc: int) -> str:
-    """The ``neorec train`` command that continues a run from its latest checkpoint."""
+def resume_command(config: str | None, sets: list[str], nproc: int, name: str | None = None) -> str:
+    """The ``neorec train`` command that continues a run from its latest checkpoint (``name``:
+    the run folder's name, so that the command continues this run even after newer ones)."""
     argv = ["neorec", "train"]
     if config:
         argv += ["--config", config]
     for s in sets:
-        if s.split("=", 1)[0].strip() != "checkpoint.resume":
+        key = s.split("=", 1)[0].strip()
+        if key != "checkpoint.resume" and not (name and key == "train.name"):
             argv += ["--set", s]
+    if name:
+        argv += ["--set", f"train.name={name}"]
     if nproc > 1:
         argv += ["--nproc", str(nproc)]
     return shlex.join([*argv, "--resume", "latest"])

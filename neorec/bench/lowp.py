@@ -1,9 +1,12 @@
 """``neorec bench lowp``: eval quality of LoKA precision modes vs fp32 over several seeds.
 
-Each (seed, mode) pair trains the config from scratch (model seed = ``train.seed``; the data is
-the same for all) and evaluates; the table gives each mode's eval NE (mean, spread over seeds),
-its relative difference from fp32 paired by seed, and the training time. The issue's bound:
-``|NE(auto) / NE(off) - 1| <= 0.1%``.
+Each (seed, variant) pair trains the config from scratch (model seed = ``train.seed``; the data
+is the same for all) and evaluates; the table gives each variant's eval NE (mean, spread over
+seeds), its relative difference from the first variant paired by seed, and the training time.
+Variants are ``--modes`` (``lowp.mode`` of the dense sites; the issue's bound:
+``|NE(auto) / NE(off) - 1| <= 0.1%``), or with ``--emb`` the stored precision of the embedding
+tables and its rounding (``fp32,fp16:nearest,bf16:stochastic,fp8:nearest``), with the tables'
+memory.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="TOML config (default: the built-in default)")
     p.add_argument("--set", action="append", default=[], help="config override (repeatable)")
     p.add_argument("--modes", default="off,auto", help="lowp modes, comma-separated")
+    p.add_argument(
+        "--emb",
+        default="",
+        help="instead of modes: embedding precisions[:rounding], e.g. fp32,fp16:nearest,fp8",
+    )
     p.add_argument("--seeds", type=int, default=3, help="model seeds 0..N-1")
     p.add_argument("--threads", type=int, default=0, help="train.threads (0 = all cores)")
     return p.parse_args(argv)
@@ -37,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     from neorec.train.trainer import Trainer
 
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    load_config(a.config, [*a.set, *(f"lowp.mode={m!r}" for m in modes[:1])])  # checked first
+    variants = _variants(a)
+    for sets in variants.values():
+        load_config(a.config, [*a.set, *sets])  # every variant checked before any training
+    modes = list(variants)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(a.seeds):
@@ -46,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 sets = [
                     *a.set,
                     f"train.seed={seed}",
-                    f"lowp.mode={mode!r}",
+                    *variants[mode],
                     f"train.run_dir='{Path(tmp) / f'{mode}-{seed}'}'",
                     "train.progress=false",
                     f"train.threads={a.threads}",
@@ -62,12 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                         "train_s": m["train"]["seconds"],
                         "wall_s": time.perf_counter() - t0,
                         "low_precision_sites": (m.get("lowp") or {}).get("low_precision_sites", 0),
+                        "table_mb": _table_bytes(cfg) / 2**20,
                     }
                 )
     base = modes[0]
     result: dict[str, Any] = {"bench": "lowp", "config": a.config, "sets": a.set, "modes": {}}
-    print(f"{'mode':<8}{'NE mean':>10}{'NE min':>10}{'NE max':>10}{'vs ' + base:>12}"
-          f"{'max |rel|':>11}{'train s':>9}{'lowp sites':>12}")  # fmt: skip
+    w = max(8, *(len(m) + 2 for m in modes))
+    print(f"{'variant':<{w}}{'NE mean':>10}{'NE min':>10}{'NE max':>10}{'vs ' + base:>16}"
+          f"{'max |rel|':>11}{'train s':>9}{'lowp sites':>12}{'table MB':>10}")  # fmt: skip
     for mode in modes:
         ne = [r["ne"] for r in runs[mode]]
         rel = [r["ne"] / b["ne"] - 1 for r, b in zip(runs[mode], runs[base])]
@@ -79,13 +91,35 @@ def main(argv: list[str] | None = None) -> int:
             "rel_vs_base_max_abs": max(abs(x) for x in rel),
             "train_s_mean": statistics.mean(r["train_s"] for r in runs[mode]),
             "low_precision_sites": runs[mode][0]["low_precision_sites"],
+            "table_mb": runs[mode][0]["table_mb"],
             "runs": runs[mode],
         }
         result["modes"][mode] = row
         print(
-            f"{mode:<8}{row['ne_mean']:>10.5f}{row['ne_min']:>10.5f}{row['ne_max']:>10.5f}"
-            f"{100 * row['rel_vs_base_mean']:>11.3f}%{100 * row['rel_vs_base_max_abs']:>10.3f}%"
-            f"{row['train_s_mean']:>9.1f}{row['low_precision_sites']:>12}"
+            f"{mode:<{w}}{row['ne_mean']:>10.5f}{row['ne_min']:>10.5f}{row['ne_max']:>10.5f}"
+            f"{100 * row['rel_vs_base_mean']:>15.3f}%{100 * row['rel_vs_base_max_abs']:>10.3f}%"
+            f"{row['train_s_mean']:>9.1f}{row['low_precision_sites']:>12}{row['table_mb']:>10.2f}"
         )
     print(json.dumps(result))
     return 0
+
+
+def _variants(a: argparse.Namespace) -> dict[str, list[str]]:
+    """Label -> config overrides of each variant."""
+    if not a.emb:
+        modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+        return {m: [f"lowp.mode={m!r}"] for m in modes}
+    out = {}
+    for spec in (x.strip() for x in a.emb.split(",")):
+        if not spec:
+            continue
+        prec, _, rounding = spec.partition(":")
+        out[spec] = [f"embedding.precision={prec!r}", f"embedding.rounding={rounding or 'auto'!r}"]
+    return out
+
+
+def _table_bytes(cfg: Any) -> int:
+    """Bytes of the stored embedding rows (without optimizer state)."""
+    from neorec.ops.lowp_rows import bytes_per_row
+
+    return sum(t.rows * bytes_per_row(t.precision or "fp32", t.dim) for t in cfg.embedding.tables)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import statistics
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from neorec.config import load_config
+from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
 from neorec.data.ids import zipf_ids
 from neorec.modules.dlrm import build_dlrm
@@ -66,16 +68,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(e.g. off,auto); each mode probes during the warm-up steps, then is timed",
     )
     p.add_argument("--tolerance", type=float, default=None, help="lowp.tolerance override")
+    p.add_argument(
+        "--precision",
+        default="",
+        metavar="P[,P...]",
+        help="embedding table precisions to time side by side: fp32, fp16, bf16, fp8 "
+        "(embedding.rounding applies); reports each one's table memory",
+    )
     return p.parse_args(argv)
 
 
 class _Mode:
     """A fresh model (same seed) trained in one lowp mode (or plain: mode '')."""
 
-    def __init__(self, cfg, a: argparse.Namespace, mode: str) -> None:
+    def __init__(self, cfg, a: argparse.Namespace, mode: str, precision: str = "") -> None:
         from neorec.lowp.dispatch import Dispatcher
 
+        if precision:
+            cfg = copy.deepcopy(cfg)
+            for t in cfg.embedding.tables:
+                t.precision = precision
         self.model = build_dlrm(cfg)
+        self.table_mb = (
+            sum(
+                b.untyped_storage().nbytes()
+                for n, b in self.model.ebc.named_buffers()
+                if "weights" in n
+            )
+            / 2**20
+        )
         self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
         self.bf16 = a.bf16
         self.disp = None
@@ -101,7 +122,8 @@ class _Mode:
         out = {
             "ms": 1000 * statistics.median(self.times),
             "ms_mean": 1000 * statistics.mean(self.times),
-            "backend": str(self.model.ebc.backend.name),  # type: ignore[union-attr]
+            "backend": str(getattr(getattr(self.model.ebc, "backend", None), "name", "grouped")),
+            "table_mb": round(self.table_mb, 1),
         }
         if self.disp is not None:
             out["plan"] = dict(self.disp.plan)
@@ -140,9 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m and m not in MODES]
     if bad:
         raise SystemExit(f"neorec bench step: --lowp {bad[0]!r}: modes are {', '.join(MODES)}")
+    precisions = [p.strip() for p in a.precision.split(",") if p.strip()] or [""]
+    bad = [p for p in precisions if p and p not in PRECISIONS]
+    if bad:
+        raise SystemExit(
+            f"neorec bench step: --precision {bad[0]!r}: one of {', '.join(PRECISIONS)}"
+        )
     batches = make_batches(cfg, 4, a.alpha)
-    # Every mode's model steps in turn (interleaved), so load on the machine hits them alike.
-    trainers = {m: _Mode(cfg, a, m) for m in modes}
+    # Every variant's model steps in turn (interleaved), so load on the machine hits them alike.
+    trainers = {
+        "/".join(x for x in (m, p) if x): _Mode(cfg, a, m, p) for m in modes for p in precisions
+    }
+    modes = list(trainers)
     for i in range(a.warmup + a.iters):
         for tr in trainers.values():
             tr.step(i, batches[i % len(batches)], timed=i >= a.warmup)
@@ -174,7 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<22}{result[k]!s:>14}")
     for k in ("bf16_dense", "ms_per_step", "ms_per_step_mean", "samples_per_s", "peak_rss_mb"):
         print(f"{k:<22}{result[k]!s:>14}")
-    if a.lowp:
+    if a.precision:
+        result["precision"] = {
+            m: {"ms_per_step": round(r["ms"], 2), "speedup_vs_first": round(ms / r["ms"], 3),
+                "table_mb": r["table_mb"]}
+            for m, r in runs.items()
+        }  # fmt: skip
+        print(f"{'variant':<16}{'ms/step':>10}{'vs first':>10}{'table MB':>10}")
+        for m, r in result["precision"].items():
+            print(f"{m:<16}{r['ms_per_step']:>10.2f}{r['speedup_vs_first']:>9.2f}x"
+                  f"{r['table_mb']:>10.1f}")  # fmt: skip
+    elif a.lowp:
         base = runs.get("off", first)["ms"]
         result["lowp"] = {
             m: {

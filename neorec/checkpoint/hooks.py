@@ -35,7 +35,7 @@ __all__ = ["TrainerCheckpoints", "ResumeTarget", "checkpoint_root", "preflight_r
 
 
 def checkpoint_root(cfg: Any) -> str:
-    """checkpoint.dir, or <train.run_dir>/checkpoints."""
+    """checkpoint.dir, or <run folder>/checkpoints (the Trainer sets train.run_dir to the run folder)."""
     return cfg.checkpoint.dir or str(Path(cfg.train.run_dir) / "checkpoints")
 
 

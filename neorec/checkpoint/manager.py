@@ -62,6 +62,7 @@ from neorec.checkpoint.restore import (
     dense_module,
     describe_model,
     load_dense,
+    model_tables,
     restore_embeddings,
     rng_state,
     set_rng_state,
@@ -387,7 +388,7 @@ class CheckpointManager:
         self, snap: _Snapshot, pieces: list[dict[str, Any]], dense: Any, write_s: float, seq: int
     ) -> dict[str, Any]:
         cfg = self.cfg
-        tables = {t.name: {"rows": t.rows, "dim": t.dim} for t in self.ebc.tables}
+        tables = {t.name: {"rows": t.rows, "dim": t.dim} for t in model_tables(self.model)}
         nbytes = sum(p["bytes"] for p in pieces) + (dense["bytes"] if dense else 0)
         return {
             "format": FORMAT,
@@ -466,7 +467,8 @@ class CheckpointManager:
         dense = load_dense(storage, name, last["dense"])
         restore_embeddings(storage, chain, self.blocks)
         apply_dense(storage.path(name), dense, self.model, self.opt)
-        self.ebc.step.fill_(dense["emb_step"])
+        for g in getattr(self.ebc, "groups", {"": self.ebc}).values():
+            g.step.fill_(dense["emb_step"])  # each precision group counts the same steps
         if hasattr(self.ebc, "dp_step"):
             self.ebc.dp_step.fill_(dense["emb_step"])
         self.tracker.take()

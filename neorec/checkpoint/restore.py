@@ -36,9 +36,22 @@ __all__ = [
 
 
 def dense_module(model: nn.Module) -> nn.Module:
-    """The dense part of a model (unwrapped from DDP)."""
+    """The dense part of a model (unwrapped from DDP): ``model.dense_part`` when the model has
+    one (a towered model: tower modules and dense arch), else ``model.dense_arch``."""
+    part = getattr(model, "dense_part", None)
+    if part is not None:
+        return part  # type: ignore[no-any-return]
     dense: nn.Module = model.dense_arch  # type: ignore[assignment]
     return getattr(dense, "module", dense)  # DDP wraps the real module
+
+
+def model_tables(model: nn.Module) -> list[Any]:
+    """Every table of the model: ``model.all_tables`` when its collection holds only some of
+    them (a towered model's rank holds its host's tower), else the collection's."""
+    tables: Any = getattr(model, "all_tables", None)
+    if tables is None:
+        tables = getattr(model.ebc, "tables")  # noqa: B009 - model.ebc is typed as a Module
+    return list(tables)
 
 
 def describe_model(model: nn.Module, dense_opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -47,7 +60,7 @@ def describe_model(model: nn.Module, dense_opt: torch.optim.Optimizer) -> dict[s
     return {
         "tables": {
             t.name: {"rows": int(t.rows), "dim": int(t.dim), "features": list(t.features)}
-            for t in ebc.tables
+            for t in model_tables(model)
         },
         "pooling": str(getattr(ebc.pooling, "value", ebc.pooling)),
         "embedding_optimizer": str(ebc.optimizer.kind),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from neorec.ops.lowp_rows import DecodedRows
 from neorec.ops.tbe import TBELayout
 
 __all__ = ["LocalBlock", "local_blocks", "DirtyRowTracker"]
@@ -57,28 +58,47 @@ def _state(module: Any, prefix: str = "") -> dict[str, Tensor]:
     return {k: getattr(module, prefix + k) for k in names if hasattr(module, prefix + k)}
 
 
+def _weight_view(ebc: Any, lay: TBELayout, t: int) -> Any:
+    """Table ``t``'s rows as an fp32 [rows, dim] view (low-precision tables: decoded on read,
+    encoded on write)."""
+    fmt = getattr(ebc, "row_format", None)
+    if fmt is None or fmt.precision == "fp32":
+        return lay.table(ebc.weights, t)
+    return DecodedRows(fmt, ebc.weights, lay, t)
+
+
+def _spaces(ebc: Any) -> dict[str, Any]:
+    """The row spaces of an unsharded collection: one, or one per precision group."""
+    groups = getattr(ebc, "groups", None)
+    if groups is None:
+        return {MP: ebc}
+    return {f"{MP}.{p}": g for p, g in groups.items()}
+
+
 def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
     """Every rectangle of every table that ``ebc`` (sharded or not) holds, in global coordinates."""
     out = []
-    lay: TBELayout = ebc.layout
-    state = _state(ebc)
     if not hasattr(ebc, "local_tables"):  # unsharded: whole tables
-        for t, spec in enumerate(ebc.tables):
-            out.append(
-                LocalBlock(
-                    spec.name,
-                    0,
-                    spec.rows,
-                    0,
-                    spec.dim,
-                    lay.table(ebc.weights, t),
-                    _state_views(lay, state, t),
-                    MP,
-                    lay.row_offsets[t],
-                    True,
+        for space, part in _spaces(ebc).items():
+            lay, state = part.layout, _state(part)
+            for t, spec in enumerate(part.tables):
+                out.append(
+                    LocalBlock(
+                        spec.name,
+                        0,
+                        spec.rows,
+                        0,
+                        spec.dim,
+                        _weight_view(part, lay, t),
+                        _state_views(lay, state, t),
+                        space,
+                        lay.row_offsets[t],
+                        True,
+                    )
                 )
-            )
         return out
+    mp_lay: TBELayout = ebc.layout
+    state = _state(ebc)
     for i, (ti, s) in enumerate(ebc.local_tables):
         out.append(
             LocalBlock(
@@ -87,10 +107,10 @@ def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
                 s.row_end,
                 s.col_start,
                 s.col_end,
-                lay.table(ebc.weights, i),
-                _state_views(lay, state, i),
+                _weight_view(ebc, mp_lay, i),
+                _state_views(mp_lay, state, i),
                 MP,
-                lay.row_offsets[i],
+                mp_lay.row_offsets[i],
                 True,
             )
         )
@@ -118,7 +138,11 @@ class DirtyRowTracker:
     """Marks the rows each fused update touched, per row space (``mp`` shards, ``dp`` replicas)."""
 
     def __init__(self, ebc: Any) -> None:
-        self.layouts: dict[str, TBELayout] = {MP: ebc.layout}
+        self.layouts: dict[str, TBELayout] = (
+            {MP: ebc.layout}
+            if hasattr(ebc, "local_tables")
+            else {k: part.layout for k, part in _spaces(ebc).items()}
+        )
         dp = getattr(ebc, "dp", None)
         if dp is not None:
             self.layouts[DP] = dp.layout
@@ -135,7 +159,7 @@ class DirtyRowTracker:
         return {k: torch.zeros(lay.total_rows, dtype=torch.bool) for k, lay in self.layouts.items()}
 
     def _hook(self, layout: TBELayout, indices: Tensor, offsets: Tensor) -> None:
-        key = DP if DP in self.layouts and layout is self.layouts[DP] else MP
+        key = next((k for k, lay in self.layouts.items() if lay is layout), MP)
         nf = layout.num_features
         if nf == 0 or indices.numel() == 0:
             return

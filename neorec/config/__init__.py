@@ -22,6 +22,7 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.towers import TOWER_MODULES, TOWER_PARTITIONERS, TowersConfig
 from neorec.errors import ConfigError
 
 __all__ = [
@@ -36,6 +37,9 @@ __all__ = [
     "StorageConfig",
     "CommConfig",
     "LowpConfig",
+    "TowersConfig",
+    "TOWER_MODULES",
+    "TOWER_PARTITIONERS",
     "Config",
     "ConfigError",
     "load_config",

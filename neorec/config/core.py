@@ -19,6 +19,7 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.towers import TowersConfig
 from neorec.errors import ConfigError
 
 __all__ = ["Config", "check_trainable", "dense_params", "MAX_DENSE_PARAMS"]
@@ -38,6 +39,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     comm: CommConfig = field(default_factory=lambda: CommConfig())
     lowp: LowpConfig = field(default_factory=LowpConfig)
+    towers: TowersConfig = field(default_factory=TowersConfig)
 
     def __post_init__(self) -> None:
         hints = get_type_hints(Config)
@@ -49,6 +51,7 @@ class Config:
                 )
         self._check_dims()
         self._check_sharding()
+        self._check_towers()
 
     def _check_dims(self) -> None:
         dims = {t.dim for t in self.embedding.tables}
@@ -77,6 +80,52 @@ class Config:
                     f"the tables are {show(names)}"
                 )
 
+    def _check_towers(self) -> None:
+        groups = getattr(self.data, "teacher_groups", 0)  # a DataConfig field (synthetic data)
+        if self.data.source == "synthetic" and groups > len(self.embedding.tables):
+            raise ConfigError(
+                f"data.teacher_groups {groups:,} is more than the {len(self.embedding.tables):,} "
+                "tables (groups of tables); lower data.teacher_groups"
+            )
+        tw = self.towers
+        if not tw.enabled or self.planner.tables_file:
+            return  # towers of a planner tables file are checked against that file
+        names = [t.name for t in self.embedding.tables]
+        if tw.num_towers > len(names):
+            raise ConfigError(
+                f"towers.count {tw.num_towers:,} is more than the {len(names):,} tables (a tower "
+                f"holds whole tables); lower towers.count to at most {len(names):,}"
+            )
+        if not tw.groups:
+            return
+        known = set(names)
+        where: dict[str, int] = {}
+        for i, g in enumerate(tw.groups):
+            for name in g:
+                if name not in known:
+                    owner = next((t.name for t in self.embedding.tables if name in t.features), "")
+                    if owner:
+                        raise ConfigError(
+                            f"towers.groups[{i}] names feature '{name}', which reads table "
+                            f"'{owner}'; towers hold whole tables: list '{owner}' instead"
+                        )
+                    raise ConfigError(
+                        f"towers.groups[{i}] names unknown table '{name}'{suggest(name, names)}; "
+                        f"groups list TABLE names, the tables are {show(names)}"
+                    )
+                if name in where:
+                    raise ConfigError(
+                        f"towers.groups: table '{name}' is in tower {where[name]} and tower {i}; "
+                        "each table goes in exactly one tower"
+                    )
+                where[name] = i
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise ConfigError(
+                f"towers.groups leaves out table(s) {show(missing)}; every table must be in "
+                "exactly one tower"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-able)."""
         return dataclasses.asdict(self)
@@ -103,12 +152,17 @@ def dense_params(cfg: Config) -> tuple[int, int, int]:
     m = cfg.model
     feats = len(cfg.embedding.feature_names)
     dim = cfg.embedding.tables[0].dim
+    if cfg.towers.enabled and cfg.towers.module != "identity":
+        feats = cfg.towers.num_towers * cfg.towers.out_vectors  # the towers' output vectors
     bottom = _mlp_params(m.bottom_mlp, m.num_dense)
     if m.interaction == "dot":
         n = feats + 1
         inter, out = 0, dim + (n * (n + 1) // 2 if m.dot_self else n * (n - 1) // 2)
     else:
-        out = m.bottom_mlp[-1] + sum(t.dim * len(t.features) for t in cfg.embedding.tables)
+        emb = sum(t.dim * len(t.features) for t in cfg.embedding.tables)
+        if cfg.towers.enabled and cfg.towers.module != "identity":
+            emb = feats * dim
+        out = m.bottom_mlp[-1] + emb
         per = 2 * out * m.dcn_low_rank + out if m.dcn_low_rank else out * out + out
         inter = m.dcn_layers * per
     return bottom, inter, _mlp_params(m.top_mlp, out)

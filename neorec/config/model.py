@@ -20,7 +20,10 @@ from neorec.config.checks import (
 )
 from neorec.errors import ConfigError
 
-__all__ = ["TableConfig", "ModelConfig", "EmbeddingConfig", "EMBEDDING_OPTIMIZERS"]
+__all__ = ["TableConfig", "ModelConfig", "EmbeddingConfig", "EMBEDDING_OPTIMIZERS", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+"""Stored precisions of embedding rows (``neorec.ops.lowp_rows.PRECISIONS``)."""
 
 EMBEDDING_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 """The fused optimizers (``neorec.ops.row_optim.OPTIMIZERS``)."""
@@ -56,6 +59,9 @@ class TableConfig:
     """Cache size as a share of rows (dram/ssd storage); 0 with cache_rows 0 = 10%."""
     cache_policy: str = field(default="lru", metadata=rule(choices=("lru", "lfu")))
     """Row cache eviction policy: ``lru`` or ``lfu``."""
+    precision: str = field(default="", metadata=rule(choices=("",) + PRECISIONS))
+    """Stored precision of the rows: fp32, fp16, bf16, fp8 (e4m3 + a per-row scale); empty =
+    ``embedding.precision``. The optimizer state stays fp32."""
 
     def __post_init__(self) -> None:
         where = _table_where(self.name)
@@ -129,6 +135,11 @@ class EmbeddingConfig:
     """TBE backend: auto, reference, cpu, cuda."""
     init_scale: float = field(default=0.0, metadata=rule(0, _F32_MAX))
     """Uniform init range +-init_scale; 0 = +-sqrt(1/rows) as in the reference DLRM."""
+    precision: str = field(default="fp32", metadata=rule(choices=PRECISIONS))
+    """Stored precision of every table whose own ``precision`` is unset."""
+    rounding: str = field(default="auto", metadata=rule(choices=("auto", "nearest", "stochastic")))
+    """How updated low-precision rows are rounded; ``auto`` = the measured choice per format
+    (``neorec.ops.lowp_rows.DEFAULT_ROUNDING``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "embedding")
@@ -155,6 +166,13 @@ class EmbeddingConfig:
                 )
                 for i in range(self.num_tables)
             ]
+        for t in self.tables:
+            t.precision = t.precision or self.precision
+            if t.precision != "fp32" and t.storage != "memory":
+                raise ConfigError(
+                    f"{_table_where(t.name)}: precision {t.precision} needs storage 'memory' "
+                    f"(the {t.storage} row cache holds fp32 rows)"
+                )
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
             dup = sorted(n for n, c in Counter(names).items() if c > 1)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from neorec.config.checks import (
     MAX_SEED,
+    MAX_TABLES,
     SHARDING_TYPES,
     check_choice,
     check_fields,
     item_rule,
     rule,
+    show,
 )
+from neorec.errors import ConfigError
 
 __all__ = [
     "DataConfig",
@@ -24,6 +28,7 @@ __all__ = [
     "CommConfig",
     "LowpConfig",
     "check_sharding_type",
+    "check_run_name",
     "_COMM_CODECS",
 ]
 
@@ -59,6 +64,9 @@ class DataConfig:
     """Synthetic: every bag has exactly pooling_factor ids (else Poisson-like variable)."""
     teacher_scale: float = field(default=1.0, metadata=rule(0, 1000))
     """Synthetic: logit scale of the hidden teacher (higher = more learnable signal)."""
+    teacher_groups: int = field(default=0, metadata=rule(0, MAX_TABLES))
+    """Synthetic: the teacher's sparse x sparse interactions only within this many groups of
+    tables (a seeded permutation; for DMT towers); 0 = the ungrouped teacher."""
     hash_categories: bool = True
     """Criteo: hash hex categories into rows modulo the table size."""
     bad_lines: str = field(default="fail", metadata=rule(choices=("fail", "skip")))
@@ -93,11 +101,30 @@ class TrainConfig:
     dense_lr: float = field(default=0.05, metadata=rule(gt=0, hi=1e30))
     """Dense learning rate."""
     eval_every: int = field(default=0, metadata=rule(0, _MAX_STEPS))
-    """Evaluate every N steps (0 = only at the end)."""
+    """Evaluate every N steps; 0 = every ``eval_fraction`` of the run."""
+    eval_fraction: float = field(default=0.1, metadata=rule(0, 1))
+    """With eval_every 0: evaluate every this share of the run's steps (0.1 = every 10%; the
+    last one is the final eval); 0 = only at the end. Needs a known run length (train.steps, or
+    a source that knows its batches)."""
+    eval_batches: int = field(default=20, metadata=rule(0, _MAX_STEPS))
+    """Periodic evals read the first N batches of the eval split (0 = all of it), so that they
+    stay cheap; the final eval always reads the whole split."""
     log_every: int = field(default=50, metadata=rule(0, _MAX_STEPS))
-    """Progress line every N steps (0 = every step)."""
-    run_dir: str = field(default="runs/latest", metadata=rule(nonempty=True))
-    """Where metrics.json (and checkpoints) go."""
+    """Progress line (and events.jsonl line) every N steps (0 = every step)."""
+    save_model: bool = True
+    """Save the final model to ``<run folder>/model`` (``neorec eval | predict | export``)."""
+    tensorboard: str = field(default="auto", metadata=rule(choices=("auto", "on", "off")))
+    """TensorBoard scalars in ``<run folder>/tb/`` (rank 0): ``auto`` when tensorboard is
+    installed (``pip install 'neorec[tb]'``), ``on`` (an error without it), ``off``."""
+    runs_dir: str = field(default="runs", metadata=rule(nonempty=True))
+    """Root of the run folders: each run writes ``<runs_dir>/<name>/`` and ``<runs_dir>/latest``
+    links to the newest."""
+    name: str = ""
+    """Name of the run's folder under runs_dir; empty = the UTC start time (20261125-143012). A
+    name already taken gets a suffix (-2, -3, ...) unless the run resumes it."""
+    run_dir: str = ""
+    """An exact folder for this run's files instead of ``<runs_dir>/<name>`` (no ``latest``
+    link, not listed by ``neorec runs`` unless under runs_dir); empty = a run folder."""
     seed: int = field(default=0, metadata=rule(0, MAX_SEED))
     """Model init seed."""
     threads: int = field(default=0, metadata=rule(0, _MAX_THREADS))
@@ -119,6 +146,21 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "train")
+        check_run_name(self.name)
+
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+def check_run_name(name: str) -> None:
+    """Refuse a ``train.name`` that is not one plain folder name (or is ``latest``)."""
+    if not name:
+        return
+    if name == "latest" or len(name) > 200 or not _NAME_OK.match(name):
+        raise ConfigError(
+            f"train.name {show(name)} is not a run folder name: use letters, digits and . _ + - "
+            f"(not starting with . or -, at most 200 characters, not 'latest')"
+        )
 
 
 def check_sharding_type(name: str, v: str) -> None:
@@ -211,7 +253,8 @@ class CheckpointConfig:
     """Check-N-Run checkpoints (neorec.checkpoint): when, what, how precisely, where."""
 
     dir: str = ""
-    """Root directory or fsspec URL (s3://, gs://, memory://); empty = <train.run_dir>/checkpoints."""
+    """Root directory or fsspec URL (s3://, gs://, memory://); empty = <run folder>/checkpoints
+    (the run's own: ``--resume latest`` then continues the latest run)."""
     every_steps: int = field(default=0, metadata=rule(0, _MAX_STEPS))
     """Checkpoint every N train steps (0 = never)."""
     policy: str = field(

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from neorec.sparse import SparseFeatureError
+
 if TYPE_CHECKING:
     from neorec.distributed.codecs import Codec
 
@@ -29,6 +31,7 @@ __all__ = [
     "reduce_scatter",
     "ScaleGrad",
     "tree_sum",
+    "source_major_to_unit_major",
 ]
 
 T = TypeVar("T")
@@ -86,6 +89,11 @@ class CommStats:
     """Seconds blocked waiting for each collective to finish (communication not hidden)."""
     codec_s: float = 0.0
     """Seconds spent encoding and decoding reduced-precision messages."""
+    ranks_per_host: int = 0
+    """When > 0, all-to-alls also count the bytes sent to ranks of other hosts (global rank //
+    ranks_per_host) in ``inter_host``."""
+    inter_host: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank's all-to-alls sent to other hosts, per collective name."""
 
     def add(self, name: str, nbytes: int) -> None:
         """Record one collective."""
@@ -96,8 +104,13 @@ class CommStats:
         """Record time blocked on a collective."""
         self.wait_s[name] = self.wait_s.get(name, 0.0) + seconds
 
+    def add_inter_host(self, name: str, nbytes: int) -> None:
+        """Record bytes one collective sent across hosts."""
+        self.inter_host[name] = self.inter_host.get(name, 0) + int(nbytes)
+
     def reset(self) -> None:
         """Forget everything recorded."""
+        self.inter_host.clear()
         self.bytes_sent.clear()
         self.calls.clear()
         self.wait_s.clear()
@@ -116,6 +129,18 @@ def tree_sum(parts: Sequence[Tensor]) -> Tensor:
         return parts[0]
     h = len(parts) // 2
     return tree_sum(parts[:h]) + tree_sum(parts[h:])
+
+
+def _inter_host_bytes(
+    t: Tensor, splits: Sequence[int], group: dist.ProcessGroup | None, stats: CommStats
+) -> int:
+    """Bytes of an all-to-all sent to ranks of another host (``stats.ranks_per_host``)."""
+    if not dist.is_initialized():
+        return 0
+    rph = stats.ranks_per_host
+    me = dist.get_rank() // rph
+    glob = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(splits))]
+    return t.element_size() * sum(n for n, g in zip(splits, glob) if g // rph != me)
 
 
 def _off_rank_bytes(t: Tensor, splits: Sequence[int], rank: int) -> int:
@@ -137,6 +162,8 @@ def all_to_all(
     recv = torch.empty(int(sum(recv_splits)), dtype=send.dtype, device=send.device)
     if stats is not None:
         stats.add(name, _off_rank_bytes(send, list(send_splits), rank))
+        if stats.ranks_per_host:
+            stats.add_inter_host(name, _inter_host_bytes(send, send_splits, group, stats))
     if world == 1:
         recv.copy_(send)
         return Done(recv)
@@ -316,3 +343,29 @@ def reduce_scatter(
     for p in parts[1:]:
         out.add_(p)
     return out
+
+
+def source_major_to_unit_major(
+    blocks: Tensor, values: Tensor, weights: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Reorder received bags from [source rank][unit][sample] to [unit][source rank][sample].
+
+    Returns (indices, offsets, weights) of a feature-major batch with W*b samples per unit.
+    """
+    world, units, b = blocks.shape
+    sizes = blocks.sum(2)  # [W, U] ids per (source, unit) block
+    src_start = torch.zeros(world * units, dtype=torch.int64)
+    src_start[1:] = torch.cumsum(sizes.flatten(), 0)[:-1]
+    src_start = src_start.view(world, units).t().flatten()  # in target (unit, source) order
+    tgt_sizes = sizes.t().flatten()
+    tgt_start = torch.zeros_like(tgt_sizes)
+    tgt_start[1:] = torch.cumsum(tgt_sizes, 0)[:-1]
+    n = int(tgt_sizes.sum())
+    gather = torch.repeat_interleave(src_start - tgt_start, tgt_sizes) + torch.arange(n)
+    lengths = blocks.permute(1, 0, 2).reshape(-1)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    if values.numel() != n:
+        raise SparseFeatureError(f"received {values.numel()} ids, lengths say {n}")
+    w = weights[gather] if weights is not None else None
+    return values[gather], offsets, w

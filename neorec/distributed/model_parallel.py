@@ -44,6 +44,7 @@ def sharded_ebc_from_config(
         init_scale=emb.init_scale,
         group=group,
         stats=stats,
+        rounding=emb.rounding,
     )
     ebc.codecs = (
         make_codec(c.forward, c.fp8_scaling),

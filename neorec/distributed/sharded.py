@@ -37,10 +37,13 @@ from neorec.distributed.comm import (
     ScaleGrad,
     all_to_all,
     ordered_all_reduce,
+    source_major_to_unit_major,
 )
+from neorec.distributed.replicas import Replicas, gather_dp_grads
+from neorec.errors import ConfigError
 from neorec.modules.embedding import UpdateHook, checked_batch, init_rows, register_table_buffers
 from neorec.ops.cpu import CpuBackend
-from neorec.ops.memory import table_empty
+from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     PoolingMode,
@@ -52,7 +55,7 @@ from neorec.ops.tbe import (
     update_table_rows,
 )
 from neorec.sharding.types import Shard, ShardingPlan, ShardingType
-from neorec.sparse import SparseFeatureError, SparseFeatures
+from neorec.sparse import SparseFeatures
 
 __all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
 
@@ -88,22 +91,6 @@ class LocalInput:
     batch_size: int  # local b
 
 
-class _Replicas:
-    """Full copies of the data-parallel tables, kept identical across ranks."""
-
-    def __init__(self, tables: list[TableConfig], features: list[int], seed: int, scale: float):
-        self.tables = tables
-        self.layout = TBELayout(
-            rows=tuple(t.rows for t in tables),
-            dims=tuple(t.dim for t in tables),
-            feature_table=tuple(i for i, t in enumerate(tables) for _ in t.features),
-        )
-        self.features = features  # global feature indices, in layout feature order
-        self.weights = table_empty(self.layout.total_elems)
-        for i, t in enumerate(tables):
-            init_rows(t, seed, 0, t.rows, scale, out=self.layout.table(self.weights, i))
-
-
 class ShardedEmbeddingBagCollection(nn.Module):
     """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates."""
 
@@ -126,9 +113,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
         validate_ids: bool = True,
+        rounding: str = "auto",
     ) -> None:
         super().__init__()
         self.tables = list(tables)
+        self.rounding = rounding
         self.optimizer = optimizer or RowOptimizer()
         self.pooling = PoolingMode(pooling)
         self.group = group
@@ -228,16 +217,48 @@ class ShardedEmbeddingBagCollection(nn.Module):
             feature_table=tuple(feature_table),
         )
         cpu = torch.device("cpu")
-        register_table_buffers(self, self.layout, self.optimizer.kind, cpu)
+        self.row_format = RowFormat(self._precision())
+        fmt = self.row_format
+        packed = None if fmt.precision == "fp32" else fmt.empty(self.layout)
+        register_table_buffers(self, self.layout, self.optimizer.kind, cpu, weights=packed)
         for i, (ti, s) in enumerate(keys):
             rows = init_rows(self.tables[ti], seed, s.row_start, s.row_end, init_scale)
-            self.layout.table(self.weights, i).copy_(rows[:, s.col_start : s.col_end])
-        self.dp: _Replicas | None = None
+            fmt.encode(self.weights, self.layout, i, None, rows[:, s.col_start : s.col_end])
+        if packed is not None:
+            gkeys = [(table_key(self.tables[ti].name), s.row_start, s.col_start, self.tables[ti].dim)
+                     for ti, s in keys]  # fmt: skip
+            self.backend = LowpRowsBackend(self.backend, fmt, self.rounding, seed, gkeys)
+        self.dp: Replicas | None = None
         if self._dp_spec[0]:
-            self.dp = _Replicas(*self._dp_spec, seed, init_scale)
+            self.dp = Replicas(*self._dp_spec, seed, init_scale)
             register_table_buffers(
                 self, self.dp.layout, self.optimizer.kind, cpu, "dp_", self.dp.weights
             )
+
+    def _precision(self) -> str:
+        """The one stored precision of the tables; low precision (fp16 / bf16 / fp8) is for
+        model-parallel shards updated by the fused kernel (not data-parallel replicas, nor
+        column-wise slices under row-wise Adagrad, which leave the kernel)."""
+        precs = sorted({t.precision or "fp32" for t in self.tables})
+        if len(precs) > 1:
+            raise ConfigError(
+                f"sharded tables must share one precision, got {precs}; set embedding.precision "
+                "(mixed precisions run in one process)"
+            )
+        if precs[0] == "fp32":
+            return "fp32"
+        for p in self.plan.tables:
+            cw_adagrad = (
+                p.sharding_type is ShardingType.COLUMN_WISE
+                and self.optimizer.kind == "rowwise_adagrad"
+            )
+            if p.sharding_type is ShardingType.DATA_PARALLEL or cw_adagrad:
+                raise ConfigError(
+                    f"table '{p.name}': {precs[0]} rows cannot be sharded "
+                    f"{p.sharding_type.value}{' under rowwise_adagrad' if cw_adagrad else ''}; "
+                    "use table_wise, row_wise or table_row_wise (sharding.types)"
+                )
+        return precs[0]
 
     def _build_cw_groups(self) -> None:
         """Subgroups of the owners of each column-wise table, for exact row-wise Adagrad.
@@ -335,7 +356,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             def finish() -> LocalInput:
                 recv_val = a_val.wait().to(torch.int64)
                 recv_w = a_w.wait() if a_w is not None else None
-                idx, off, wts = _source_major_to_unit_major(blocks, recv_val, recv_w)
+                idx, off, wts = source_major_to_unit_major(blocks, recv_val, recv_w)
                 return LocalInput(idx, off, wts, *dp, inv, b)
 
             return Awaitable(finish)
@@ -553,7 +574,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.backend, lay, local.dp_indices, local.dp_offsets, local.dp_weights,
             PoolingMode.SUM, grad,
         )  # fmt: skip
-        per_table = self._gather_dp_grads(lay, grads)
+        per_table = gather_dp_grads(lay, grads, self.dp_codec, self.world, self.group, self.stats)
         step = int(self.dp_step) + 1
         # Every rank's (id, row sum) pairs in rank order, added per row in that order and
         # applied once: the fused update of the backend, over all DP tables in a call or a few.
@@ -577,65 +598,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for hook in self._hooks:
                 hook(lay, indices, offsets)
 
-    def _gather_dp_grads(
-        self, lay: TBELayout, grads: list[tuple[int, Tensor, Tensor]]
-    ) -> list[tuple[Tensor, Tensor]]:
-        """Per DP table: (ids, grads) of every rank's touched rows, concatenated in rank order."""
-        t_count = lay.num_tables
-        mine = {t: (ids, g) for t, ids, g in grads}
-        counts = torch.zeros(t_count, dtype=torch.int64)
-        for t, (ids, _) in mine.items():
-            counts[t] = ids.numel()
-        ids_flat = (
-            torch.cat([mine[t][0] for t in sorted(mine)])
-            if mine
-            else torch.empty(0, dtype=torch.int64)
-        )
-        codec, dims = self.dp_codec, lay.dims
-        # Per table, its gradient rows as sent: float32 values, or the codec's bytes of the block
-        # (tables without rows send nothing).
-        sent = [t for t in sorted(mine) if mine[t][0].numel()]
-        if codec is None:
-            vals_flat = torch.cat([mine[t][1].reshape(-1) for t in sent] or [torch.empty(0)])
-        else:
-            vals_flat = torch.cat(
-                [codec.encode(mine[t][1], "data-parallel row gradients") for t in sent]
-                or [torch.empty(0, dtype=torch.uint8)]
-            )
-
-        def block_sizes(c: Tensor) -> list[int]:
-            """Elements (or codec bytes) of each table's block in a rank's buffer."""
-            if codec is None:
-                return [int(n) * d for n, d in zip(c.tolist(), dims)]
-            return [codec.nbytes(int(n), d) if n else 0 for n, d in zip(c.tolist(), dims)]
-
-        if self.world > 1:
-            all_counts = [torch.empty_like(counts) for _ in range(self.world)]
-            dist.all_gather(all_counts, counts, group=self.group)
-            n_ids = [int(c.sum()) for c in all_counts]
-            n_vals = [sum(block_sizes(c)) for c in all_counts]
-            all_ids = _all_gather_varlen(ids_flat, n_ids, self.group)
-            all_vals = _all_gather_varlen(vals_flat, n_vals, self.group)
-            item = 4 if codec is None else 1
-            self.stats.add(
-                "dp_allgather",
-                (self.world - 1) * (8 * max(n_ids) + item * max(n_vals) + 8 * t_count),
-            )
-        else:  # a codec still rounds: one rank decodes its own bytes like a group would
-            all_counts, all_ids, all_vals = [counts], [ids_flat], [vals_flat]
-        out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
-        out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
-        for c, ids_r, vals_r in zip(all_counts, all_ids, all_vals):
-            id_parts = torch.split(ids_r, c.tolist())
-            val_parts = torch.split(vals_r, block_sizes(c))
-            for t in range(t_count):
-                out_ids[t].append(id_parts[t])
-                if codec is None or not int(c[t]):
-                    out_g[t].append(val_parts[t].view(-1, dims[t]))
-                else:
-                    out_g[t].append(codec.decode(val_parts[t], int(c[t]), dims[t]))
-        return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
-
     # ---- inspection ------------------------------------------------------------------------
     def gather_table(self, name: str) -> Tensor:
         """The full table [rows, dim] assembled from every rank's shards (a collective)."""
@@ -644,7 +606,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.dp is not None and spec in self.dp.tables:
             return self.dp.layout.table(self.dp_weights, self.dp.tables.index(spec)).clone()
         mine = [
-            (s, self.layout.table(self.weights, i).clone())
+            (s, self.row_format.decode(self.weights, self.layout, i))
             for i, (t, s) in enumerate(self.local_tables)
             if t == ti
         ]
@@ -658,41 +620,3 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for s, w in shard_list:
                 full[s.row_start : s.row_end, s.col_start : s.col_end] = w
         return full
-
-
-def _source_major_to_unit_major(
-    blocks: Tensor, values: Tensor, weights: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Reorder received bags from [source rank][unit][sample] to [unit][source rank][sample].
-
-    Returns (indices, offsets, weights) of a feature-major batch with W*b samples per unit.
-    """
-    world, units, b = blocks.shape
-    sizes = blocks.sum(2)  # [W, U] ids per (source, unit) block
-    src_start = torch.zeros(world * units, dtype=torch.int64)
-    src_start[1:] = torch.cumsum(sizes.flatten(), 0)[:-1]
-    src_start = src_start.view(world, units).t().flatten()  # in target (unit, source) order
-    tgt_sizes = sizes.t().flatten()
-    tgt_start = torch.zeros_like(tgt_sizes)
-    tgt_start[1:] = torch.cumsum(tgt_sizes, 0)[:-1]
-    n = int(tgt_sizes.sum())
-    gather = torch.repeat_interleave(src_start - tgt_start, tgt_sizes) + torch.arange(n)
-    lengths = blocks.permute(1, 0, 2).reshape(-1)
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    if values.numel() != n:
-        raise SparseFeatureError(f"received {values.numel()} ids, lengths say {n}")
-    w = weights[gather] if weights is not None else None
-    return values[gather], offsets, w
-
-
-def _all_gather_varlen(
-    t: Tensor, sizes: list[int], group: dist.ProcessGroup | None
-) -> list[Tensor]:
-    """All-gather 1-D tensors of different lengths (``sizes`` known on every rank)."""
-    n = max(sizes) if sizes else 0
-    padded = torch.zeros(n, dtype=t.dtype)
-    padded[: t.numel()] = t
-    parts = [torch.empty(n, dtype=t.dtype) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [p[:k] for p, k in zip(parts, sizes)]

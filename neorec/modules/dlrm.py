@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -11,8 +12,12 @@ from torch import Tensor, nn
 from neorec.config import Config, ModelConfig, TableConfig
 from neorec.errors import ConfigError, DataError
 from neorec.modules.embedding import EmbeddingBagCollection
+from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
+
+if TYPE_CHECKING:
+    from neorec.modules.towers import TowerDLRM
 
 __all__ = [
     "MLP",
@@ -21,6 +26,9 @@ __all__ = [
     "DenseArch",
     "DLRM",
     "build_dlrm",
+    "build_flat_dlrm",
+    "build_collection",
+    "low_precision_collection",
     "check_dense_input",
 ]
 
@@ -188,16 +196,33 @@ def check_dense_input(dense: object, sparse: SparseFeatures, arch: DenseArch) ->
         )
 
 
-def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
-    """The DLRM a config describes."""
+def low_precision_collection(
+    cfg: Config, opt: RowOptimizer, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """The collection of a config whose tables are stored in fp16 / bf16 / fp8 (one collection
+    when they share a precision, else one per precision)."""
+    emb = cfg.embedding
+    cls = (
+        EmbeddingBagCollection
+        if len({t.precision for t in emb.tables}) == 1
+        else GroupedEmbeddingBagCollection
+    )
+    return cls(
+        emb.tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
+        seed=cfg.train.seed, rounding=emb.rounding,
+    )  # fmt: skip
+
+
+def build_collection(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
+    """The embedding collection a config describes: tables in memory (fp32, or low precision),
+    or behind a row cache over DRAM/SSD."""
     emb = cfg.embedding
     opt = RowOptimizer.from_config(emb)
-    ebc = None
     if any(t.storage != "memory" for t in emb.tables):
         # Imported here: storage builds on modules, so modules cannot import it at load time.
         from neorec.storage.cached import CachedEmbeddingBagCollection
 
-        ebc = CachedEmbeddingBagCollection(
+        return CachedEmbeddingBagCollection(
             emb.tables,
             opt,
             emb.pooling,
@@ -209,6 +234,56 @@ def build_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
             io_threads=cfg.storage.io_threads,
             mapped_mb=cfg.storage.mapped_mb,
         )
+    if any(t.precision not in ("", "fp32") for t in emb.tables):
+        return low_precision_collection(cfg, opt, device)
+    torch.manual_seed(cfg.train.seed)  # as DLRM does before building its collection
+    return EmbeddingBagCollection(
+        emb.tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
+        seed=cfg.train.seed,
+    )  # fmt: skip
+
+
+def build_dlrm(
+    cfg: Config,
+    device: torch.device | str = "cpu",
+    groups: Sequence[Sequence[str]] | None = None,
+) -> DLRM | TowerDLRM:
+    """The model a config describes: a ``DLRM``, or a ``TowerDLRM`` when ``[towers]`` is on.
+
+    Towers: ``groups`` (lists of table names, e.g. from ``neorec.modules.towers.learned_groups``)
+    when given, else ``towers.groups`` or the ``balanced`` / ``random`` partition of the config's
+    tables; the ``learned`` partitioner needs ``groups`` (a warm-up decides them).
+    """
+    if cfg.towers.enabled:
+        from neorec.modules.towers import TowerDLRM, tower_groups
+
+        tg = [list(g) for g in groups] if groups is not None else tower_groups(cfg)
+        if tg is None:
+            raise ConfigError(
+                "towers.partitioner 'learned' decides the towers after a warm-up: pass the groups "
+                "of neorec.modules.towers.learned_groups(cfg, batches) to build_dlrm"
+            )
+        return TowerDLRM(
+            cfg.model,
+            build_collection(cfg, device),
+            tg,
+            kind=cfg.towers.module,
+            out_vectors=cfg.towers.out_vectors,
+            seed=cfg.train.seed,
+            device=device,
+        )
+    return build_flat_dlrm(cfg, device)
+
+
+def build_flat_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
+    """The flat DLRM of a config (its ``[towers]`` ignored)."""
+    emb = cfg.embedding
+    opt = RowOptimizer.from_config(emb)
+    ebc: nn.Module | None = None
+    if any(t.storage != "memory" for t in emb.tables) or any(
+        t.precision not in ("", "fp32") for t in emb.tables
+    ):
+        ebc = build_collection(cfg, device)
     return DLRM(
         cfg.model,
         emb.tables,

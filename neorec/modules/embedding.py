@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import ConfigError, TableConfig
+from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, bytes_per_row, table_key
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes, zeros_state
 from neorec.ops.tbe import (
@@ -94,9 +95,11 @@ UpdateHook = Callable[[TBELayout, Tensor, Tensor], None]
 class EmbeddingBagCollection(nn.Module):
     """Pooled lookups of every table in one TBE call; trained by a fused row optimizer.
 
-    Weights and optimizer state are flat float32 buffers (see ``neorec.ops.tbe``), so they are
-    in ``state_dict()`` but never handed to a dense ``torch.optim`` optimizer; the embedding
-    update happens inside ``loss.backward()``.
+    Weights and optimizer state are flat buffers (see ``neorec.ops.tbe``), so they are in
+    ``state_dict()`` but never handed to a dense ``torch.optim`` optimizer; the embedding update
+    happens inside ``loss.backward()``. The weights are float32, or packed fp16 / bf16 / fp8 rows
+    when the tables' ``precision`` says so (one precision per collection; the optimizer state
+    stays float32; see ``neorec.ops.lowp_rows``); ``rounding`` is how updated rows are stored.
     """
 
     weights: Tensor
@@ -112,9 +115,11 @@ class EmbeddingBagCollection(nn.Module):
         init_scale: float = 0.0,
         seed: int = 0,
         validate_ids: bool = True,
+        rounding: str = "auto",
     ) -> None:
         super().__init__()
         check_collection_args(tables, optimizer, pooling, init_scale, seed, validate_ids)
+        self.row_format = RowFormat(table_precision(tables))
         self.tables = list(tables)
         self.optimizer = optimizer or RowOptimizer()
         self.pooling = PoolingMode(pooling)
@@ -128,8 +133,14 @@ class EmbeddingBagCollection(nn.Module):
         )
         device = as_device(device)
         self.backend: TBEBackend = get_backend(backend, device)
+        packed = None
+        if self.row_format.precision != "fp32":
+            keys = [(table_key(t.name), 0, 0, t.dim) for t in self.tables]
+            self.backend = LowpRowsBackend(self.backend, self.row_format, rounding, seed, keys)
+            packed = self.row_format.empty(self.layout, device)
+        self.rounding = getattr(self.backend, "rounding", "nearest")
         check_memory(self.tables, self.layout, self.optimizer.kind, device)
-        register_table_buffers(self, self.layout, self.optimizer.kind, device)
+        register_table_buffers(self, self.layout, self.optimizer.kind, device, weights=packed)
         # Zero-element tensor that puts the TBE op in the autograd graph (see tbe_lookup).
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
@@ -140,9 +151,17 @@ class EmbeddingBagCollection(nn.Module):
     # ---- parameters ----------------------------------------------------------------------
     def reset_parameters(self, init_scale: float = 0.0, seed: int = 0) -> None:
         """Uniform init per table: +-init_scale, or +-sqrt(1/rows) as in the reference DLRM."""
+        fmt = self.row_format
         for t, spec in enumerate(self.tables):
-            block = self.layout.table(self.weights, t)
-            init_rows(spec, seed, 0, spec.rows, init_scale, out=block)
+            if fmt.precision == "fp32":
+                init_rows(
+                    spec, seed, 0, spec.rows, init_scale, out=self.layout.table(self.weights, t)
+                )
+                continue
+            for lo in range(0, spec.rows, INIT_CHUNK_ROWS):  # rounded to nearest, chunk by chunk
+                hi = min(spec.rows, lo + INIT_CHUNK_ROWS)
+                rows = init_rows(spec, seed, lo, hi, init_scale)
+                fmt.encode(self.weights, self.layout, t, torch.arange(lo, hi), rows)
         for k in self.state_names:
             getattr(self, k).zero_()
         self.step.zero_()
@@ -157,8 +176,20 @@ class EmbeddingBagCollection(nn.Module):
         return {k: getattr(self, k) for k in self.state_names}
 
     def table_weight(self, name: str) -> Tensor:
-        """View [rows, dim] of one table's weights."""
-        return self.layout.table(self.weights, self._table_index(name))
+        """One table's weights [rows, dim]: a view of the fp32 buffer, or for low-precision
+        tables their fp32 values (a copy; write with ``set_table_weight``)."""
+        t = self._table_index(name)
+        if self.row_format.precision == "fp32":
+            return self.layout.table(self.weights, t)
+        return self.row_format.decode(self.weights, self.layout, t)
+
+    def set_table_weight(self, name: str, rows: Tensor) -> None:
+        """Overwrite one table's weights with fp32 ``rows`` [rows, dim] (rounded to nearest)."""
+        t = self._table_index(name)
+        want = (self.layout.rows[t], self.layout.dims[t])
+        if tuple(rows.shape) != want:
+            raise ConfigError(f"table '{name}': rows must be {list(want)}, got {list(rows.shape)}")
+        self.row_format.encode(self.weights, self.layout, t, None, rows.to(self.weights.device))
 
     def _table_index(self, name: str) -> int:
         for i, t in enumerate(self.tables):
@@ -235,8 +266,23 @@ def checked_batch(ebc: Any, sparse: SparseFeatures, ids: bool = False) -> Sparse
         )
     sparse = sparse.reorder(ebc.feature_names)
     rows = ebc._rows_by_feature if ebc.validate_ids or ids else None
-    sparse.validate(rows, ebc._table_by_feature, weight_dtype=ebc.weights.dtype)
+    dtype = ebc.weights.dtype if ebc.weights.is_floating_point() else torch.float32
+    if getattr(ebc, "row_format", None) is not None and ebc.row_format.precision != "fp32":
+        dtype = torch.float32  # low-precision rows pool in fp32
+    sparse.validate(rows, ebc._table_by_feature, weight_dtype=dtype)
     return sparse
+
+
+def table_precision(tables: Sequence[TableConfig]) -> str:
+    """The one precision of ``tables`` (``ConfigError`` when they differ: build one collection
+    per precision, e.g. with ``GroupedEmbeddingBagCollection``)."""
+    precs = sorted({getattr(t, "precision", "") or "fp32" for t in tables})
+    if len(precs) > 1:
+        raise ConfigError(
+            f"one EmbeddingBagCollection holds one precision, got {precs}; group the tables by "
+            "precision (neorec.modules.GroupedEmbeddingBagCollection)"
+        )
+    return precs[0]
 
 
 def as_device(device: object) -> torch.device:
@@ -322,7 +368,15 @@ def check_memory(
     e.g. row stores) cannot fit this machine (RAM + swap) before allocating them: an allocation
     that large fails late, or never returns."""
     state = state_shapes(optimizer, layout.total_rows, layout.total_elems)
-    need = 4 * (layout.total_elems + sum(state.values()))
+    weights = (
+        sum(
+            r * bytes_per_row(getattr(t, "precision", "") or "fp32", d)
+            for t, r, d in zip(tables, layout.rows, layout.dims)
+        )
+        if len(tables) == layout.num_tables
+        else 4 * layout.total_elems
+    )
+    need = weights + 4 * sum(state.values())
     host = host_bytes + (need if device.type == "cpu" else 0)
     avail = _memory_bytes()
     if max(need, host) < 2**63 and (avail is None or host <= avail):
@@ -354,7 +408,7 @@ def check_tables_memory(
     layout = TBELayout(
         rows=tuple(t.rows for t in resident), dims=tuple(t.dim for t in resident), feature_table=()
     )
-    check_memory(list(tables), layout, optimizer, as_device(device), host)
+    check_memory(resident or list(tables), layout, optimizer, as_device(device), host)
 
 
 def _memory_bytes() -> int | None:

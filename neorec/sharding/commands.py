@@ -19,6 +19,13 @@ what the planner needs beyond it::
 or ``--no-cached-tiers``; the distributed runtime plans without them (it does not run cached
 tables), so that flag shows the plan ``neorec train`` on several ranks would make. Tables of the
 config with ``storage = "dram" | "ssd"`` keep that tier (and their cache size) in ``neorec plan``.
+
+``--towers N`` (DMT) also plans N towers, one per host (N x ranks per host = world size): each
+tower's tables on its host's ranks (a partition balanced in predicted time and memory, or time
+only with ``--tower-partition time``), a tower module compressing each sample's pooled vectors to
+``--tower-out-vectors K`` (default 1) vectors; it prints the flat report, then the towers, their
+per-host plans and the predicted step time and intra- / inter-host bytes of both plans with their
+ratios (``neorec.sharding.towers_cost``; a simulation). ``--out`` is refused with ``--towers``.
 """
 
 from __future__ import annotations
@@ -37,12 +44,17 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from neorec.config import (
+    CheckpointConfig,
+    CommConfig,
     Config,
     ConfigError,
     DataConfig,
     EmbeddingConfig,
+    LowpConfig,
     ModelConfig,
     ShardingConfig,
+    StorageConfig,
+    TowersConfig,
     TrainConfig,
     load_config,
 )
@@ -50,6 +62,14 @@ from neorec.errors import NeorecError
 from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
 from neorec.sharding.planner import format_report, plan_tables
 from neorec.sharding.topology import Topology
+from neorec.sharding.towers_cost import (
+    TOWER_MODULE_KINDS,
+    TOWER_PARTITIONS,
+    TowerPlanError,
+    check_towers,
+    format_tower_report,
+    plan_towers,
+)
 from neorec.sharding.types import CACHED_STORAGES
 
 __all__ = ["add_plan_arguments", "run_plan", "PlanInputs", "load_plan_inputs"]
@@ -60,6 +80,12 @@ _SECTIONS = {
     "data": DataConfig,
     "train": TrainConfig,
     "sharding": ShardingConfig,
+    # read by training, not by the planner; accepted so one config serves both
+    "storage": StorageConfig,
+    "checkpoint": CheckpointConfig,
+    "comm": CommConfig,
+    "lowp": LowpConfig,
+    "towers": TowersConfig,
 }
 
 
@@ -85,6 +111,32 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-cached-tiers",
         action="store_true",
         help="no dram/ssd tiers behind a row cache (as the distributed runtime plans)",
+    )
+    parser.add_argument(
+        "--towers",
+        type=int,
+        default=0,
+        help="DMT: also plan N towers, one per host (N = world size / ranks per host), and "
+        "compare with the flat plan",
+    )
+    parser.add_argument(
+        "--tower-out-vectors",
+        type=int,
+        default=None,
+        help="DMT: vectors each tower module outputs per sample (default 1)",
+    )
+    parser.add_argument(
+        "--tower-partition",
+        choices=TOWER_PARTITIONS,
+        default="time+memory",
+        help="DMT: balance the towers' predicted time and memory (default), or time only "
+        "(neorec.sharding.towers 'balanced', the runtime's default)",
+    )
+    parser.add_argument(
+        "--tower-module",
+        choices=TOWER_MODULE_KINDS,
+        default="mlp",
+        help="DMT: tower module priced (mlp: compression to --tower-out-vectors; identity)",
     )
 
 
@@ -158,7 +210,16 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
     batch = args.batch_size or int(planner.pop("batch_size", cfg.data.batch_size))
     planner.pop("batch_size", None)
     optimizer = str(planner.pop("optimizer", cfg.embedding.optimizer))
-    if args.topology and Path(args.topology).exists():
+    topo_file = str(planner.pop("topology_file", "") or "")
+    if topo_file and not args.topology:
+        tpath = base / topo_file
+        if not tpath.exists():
+            raise ConfigError(
+                f"{args.config}: planner.topology_file {str(tpath)!r} does not exist; write one "
+                "with neorec plan --calibrate --topology PATH, or drop the key"
+            )
+        topo = Topology.load(tpath).with_world(args.world_size, args.ranks_per_host or None)
+    elif args.topology and Path(args.topology).exists():
         topo = Topology.load(args.topology)
         topo = topo.with_world(args.world_size, args.ranks_per_host or None)
     else:
@@ -212,10 +273,16 @@ def run_plan(args: argparse.Namespace) -> int:
     Bad input and an infeasible plan print ``neorec: error: ...`` on stderr and return 2.
     """
     try:
+        _check_tower_flags(args)
         if args.calibrate:
             _calibrate(args)
         inp = load_plan_inputs(args)
+        towers = getattr(args, "towers", 0)
+        if towers:
+            check_towers(inp.topology, towers, len(inp.tables))  # before the (long) flat plan
         result = plan_tables(inp.tables, inp.topology, inp.batch_size, inp.optimizer, **inp.options)
+        if towers:
+            return _run_towers(args, inp, result)
     except (NeorecError, ValueError) as e:  # PlanningError, ConfigError, bad table/topology files
         print(f"neorec: error: {e}", file=sys.stderr)
         return 2
@@ -230,6 +297,53 @@ def run_plan(args: argparse.Namespace) -> int:
             print(result.plan.format_table())
         if args.out:
             print(f"\nplan written to {args.out}")
+    return 0
+
+
+def _check_tower_flags(args: argparse.Namespace) -> None:
+    """The DMT flags make sense together (checked before any planning)."""
+    towers = getattr(args, "towers", 0)
+    k = getattr(args, "tower_out_vectors", None)
+    if towers < 0:
+        raise TowerPlanError(f"--towers must be >= 1 (or 0: no towers), got {towers}")
+    if not towers:
+        if k is not None:
+            raise TowerPlanError("--tower-out-vectors needs --towers N (the towers to plan)")
+        return
+    if k is not None and k < 1:
+        raise TowerPlanError(f"--tower-out-vectors must be >= 1, got {k}")
+    if args.out:
+        raise TowerPlanError(
+            "--out writes one ShardingPlan, but with --towers the runtime plans each tower on its "
+            "host itself (neorec.distributed.towers); drop --out, or drop --towers to write the "
+            "flat plan"
+        )
+
+
+def _run_towers(args: argparse.Namespace, inp: PlanInputs, flat: Any) -> int:
+    """``neorec plan --towers N``: the tower plan next to the flat plan."""
+    k = getattr(args, "tower_out_vectors", None) or 1
+    res = plan_towers(
+        inp.tables,
+        inp.topology,
+        inp.batch_size,
+        args.towers,
+        inp.optimizer,
+        out_vectors=k,
+        module=getattr(args, "tower_module", "mlp"),
+        partition=getattr(args, "tower_partition", "time+memory"),
+        flat=flat,
+        **inp.options,
+    )
+    if args.json:
+        print(json.dumps(res.to_dict()))
+        return 0
+    print(format_report(flat))
+    print()
+    print(format_tower_report(res))
+    if args.show_plan:
+        print()
+        print(res.plan.format_table())
     return 0
 
 

@@ -54,24 +54,25 @@ predicted embedding time is, per phase, the slowest rank's, summed. Constants co
 
 from __future__ import annotations
 
-import csv
 import functools
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from neorec.config import TableConfig
+from neorec.sharding.tables import (
+    ID_DISTRIBUTIONS,
+    OPTIMIZERS,
+    ROW_BYTES,
+    TableSpec,
+    load_tables,
+    tables_from_config,
+)
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     CACHED_STORAGES,
-    STORAGES,
     Shard,
     ShardingPlan,
     ShardingType,
-    parse_sharding_type,
 )
 
 __all__ = [
@@ -89,163 +90,6 @@ __all__ = [
     "cache_rows",
     "ID_DISTRIBUTIONS",
 ]
-
-OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
-ID_DISTRIBUTIONS = ("", "uniform", "zipf", "locality")
-"""How a table's ids are drawn, for cache hit rates: empty = unknown (locality-calibrated, the
-production-like default), or as ``data.id_distribution``."""
-CACHE_POLICIES = ("lru", "lfu")
-
-
-@dataclass(kw_only=True)
-class TableSpec:
-    """One table as the planner sees it: shape, load, and per-table constraints."""
-
-    name: str
-    rows: int
-    dim: int
-    pooling_factor: float = 1.0
-    """Mean ids per sample looked up in this table (summed over the features reading it)."""
-    optimizer: str = ""
-    """Fused optimizer of this table; empty = the planner's default."""
-    allowed_types: tuple[ShardingType, ...] = ()
-    """Sharding types the planner may use; empty = any."""
-    ranks: tuple[int, ...] = ()
-    """Pin: the table's shards may only go on these ranks; empty = any."""
-    storage: str = ""
-    """Force a storage tier (``device``, ``host``, or the cached ``dram`` / ``ssd``); empty = the
-    planner chooses."""
-    zipf_alpha: float = 0.0
-    """Access skew: ids drawn with P(k-th most popular row) ~ k^-zipf_alpha; 0 = uniform. Skew
-    lowers the distinct rows a batch touches (rows gathered and updated), not the id count."""
-    cache_fraction: float = 0.0
-    """Cache size of a forced ``dram`` / ``ssd`` storage as a share of rows; 0 = the planner
-    chooses among its candidate fractions."""
-    cache_policy: str = "lru"
-    """Row cache eviction policy (``lru`` or ``lfu``) assumed for the cached tiers' hit rates."""
-    id_distribution: str = ""
-    """Id distribution for cache hit rates when ``zipf_alpha`` is 0: ``uniform``, ``locality``, or
-    empty = unknown (taken as the locality-calibrated, production-like distribution)."""
-
-    def __post_init__(self) -> None:
-        if self.rows <= 0 or self.dim <= 0 or self.pooling_factor < 0 or self.zipf_alpha < 0:
-            raise ValueError(
-                f"table '{self.name}': rows, dim must be > 0 and pooling_factor, zipf_alpha >= 0, "
-                f"got rows={self.rows}, dim={self.dim}, pooling_factor={self.pooling_factor}, "
-                f"zipf_alpha={self.zipf_alpha}"
-            )
-        if self.optimizer and self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"table '{self.name}': optimizer must be one of {OPTIMIZERS}")
-        if self.storage and self.storage not in STORAGES:
-            raise ValueError(f"table '{self.name}': storage must be one of {STORAGES}")
-        if not 0.0 <= self.cache_fraction <= 1.0 or (
-            self.cache_fraction and self.storage not in CACHED_STORAGES
-        ):
-            raise ValueError(
-                f"table '{self.name}': cache_fraction must be in [0, 1] and is only for storage "
-                f"dram or ssd, got {self.cache_fraction} with storage '{self.storage}'"
-            )
-        if self.cache_policy not in CACHE_POLICIES:
-            raise ValueError(f"table '{self.name}': cache_policy must be one of {CACHE_POLICIES}")
-        if self.id_distribution not in ID_DISTRIBUTIONS:
-            raise ValueError(
-                f"table '{self.name}': id_distribution must be one of {ID_DISTRIBUTIONS[1:]} "
-                f"or empty, got '{self.id_distribution}'"
-            )
-        self.allowed_types = tuple(
-            t if isinstance(t, ShardingType) else parse_sharding_type(str(t))
-            for t in self.allowed_types
-        )
-        self.ranks = tuple(int(r) for r in self.ranks)
-
-    @property
-    def params(self) -> int:
-        """Number of parameters (rows x dim)."""
-        return self.rows * self.dim
-
-    @property
-    def hit_alpha(self) -> float | None:
-        """Zipf exponent for cache hit rates: ``zipf_alpha`` when set, 0 for uniform ids, None for
-        the locality-calibrated distribution (``locality`` or unknown)."""
-        if self.zipf_alpha > 0:
-            return self.zipf_alpha
-        return 0.0 if self.id_distribution in ("uniform", "zipf") else None
-
-    @classmethod
-    def from_config(cls, t: TableConfig, **kw: Any) -> TableSpec:
-        """From a ``neorec.config.TableConfig`` (pooling summed over the features reading it)."""
-        pooling = t.pooling_factor * max(1, len(t.features))
-        return cls(name=t.name, rows=t.rows, dim=t.dim, pooling_factor=pooling, **kw)
-
-
-def tables_from_config(
-    tables: Iterable[TableConfig],
-    types: dict[str, str] | None = None,
-    default_type: str = "",
-    zipf_alpha: float = 0.0,
-    id_distribution: str = "",
-) -> list[TableSpec]:
-    """Planner tables from config tables; ``sharding.types`` / ``default_type`` become constraints,
-    ``zipf_alpha`` the access skew of every table (0 = uniform ids), ``id_distribution`` what
-    cache hit rates assume (empty = unknown). A table's own ``storage`` (memory / dram / ssd of
-    single-process training) is not a planner constraint here (see ``neorec plan``)."""
-    out = []
-    for t in tables:
-        st = (types or {}).get(t.name, default_type)
-        allowed = (parse_sharding_type(st),) if st else ()
-        out.append(
-            TableSpec.from_config(
-                t, allowed_types=allowed, zipf_alpha=zipf_alpha, id_distribution=id_distribution
-            )
-        )
-    return out
-
-
-def _split_list(text: str) -> list[str]:
-    return [x for x in text.replace(";", " ").replace("|", " ").split() if x]
-
-
-def _spec_from_record(d: dict[str, Any], where: str) -> TableSpec:
-    try:
-        allowed: Any = d.get("allowed_types") or ()
-        ranks: Any = d.get("ranks") or ()
-        return TableSpec(
-            name=str(d["name"]),
-            rows=int(float(d["rows"])),
-            dim=int(d["dim"]),
-            pooling_factor=float(d.get("pooling_factor") or 1.0),
-            optimizer=str(d.get("optimizer") or ""),
-            allowed_types=tuple(
-                parse_sharding_type(str(a))
-                for a in (_split_list(allowed) if isinstance(allowed, str) else allowed)
-            ),
-            ranks=tuple(int(r) for r in (_split_list(ranks) if isinstance(ranks, str) else ranks)),
-            storage=str(d.get("storage") or ""),
-            zipf_alpha=float(d.get("zipf_alpha") or 0.0),
-            cache_fraction=float(d.get("cache_fraction") or 0.0),
-            cache_policy=str(d.get("cache_policy") or "lru"),
-            id_distribution=str(d.get("id_distribution") or ""),
-        )
-    except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"{where}: bad table record {d}: {e}") from None
-
-
-def load_tables(path: str | Path) -> list[TableSpec]:
-    """Tables from CSV (header ``name,rows,dim,pooling_factor`` and optionally ``optimizer``,
-    ``allowed_types``, ``ranks``, ``storage``, ``zipf_alpha``, ``cache_fraction``,
-    ``cache_policy``, ``id_distribution``; lists separated by ``;``) or JSON (a list of objects,
-    or ``{"tables": [...]}``)."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"table file not found: {p}")
-    if p.suffix.lower() == ".json":
-        data = json.loads(p.read_text())
-        records = data["tables"] if isinstance(data, dict) else data
-        return [_spec_from_record(r, f"{p}[{i}]") for i, r in enumerate(records)]
-    with p.open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("name") and not r["name"].startswith("#")]
-    return [_spec_from_record(r, f"{p}:{i + 2}") for i, r in enumerate(rows)]
-
 
 _UNFUSED_ID_WORDS = 8
 """Id-sized words the unfused update moves per id and per distinct row, besides row bytes: the
@@ -554,9 +398,17 @@ class CostModel:
             and self.optimizer_of(table) == "rowwise_adagrad"
         )
 
+    def row_bytes(self, table: TableSpec, cols: int) -> float:
+        """Bytes of one stored row of ``cols`` values (the table's precision, else
+        ``weight_bytes`` a value); the optimizer state is extra (``state_bytes``)."""
+        if table.precision:
+            per, extra = ROW_BYTES[table.precision]
+            return cols * per + extra
+        return cols * self.weight_bytes
+
     def record_bytes(self, table: TableSpec, cols: int) -> float:
         """Bytes of one row with its optimizer state (a record of a cached tier's store)."""
-        return cols * self.weight_bytes + self.state_bytes(table, 1, cols)
+        return self.row_bytes(table, cols) + self.state_bytes(table, 1, cols)
 
     def min_cache_fraction(self, table: TableSpec) -> float:
         """Smallest cache fraction the cached tiers may use for ``table``: the cache must hold
@@ -576,7 +428,7 @@ class CostModel:
         """(row bytes, gradient bytes) of a backward update: read + write of ``touched`` distinct
         rows and their optimizer state; ``grad_rows`` gradient rows read (pooled and per id)."""
         state = self.state_bytes(table, 1, cols) * touched
-        rows_b = 2 * (touched * cols * self.weight_bytes + state)
+        rows_b = 2 * (touched * self.row_bytes(table, cols) + state)
         return rows_b, grad_rows * cols * self.comm_bytes
 
     def shard_cost(
@@ -598,7 +450,7 @@ class CostModel:
         ``cache_fraction``: the row cache of a cached ``storage`` (``dram`` / ``ssd``).
         """
         b, w = self.batch, self.topo.world_size
-        e, c4 = self.weight_bytes, self.comm_bytes
+        c4 = self.comm_bytes
         st = sharding_type
         dp = st is ShardingType.DATA_PARALLEL
         alpha = table.zipf_alpha
@@ -626,7 +478,7 @@ class CostModel:
         # Forward: read ids, gather rows (storage tier; repeats of a row within the batch hit in
         # cache, so distinct rows), write pooled outputs.
         fwd = (
-            touched * cols * e / sto_bw
+            touched * self.row_bytes(table, cols) / sto_bw
             + (hits * self.id_bytes + out_rows * cols * c4) / dev_bw
             + overhead
         )
@@ -668,7 +520,7 @@ class CostModel:
                 bwd_comm += si + se
                 inter += se
             buffers = hits * self.id_bytes + 2 * out_rows * cols * c4
-        weights = rows * cols * e + state
+        weights = rows * self.row_bytes(table, cols) + state
         if cached:
             # Misses read from the store, and as many dirty evictions written back to it (each
             # resident row was updated by the step that touched it); slot lookups of every id.

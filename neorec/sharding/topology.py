@@ -66,6 +66,10 @@ class Topology:
     """All-to-all bandwidth of one rank to the ranks of its own host (NVLink, shared memory)."""
     inter_host_bw_gbs: float = 12.5
     """All-to-all bandwidth of one rank to other hosts (its share of the NIC)."""
+    dense_tflops: float = 100.0
+    """Effective dense math rate (TFLOP/s) of one rank's small GEMMs; the cost model prices DMT
+    tower modules with it (``neorec.sharding.towers_cost``). Default: an assumption for A100-class
+    GPUs (TF32 tensor cores peak at 156 TFLOP/s; ~2/3 of it for these GEMMs); not calibrated."""
     shard_overhead_us: float = 5.0
     """Fixed time per shard per step (bookkeeping, kernel work that does not scale with bytes)."""
     collective_latency_us: float = 30.0
@@ -88,7 +92,7 @@ class Topology:
             )
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name.endswith("_gbs") and v <= 0:
+            if f.name.endswith(("_gbs", "_tflops")) and v <= 0:
                 problems.append(f"{f.name} must be > 0, got {v}")
             if f.name.endswith(("_gb", "_us")) and v < 0:
                 problems.append(f"{f.name} must be >= 0, got {v}")
@@ -168,6 +172,7 @@ class Topology:
             row_split_bw_gbs=0.1,
             intra_host_bw_gbs=1.0,
             inter_host_bw_gbs=1.0,
+            dense_tflops=0.05,
             shard_overhead_us=20.0,
             collective_latency_us=200.0,
             name=f"local_cpu x{world_size} (preset, not measured)",

@@ -1,34 +1,42 @@
-"""Train / eval loop: progress line, NaN guard, metrics.json."""
+"""Train / eval loop: NaN guard, periodic evals, the run folder's files (metrics.json, events)."""
 
 from __future__ import annotations
 
+import itertools
 import json
-import math
 import os
 import resource
+import shutil
 import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
-from neorec.distributed.dense_blocks import block_dense, blocks_of, per_block
+from neorec.distributed.dense_blocks import block_dense
 from neorec.errors import NeorecError
 from neorec.modules.dlrm import build_dlrm
-from neorec.sparse import SparseFeatures
-from neorec.train.metrics import MetricState, binary_metrics
+from neorec.train.metrics import binary_metrics
 from neorec.train.pipeline import PipelineTimes, make_pipeline
+from neorec.train.progress import Progress, banner, eval_line, every_of
+from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, run_info, utc_now
 from neorec.train.sources import DataSource, make_source
+from neorec.train.steps import (
+    RecModel,
+    TrainingDiverged,
+    evaluate,
+    make_dense_optimizer,
+    predict,
+    train_step,
+)
+from neorec.train.tb import TBWriter, tensorboard_wanted
 
 __all__ = [
     "TrainingDiverged",
@@ -37,80 +45,10 @@ __all__ = [
     "make_dense_optimizer",
     "train_step",
     "evaluate",
+    "Progress",
     "Trainer",
     "train",
 ]
-
-
-class TrainingDiverged(NeorecError, RuntimeError):
-    """The loss became NaN or infinite."""
-
-
-class RecModel(Protocol):
-    """What the trainer needs of a model (unsharded DLRM or its distributed form)."""
-
-    def __call__(self, dense: Tensor, sparse: SparseFeatures) -> Tensor: ...
-
-    def train(self, mode: bool = True) -> Any: ...
-
-    def dense_parameters(self) -> Iterator[nn.Parameter]: ...
-
-
-def make_dense_optimizer(cfg: Config, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch.optim optimizer for dense parameters."""
-    lr = cfg.train.dense_lr
-    kind = cfg.train.dense_optimizer
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr)
-    return torch.optim.Adam(params, lr=lr)
-
-
-def train_step(
-    model: RecModel, opt: torch.optim.Optimizer, batch: Batch, step: int, bf16: bool = False
-) -> Tensor:
-    """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step."""
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-    with ctx:
-        logits = model(batch.dense, batch.sparse)
-    # The mean over the batch, as the mean of the dense blocks' means (the same number: blocks
-    # are equal): each sample's loss gradient then comes from a tensor of the block's size.
-    parts = per_block(
-        F.binary_cross_entropy_with_logits, blocks_of(model), logits.float(), batch.labels
-    )
-    loss = parts[0] if len(parts) == 1 else torch.stack(parts).mean()
-    value = loss.detach()
-    # note: a host sync; refusing a non-finite loss before backward keeps the tables clean.
-    if not math.isfinite(float(value)):
-        raise TrainingDiverged(
-            f"loss became {float(value)} at step {step}; lower the learning rates "
-            f"(embedding.lr, train.dense_lr) or check the input data"
-        )
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return value
-
-
-@torch.no_grad()
-def predict(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> MetricState:
-    """Predicted probabilities and labels over ``batches``."""
-    model.train(False)
-    state = MetricState()
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-    blocks = blocks_of(model)
-    for batch in batches:
-        with ctx:
-            logits = model(batch.dense, batch.sparse)
-        state.update(torch.cat(per_block(torch.sigmoid, blocks, logits.float())), batch.labels)
-    model.train(True)
-    return state
-
-
-def evaluate(model: RecModel, batches: Iterator[Batch], bf16: bool = False) -> dict[str, float]:
-    """Metrics of the model's predictions over ``batches``."""
-    return predict(model, batches, bf16).compute()
 
 
 def _injected_failure(rank: int) -> int:
@@ -120,46 +58,6 @@ def _injected_failure(rank: int) -> int:
         return -1
     r, st = (int(x) for x in spec.split(":"))
     return st if r == rank else -1
-
-
-@dataclass
-class Progress:
-    """Prints a progress line with samples/s."""
-
-    total: int | None
-    every: int
-    out: TextIO = field(default_factory=lambda: sys.stdout)
-    enabled: bool = True
-    start: float = field(default_factory=time.perf_counter)
-    samples: int = 0
-    losses: list[float] = field(default_factory=list)
-    start_samples: int = 0
-    """Samples already trained when this process began (a resumed run's), left out of rates."""
-
-    def begin(self) -> None:
-        """Start the clock: rates count what this process trains from now on."""
-        self.start, self.start_samples = time.perf_counter(), self.samples
-
-    def rate(self, elapsed: float) -> float:
-        """Samples per second this process trained over ``elapsed`` seconds."""
-        return (self.samples - self.start_samples) / max(elapsed, 1e-9)
-
-    def update(self, step: int, batch_size: int, loss: Tensor) -> None:
-        """Record a step; print every ``every`` steps."""
-        self.samples += batch_size
-        self.losses.append(float(loss))
-        if not self.enabled or (step % self.every and step != self.total):
-            return
-        elapsed = time.perf_counter() - self.start
-        rate = self.rate(elapsed)
-        recent = self.losses[-self.every :]
-        total = f"/{self.total}" if self.total else ""
-        print(
-            f"step {step}{total}  loss {sum(recent) / len(recent):.4f}  "
-            f"{rate:,.0f} samples/s  {elapsed:.1f}s",
-            file=self.out,
-            flush=True,
-        )
 
 
 def _memory_mb() -> dict[str, float]:
@@ -178,18 +76,53 @@ def _memory_mb() -> dict[str, float]:
 
 
 class Trainer:
-    """Runs training and evaluation for a config and writes metrics.json.
+    """Runs training and evaluation for a config and writes the run folder's files.
 
     Under torch.distributed, every rank reads the same global batches and keeps its slice
     ``[rank*b, (rank+1)*b)``; eval predictions are gathered so every rank computes the metrics of
-    the whole split; rank 0 prints and writes.
+    the whole split; rank 0 prints and writes. The run folder (``neorec.train.runs``) is the one
+    ``run`` names, else the launcher's (``NEOREC_RUN_DIR``), else rank 0 resolves it from the
+    config and tells the other ranks; ``self.cfg`` is the config with ``train.run_dir`` set to it.
     """
 
-    def __init__(self, cfg: Config, model: RecModel | None = None, out: TextIO | None = None):
-        self.cfg = cfg
-        self.out = out or sys.stdout
+    def __init__(
+        self,
+        cfg: Config,
+        model: RecModel | None = None,
+        out: TextIO | None = None,
+        run: RunFolder | None = None,
+    ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.given_cfg = cfg
+        self.run = run if run is not None else self._resolve_run(cfg)
+        try:
+            self._setup(self.run.apply(cfg), model, out)
+        except BaseException:
+            self.run.discard_if_empty()  # a folder reserved for a run that never started
+            raise
+
+    def _resolve_run(self, cfg: Config) -> RunFolder:
+        """The run folder; under torch.distributed without a launcher's, rank 0's choice."""
+        if self.world == 1 or RunFolder.from_env() is not None:
+            return resolve_run(cfg)
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box = [resolve_run(cfg)]
+            except NeorecError as e:
+                box = [e]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], NeorecError):
+            raise box[0]
+        return cast(RunFolder, box[0])
+
+    def _setup(self, cfg: Config, model: RecModel | None, out: TextIO | None) -> None:
+        self.cfg = cfg
+        # Rank 0 prints through a Tee: the terminal, and the run's train.log once it is open.
+        self.tee = Tee(out or sys.stdout) if self.rank == 0 else None
+        self.out: TextIO = cast(TextIO, self.tee) if self.tee is not None else out or sys.stdout
+        self.runlog: RunLog | None = None
         if cfg.data.batch_size % self.world:
             raise ConfigError(
                 f"data.batch_size {cfg.data.batch_size} must be divisible by the {self.world} ranks"
@@ -200,6 +133,8 @@ class Trainer:
         from neorec.modules.embedding import check_tables_memory
 
         check_trainable(cfg)  # one dim, the dense part's size, splits of at least one batch
+        self.tb: TBWriter | None = None
+        self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
         if self.world == int(os.environ.get("LOCAL_WORLD_SIZE", self.world)):  # one host
             check_tables_memory(cfg.embedding.tables, cfg.embedding.optimizer)
         if self.world == 1 and cfg.sharding.plan:
@@ -214,16 +149,45 @@ class Trainer:
 
         # So does the checkpoint to resume: found, its chain read, its model compared with cfg.
         resume = preflight_resume(cfg, self.out, self.rank)
+        self._resumed_step = None if resume is None else int(resume.manifest["step"])
+        self.plan: Any = None
+        self.tower_groups: list[list[str]] | None = None
         self.model = model if model is not None else self._build_model()
         self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
         self.step = 0
         self._fail_at = _injected_failure(self.rank)
         self._epoch = self._next_batch = 0  # data position: the next batch to read (checkpointed)
         self.ckpt = TrainerCheckpoints.create(self, resume)
+        self.eval_every = every_of(
+            cfg.train.eval_every, cfg.train.eval_fraction, self.total_steps()
+        )
+        self._window: dict[str, float] = {}
+        self._eval_s = 0.0  # seconds of the periodic evals (inside the train time)
+
+    def _tower_groups(self) -> list[list[str]] | None:
+        """The towers of a towered config (``[towers]``): its groups, its balanced / random
+        partition, or the learned partition after a warm-up of the flat model on the first train
+        batches (rank 0 decides and every rank gets its answer)."""
+        from neorec.modules.towers import learned_groups, tower_groups
+
+        tw = self.cfg.towers
+        if not tw.enabled:
+            return None
+        groups = tower_groups(self.cfg)
+        if groups is None:  # learned
+            box: list[Any] = [None]
+            if self.rank == 0:
+                box[0] = learned_groups(self.cfg, self.source.train_batches(0))
+            if self.world > 1:
+                dist.broadcast_object_list(box, src=0)
+            groups = box[0]
+        self.tower_groups = groups
+        return groups
 
     def _build_model(self) -> RecModel:
+        groups = self._tower_groups()
         if self.world == 1:
-            model = build_dlrm(self.cfg)
+            model = build_dlrm(self.cfg, groups=groups) if groups else build_dlrm(self.cfg)
             if self.cfg.train.dense_blocks > 1:
                 # The dense gradient summed in the blocks' tree: what N ranks compute (bitwise).
                 block_dense(model.dense_arch, self.cfg.train.dense_blocks)
@@ -235,6 +199,8 @@ class Trainer:
         )
 
         check_same_everywhere("configs", self.cfg.to_dict())
+        if groups:
+            return self._towered_model(groups)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         plan = resolve_plan(self.cfg, self.world, local)
         check_same_everywhere("sharding plans", plan.to_dict())
@@ -242,6 +208,22 @@ class Trainer:
             print(plan.format_table(), file=self.out, flush=True)
         self.plan = plan
         return DistributedModel(self.cfg, plan)
+
+    def _towered_model(self, groups: list[list[str]]) -> RecModel:
+        """SPTT: tower t's tables on host t (``world / towers`` consecutive ranks)."""
+        from neorec.distributed.towers import DistributedTowerModel, tower_features
+        from neorec.modules.towers import build_tower_dense
+
+        cfg = self.cfg
+        feats = tower_features(cfg.embedding.tables, groups)
+        dim = cfg.embedding.tables[0].dim
+
+        def build_dense() -> tuple[nn.ModuleList, nn.Module]:
+            return build_tower_dense(
+                cfg.model, [len(f) for f in feats], dim, cfg.towers.module, cfg.towers.out_vectors
+            )
+
+        return DistributedTowerModel(cfg, groups, build_dense)
 
     def _local(self, batch: Batch) -> Batch:
         if self.world == 1 or getattr(self.source, "yields_local", False):
@@ -296,18 +278,66 @@ class Trainer:
             positions.append(position)
             yield self._local(batch)
 
+    def _config_record(self) -> dict[str, Any]:
+        """The config as config.toml keeps it: as given, with the run's name when it has one
+        (``--config runs/NAME/config.toml`` trains it again, in a new folder NAME-2)."""
+        d = self.given_cfg.to_dict()
+        if self.run.root is not None:
+            d["train"]["name"], d["train"]["run_dir"] = self.run.name, ""
+        return d
+
+    def _open_run(self, total: int | None) -> None:
+        """Rank 0: the run folder's files, ``latest``, and the banner."""
+        if self.rank != 0 or self.tee is None:
+            return
+        self.runlog = RunLog(self.run, self.tee)
+        self.runlog.open(self._config_record(), self._resumed_step)
+        if self._tb_wanted:
+            resumed = self._resumed_step
+            self.tb = TBWriter(self.run.path, None if resumed is None else resumed + 1)
+        if self.cfg.train.progress:
+            dense = sum(p.numel() for p in self.model.dense_parameters())
+            text = banner(
+                self.cfg,
+                folder=str(self.run.path),
+                resumed=self._resumed_step is not None,
+                world=self.world,
+                dense_params=dense,
+                total_steps=total,
+                eval_every=self.eval_every,
+                plan=self.plan,
+            )
+            print(text, file=self.out, flush=True)
+
     def fit(self) -> dict[str, Any]:
-        """Train, evaluate, write metrics.json; return the metrics."""
+        """Train, evaluate, write the run folder's files; return the metrics."""
+        try:
+            return self._fit()
+        except BaseException as e:
+            if self.tee is not None:  # train.log says how it ended (the terminal got the error)
+                self.tee.log_only(f"stopped at step {self.step}: {type(e).__name__}: {e}\n")
+            raise
+        finally:
+            if self.runlog is not None:
+                self.runlog.close()
+            if self.tb is not None:
+                self.tb.close()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
+        total = self.total_steps()
         progress = Progress(
-            self.total_steps(),
+            total,
             max(1, cfg.train.log_every),
             self.out,
             cfg.train.progress and self.rank == 0,
         )
+        self._open_run(total)
         evals = self.ckpt.resume(self, progress) if self.ckpt is not None else []
         first_step = self.step
-        progress.begin()
+        # A periodic eval at the last step of the eval_fraction schedule is the final eval.
+        skip_last = total if not cfg.train.eval_every else None
+        progress.begin(self.step)
         t0 = progress.start
         positions: deque[tuple[int, int]] = deque()
         from neorec.lowp.hooks import TrainerLowp
@@ -322,6 +352,7 @@ class Trainer:
             step_fn,
             bf16=cfg.train.bf16_dense,
         )
+        self._window = self._counters()
         try:
             while True:
                 if self.step + 1 == self._fail_at:
@@ -333,10 +364,20 @@ class Trainer:
                     break
                 self.step += 1
                 self._epoch, self._next_batch = positions.popleft()
-                progress.update(self.step, out.batch.size * self.world, out.loss)
-                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    evals.append({"step": self.step, **self.evaluate()})
-                    self._print_eval(evals[-1])
+                logged = progress.update(self.step, out.batch.size * self.world, out.loss)
+                ev = None
+                if self.eval_every and self.step % self.eval_every == 0 and self.step != skip_last:
+                    te, c0 = time.perf_counter(), self._counters()
+                    ev = {"step": self.step, **self.evaluate(periodic=True)}
+                    self._eval_s += time.perf_counter() - te
+                    c1 = self._counters()  # the eval's traffic and cache use are not training's
+                    for k in ("bytes", "wait_s", "hits", "misses"):
+                        if k in c1:
+                            self._window[k] = self._window.get(k, 0.0) + c1[k] - c0[k]
+                    evals.append(ev)
+                    self._print_eval(ev)
+                if logged is not None or ev is not None:
+                    self._event(logged, ev)
                 if self.ckpt is not None:
                     self.ckpt.after_step(self, progress, evals)
         except BaseException:
@@ -346,6 +387,7 @@ class Trainer:
                 self.ckpt.abandon(self.world)
             raise
         finally:
+            progress.close()
             pipe.close()
             if self.lowp is not None:
                 self.lowp.close()  # the probe's table and lowp.json; every site back to fp32
@@ -355,21 +397,93 @@ class Trainer:
             self.ckpt.close()
         train_s = time.perf_counter() - t0
         final = self.evaluate()
+        self._event(None, {"step": self.step, **final}, final=True)
+        self.finish_model()
         return self.summarize(final, evals, progress, train_s, first_step)
+
+    def finish_model(self) -> None:
+        """At the end of training (every rank; after the final eval, before metrics.json): save
+        the final model to ``<run folder>/model`` (a full snapshot by global rows, loadable under
+        any world size; ``neorec eval | predict | export``), unless ``train.save_model`` is off."""
+        if not self.cfg.train.save_model:
+            return
+        from neorec.serve import save_model  # serve builds on train: imported when used
+
+        final = Path(self.cfg.train.run_dir) / "model"
+        # A resumed run that had already finished replaces its model only once the new one is
+        # complete: written beside it, then swapped in by rank 0.
+        fresh = final.with_name("model.new") if final.exists() else final
+        if fresh != final and self.rank == 0 and fresh.exists():
+            shutil.rmtree(fresh)  # a swap that never happened
+        if self.world > 1:
+            dist.barrier()
+        save_model(self.model, self.cfg, fresh, step=self.step)
+        if fresh != final and self.rank == 0:
+            old = final.with_name("model.old")
+            os.replace(final, old)
+            os.replace(fresh, final)
+            shutil.rmtree(old)
+        self.model_dir = final
+
+    def _counters(self) -> dict[str, float]:
+        """Running totals this rank can read without a collective: bytes it sent and seconds it
+        waited on communication (distributed), row cache hits and misses (a cached model)."""
+        out: dict[str, float] = {"step": float(self.step)}
+        stats = getattr(self.model, "stats", None)
+        if stats is not None and self.world > 1:
+            out["bytes"] = float(sum(stats.bytes_sent.values()))
+            out["wait_s"] = float(sum(stats.wait_s.values()))
+        ebc = getattr(self.model, "ebc", None)
+        if ebc is not None and callable(getattr(ebc, "stats", None)):
+            s = ebc.stats()
+            out["hits"], out["misses"] = float(s.get("hits", 0)), float(s.get("misses", 0))
+        return out
+
+    def _event(
+        self, logged: dict[str, Any] | None, ev: dict[str, Any] | None, final: bool = False
+    ) -> None:
+        """One line of events.jsonl (rank 0): the logged step's values since the previous line,
+        and the eval's metrics when there was one at this step."""
+        if self.runlog is None:
+            return
+        rec: dict[str, Any] = {"step": self.step, "time_utc": utc_now()}
+        if logged is not None:
+            rec.update(logged)
+            rec["lr"] = float(self.opt.param_groups[0]["lr"])
+            rec["embedding_lr"] = float(self.cfg.embedding.lr)
+            now, before = self._counters(), self._window
+            steps = max(1.0, now["step"] - before.get("step", 0.0))
+            if "bytes" in now:
+                rec["comm_bytes_per_step"] = (now["bytes"] - before.get("bytes", 0.0)) / steps
+                waited = now["wait_s"] - before.get("wait_s", 0.0)
+                rec["comm_wait_ms_per_step"] = 1000 * waited / steps
+            if "hits" in now:
+                hits = now["hits"] - before.get("hits", 0.0)
+                misses = now["misses"] - before.get("misses", 0.0)
+                rec["cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
+            self._window = now
+        if ev is not None:
+            rec.update({f"eval_{k}": v for k, v in ev.items() if k != "step"})
+            if final:
+                rec["final"] = True
+            elif self.cfg.train.eval_batches:
+                rec["eval_batches"] = self.cfg.train.eval_batches
+        self.runlog.event(rec)
+        if self.tb is not None:
+            self.tb.event(rec)
 
     def _print_eval(self, e: dict[str, Any]) -> None:
         """One line of eval metrics (rank 0, progress on)."""
         if self.rank == 0 and self.cfg.train.progress:
-            print(
-                f"eval at step {e['step']}  auc {e['auc']:.4f}  logloss {e['logloss']:.4f}  "
-                f"ne {e['ne']:.4f}  calibration {e['calibration']:.3f}",
-                file=self.out,
-                flush=True,
-            )
+            print(eval_line(e, self.cfg.train.eval_batches), file=self.out, flush=True)
 
-    def evaluate(self) -> dict[str, float]:
-        """Eval metrics now (over the whole eval split, on every rank)."""
-        batches = (self._local(b) for b in self.source.eval_batches())
+    def evaluate(self, periodic: bool = False) -> dict[str, float]:
+        """Eval metrics now (on every rank): over the whole eval split, or (``periodic``) over
+        its first ``train.eval_batches`` batches."""
+        source: Iterator[Batch] = iter(self.source.eval_batches())
+        if periodic and self.cfg.train.eval_batches:
+            source = itertools.islice(source, self.cfg.train.eval_batches)
+        batches = (self._local(b) for b in source)
         if self.world == 1:
             return evaluate(self.model, batches, self.cfg.train.bf16_dense)
         state = predict(self.model, batches, self.cfg.train.bf16_dense)
@@ -419,7 +533,11 @@ class Trainer:
     ) -> dict[str, Any]:
         """Build, print and write the run summary (rates: what this process trained)."""
         teacher = self.source.reference_metrics()
+        if self.tb is not None:
+            self.tb.reference(teacher)
         result: dict[str, Any] = {
+            **({"model": str(self.model_dir)} if getattr(self, "model_dir", None) else {}),
+            **({"towers": {"groups": self.tower_groups}} if self.tower_groups else {}),
             "train": {
                 "steps": self.step,
                 "resumed_at_step": first_step,
@@ -427,6 +545,7 @@ class Trainer:
                 "seconds": round(train_s, 3),
                 "samples_per_s": round(progress.rate(train_s), 1),
                 "final_loss": sum(progress.losses[-50:]) / max(1, len(progress.losses[-50:])),
+                "periodic_eval_s": round(self._eval_s, 3),
                 **_memory_mb(),
             },
             "eval": final,
@@ -444,6 +563,8 @@ class Trainer:
             result["lowp"] = lowp.summary()
         if teacher:
             result["eval_ne_gap_vs_teacher"] = final["ne"] / teacher["ne"] - 1.0
+        start = self.runlog.start if self.runlog is not None else utc_now()
+        result["run"] = {**run_info(self.run, self.world, start), "end_utc": utc_now()}
         self.write(result)
         self.print_summary(result)
         return result
@@ -486,6 +607,6 @@ class Trainer:
         print("\n".join(lines), file=self.out, flush=True)
 
 
-def train(cfg: Config, out: TextIO | None = None) -> dict[str, Any]:
-    """Train and evaluate a config (single process)."""
-    return Trainer(cfg, out=out).fit()
+def train(cfg: Config, out: TextIO | None = None, run: RunFolder | None = None) -> dict[str, Any]:
+    """Train and evaluate a config in its run folder (``run``, else resolved from ``cfg``)."""
+    return Trainer(cfg, out=out, run=run).fit()

@@ -1,0 +1,202 @@
+"""Tower partitions and model quality on the grouped-teacher task (DMT), in one process.
+
+Synthetic data whose teacher's sparse x sparse interactions occur only within ``groups`` planted
+groups of tables (``SyntheticClickData(teacher_groups=...)``). For each seed: the learned
+partitioner (warm-up of the flat model, then clustering) and its agreement with the planted groups
+(adjusted Rand index over tables), then eval NE of the flat model and of towered models (a
+compressing tower module) with the learned, the random and the balanced partition.
+Not wired into the CLI: ``python -m neorec.bench.towers_quality [--seeds 3] [--steps 400]``.
+Prints a table and a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from neorec.config import Config, load_config
+from neorec.data.synthetic import SyntheticClickData
+from neorec.modules.dlrm import build_dlrm, build_flat_dlrm
+from neorec.modules.towers import learned_groups, tower_groups
+from neorec.train.metrics import binary_metrics
+
+__all__ = ["grouped_config", "grouped_data", "adjusted_rand", "captured", "train_eval", "run"]
+
+
+def grouped_config(
+    seed: int = 0,
+    tables: int = 12,
+    towers: int = 3,
+    dim: int = 16,
+    module: str = "dot",
+    out_vectors: int = 1,
+    batch: int = 256,
+    warmup: int = 600,
+    extra: Sequence[str] = (),
+) -> Config:
+    """A small config for the grouped task (tables of 2,000 rows, pooling 2; ``dim`` below the
+    tower's F x K teacher dims makes a tower's output a real compression)."""
+    return load_config(
+        None,
+        [
+            f"embedding.num_tables={tables}",
+            "embedding.rows=2000",
+            f"embedding.dim={dim}",
+            f"model.bottom_mlp=[64, 32, {dim}]",
+            "embedding.pooling_factor=2",
+            f"data.batch_size={batch}",
+            f"data.seed={1000 + seed}",
+            "data.teacher_scale=1.5",
+            "data.id_distribution='zipf'",
+            f"train.seed={seed}",
+            f"towers.count={towers}",
+            f"towers.module='{module}'",
+            f"towers.out_vectors={out_vectors}",
+            f"towers.warmup_steps={warmup}",
+            f"towers.seed={seed}",
+            *extra,
+        ],
+    )
+
+
+def grouped_data(cfg: Config, groups: int) -> SyntheticClickData:
+    """The synthetic data of ``cfg`` with ``groups`` planted interaction groups."""
+    return SyntheticClickData(
+        cfg.data, cfg.embedding.tables, cfg.model.num_dense, teacher_groups=groups
+    )
+
+
+def adjusted_rand(a: Sequence[Sequence[str]], b: Sequence[Sequence[str]]) -> float:
+    """Adjusted Rand index of two partitions of the same names (1 = equal, ~0 = chance)."""
+    la = {n: i for i, g in enumerate(a) for n in g}
+    lb = {n: i for i, g in enumerate(b) for n in g}
+    names = sorted(la)
+    ct = np.zeros((len(a), len(b)))
+    for n in names:
+        ct[la[n], lb[n]] += 1
+
+    def c2(x: Any) -> Any:
+        return x * (x - 1) / 2
+
+    idx = c2(ct).sum()
+    ra, rb, tot = c2(ct.sum(1)).sum(), c2(ct.sum(0)).sum(), c2(len(names))
+    exp = ra * rb / tot
+    mx = (ra + rb) / 2
+    return 1.0 if mx == exp else float((idx - exp) / (mx - exp))
+
+
+def captured(groups: Sequence[Sequence[str]], data: SyntheticClickData) -> float:
+    """Share of the planted interaction (``data.table_interaction()``) inside the towers
+    (1 = every interacting pair of tables in one tower)."""
+    idx = {t.name: i for i, t in enumerate(data.tables)}
+    inter = data.table_interaction()
+    inside = sum(float(inter[idx[a], idx[b]]) for g in groups for a in g for b in g if a < b)
+    total = float(inter.triu(1).sum())
+    return inside / total if total else 1.0
+
+
+def train_eval(
+    cfg: Config,
+    data: SyntheticClickData,
+    steps: int,
+    groups: Sequence[Sequence[str]] | None,
+    eval_batches: int = 40,
+) -> float:
+    """Eval NE after ``steps`` steps of the model of ``cfg`` (towered with ``groups``, or flat
+    when None); dense Adagrad at ``train.dense_lr``, mean BCE."""
+    model = build_dlrm(cfg, groups=groups) if groups is not None else build_flat_dlrm(cfg)
+    opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=cfg.train.dense_lr)
+    bs = cfg.data.batch_size
+    for i in range(steps):
+        b = data.batch("train", i, bs)
+        loss = F.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ps, ys = [], []
+    with torch.no_grad():
+        for i in range(eval_batches):
+            b = data.batch("eval", i, bs)
+            ps.append(torch.sigmoid(model(b.dense, b.sparse)).double())
+            ys.append(b.labels.double())
+    return float(binary_metrics(torch.cat(ps), torch.cat(ys))["ne"])
+
+
+def run(
+    seeds: int = 3,
+    steps: int = 400,
+    groups: int = 3,
+    module: str = "dot",
+    tables: int = 12,
+    dim: int = 16,
+) -> dict[str, Any]:
+    """The comparison over ``seeds`` seeds; returns the JSON record."""
+    rows = []
+    for s in range(seeds):
+        t0 = time.perf_counter()
+        cfg = grouped_config(s, tables, groups, dim, module)
+        data = grouped_data(cfg, groups)
+        planted = data.group_tables()
+        bs = cfg.data.batch_size
+        warm = (data.batch("train", i, bs) for i in range(cfg.towers.warmup_steps))
+        learned = learned_groups(cfg, warm)
+        rnd = tower_groups(grouped_config(s, tables, groups, dim, module,
+                                          extra=["towers.partitioner='random'"]))  # fmt: skip
+        bal = tower_groups(cfg)
+        assert rnd is not None and bal is not None
+        row = {
+            "seed": s,
+            "ari_learned": adjusted_rand(learned, planted),
+            "ari_random": adjusted_rand(rnd, planted),
+            "captured_learned": captured(learned, data),
+            "captured_random": captured(rnd, data),
+            "captured_balanced": captured(bal, data),
+            "ne_flat": train_eval(cfg, data, steps, None),
+            "ne_planted": train_eval(cfg, data, steps, planted),
+            "ne_learned": train_eval(cfg, data, steps, learned),
+            "ne_random": train_eval(cfg, data, steps, rnd),
+            "ne_balanced": train_eval(cfg, data, steps, bal),
+            "ne_teacher": data.teacher_metrics("eval", bs)["ne"],
+            "s": time.perf_counter() - t0,
+        }
+        rows.append(row)
+        print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items()), flush=True)  # fmt: skip
+    keys = [k for k in rows[0] if k not in ("seed", "s")]
+    out: dict[str, Any] = {
+        "bench": "towers_quality", "module": module, "steps": steps, "tables": tables,
+        "groups": groups, "dim": dim, "seeds": seeds,
+    }  # fmt: skip
+    for k in keys:
+        v = [r[k] for r in rows]
+        out[k + "_mean"] = float(np.mean(v))
+        out[k + "_std"] = float(np.std(v))
+    gap = [(r["ne_random"] - r["ne_learned"]) / r["ne_learned"] for r in rows]
+    out["random_vs_learned_rel_mean"] = float(np.mean(gap))
+    print(json.dumps(out, sort_keys=True))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: ``--seeds``, ``--steps``, ``--groups``, ``--module``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--module", default="dot", choices=("mlp", "dot", "dcn", "identity"))
+    p.add_argument("--tables", type=int, default=12)
+    p.add_argument("--dim", type=int, default=16)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    run(a.seeds, a.steps, a.groups, a.module, a.tables, a.dim)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Data-parallel tables of a sharded collection: full replicas on every rank, kept identical by
+all-gathering each rank's touched rows' gradients and adding them in rank order."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from neorec.config import TableConfig
+from neorec.distributed.codecs import Codec
+from neorec.distributed.comm import CommStats
+from neorec.modules.embedding import init_rows
+from neorec.ops.memory import table_empty
+from neorec.ops.tbe import TBELayout
+
+__all__ = ["Replicas", "gather_dp_grads", "all_gather_varlen"]
+
+
+class Replicas:
+    """Full copies of the data-parallel tables, kept identical across ranks."""
+
+    def __init__(self, tables: list[TableConfig], features: list[int], seed: int, scale: float):
+        self.tables = tables
+        self.layout = TBELayout(
+            rows=tuple(t.rows for t in tables),
+            dims=tuple(t.dim for t in tables),
+            feature_table=tuple(i for i, t in enumerate(tables) for _ in t.features),
+        )
+        self.features = features  # global feature indices, in layout feature order
+        self.weights = table_empty(self.layout.total_elems)
+        for i, t in enumerate(tables):
+            init_rows(t, seed, 0, t.rows, scale, out=self.layout.table(self.weights, i))
+
+
+def gather_dp_grads(
+    lay: TBELayout,
+    grads: list[tuple[int, Tensor, Tensor]],
+    codec: Codec | None,
+    world: int,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> list[tuple[Tensor, Tensor]]:
+    """Per DP table: (ids, grads) of every rank's touched rows, concatenated in rank order (the
+    gradient rows sent as float32, or as ``codec``'s bytes)."""
+    t_count = lay.num_tables
+    mine = {t: (ids, g) for t, ids, g in grads}
+    counts = torch.zeros(t_count, dtype=torch.int64)
+    for t, (ids, _) in mine.items():
+        counts[t] = ids.numel()
+    ids_flat = (
+        torch.cat([mine[t][0] for t in sorted(mine)]) if mine else torch.empty(0, dtype=torch.int64)
+    )
+    dims = lay.dims
+    # Per table, its gradient rows as sent: float32 values, or the codec's bytes of the block
+    # (tables without rows send nothing).
+    sent = [t for t in sorted(mine) if mine[t][0].numel()]
+    if codec is None:
+        vals_flat = torch.cat([mine[t][1].reshape(-1) for t in sent] or [torch.empty(0)])
+    else:
+        vals_flat = torch.cat(
+            [codec.encode(mine[t][1], "data-parallel row gradients") for t in sent]
+            or [torch.empty(0, dtype=torch.uint8)]
+        )
+
+    def block_sizes(c: Tensor) -> list[int]:
+        """Elements (or codec bytes) of each table's block in a rank's buffer."""
+        if codec is None:
+            return [int(n) * d for n, d in zip(c.tolist(), dims)]
+        return [codec.nbytes(int(n), d) if n else 0 for n, d in zip(c.tolist(), dims)]
+
+    if world > 1:
+        all_counts = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(all_counts, counts, group=group)
+        n_ids = [int(c.sum()) for c in all_counts]
+        n_vals = [sum(block_sizes(c)) for c in all_counts]
+        all_ids = all_gather_varlen(ids_flat, n_ids, group)
+        all_vals = all_gather_varlen(vals_flat, n_vals, group)
+        item = 4 if codec is None else 1
+        stats.add(
+            "dp_allgather",
+            (world - 1) * (8 * max(n_ids) + item * max(n_vals) + 8 * t_count),
+        )
+    else:  # a codec still rounds: one rank decodes its own bytes like a group would
+        all_counts, all_ids, all_vals = [counts], [ids_flat], [vals_flat]
+    out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
+    out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
+    for c, ids_r, vals_r in zip(all_counts, all_ids, all_vals):
+        id_parts = torch.split(ids_r, c.tolist())
+        val_parts = torch.split(vals_r, block_sizes(c))
+        for t in range(t_count):
+            out_ids[t].append(id_parts[t])
+            if codec is None or not int(c[t]):
+                out_g[t].append(val_parts[t].view(-1, dims[t]))
+            else:
+                out_g[t].append(codec.decode(val_parts[t], int(c[t]), dims[t]))
+    return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
+
+
+def all_gather_varlen(t: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> list[Tensor]:
+    """All-gather 1-D tensors of different lengths (``sizes`` known on every rank)."""
+    n = max(sizes) if sizes else 0
+    padded = torch.zeros(n, dtype=t.dtype)
+    padded[: t.numel()] = t
+    parts = [torch.empty(n, dtype=t.dtype) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:k] for p, k in zip(parts, sizes)]

@@ -1,0 +1,230 @@
+"""DMT's Semantic-preserving Tower Transform (SPTT) on torch.distributed.
+
+Tower ``t`` is a set of tables and lives on host ``t``: its tables are sharded over that host's
+``rph = world / towers`` ranks only, and its tower module runs there. Rank ``r = (host h, local
+l)`` has a local batch of ``b`` samples. A step:
+
+1. ids: for every tower ``t`` the rank sends its samples' bags of tower ``t``'s features to its
+   *peer* on host ``t``, rank ``(t, l)`` (an all-to-all over all ranks in which each rank talks
+   only to its peers: lengths, then ids and per-id weights). Rank ``(h, l)`` so receives tower
+   ``h``'s bags of the ``H = world / rph`` ranks ``(*, l)``: a batch of ``H * b`` samples.
+2. lookup: host ``h``'s ranks run an ordinary ``ShardedEmbeddingBagCollection`` of tower ``h``'s
+   tables over the host's process group: every all-to-all of this stage stays inside the host.
+3. tower module ``h`` turns each sample's pooled features [F_h * D] into [k_h * D].
+4. outputs: each rank sends every source its rows back (all-to-all over peers): only the tower
+   modules' outputs cross hosts. The owner concatenates the towers' outputs in tower order and
+   runs the interaction and top MLP (``DenseArch`` over ``sum k_t`` vectors).
+
+Backward runs the same exchanges in reverse. Gradients keep global-batch semantics: the pooled
+gradients reaching the tower's collection are scaled by ``1 / H`` (the collection divides by its
+own ``rph`` ranks), and every tower module is replicated on every rank inside one DDP module with
+the dense arch (``find_unused_parameters``: a rank computes only its host's tower), so DDP's
+average over the world gives each tower module the gradient of the global mean loss, and all
+replicas stay identical (a checkpoint's dense state is the same on every rank). With identity
+tower modules the model is the flat DLRM over the features in tower order (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from neorec.config import Config, ConfigError, TableConfig
+from neorec.distributed.comm import CommStats, ScaleGrad, all_to_all, source_major_to_unit_major
+from neorec.distributed.model_parallel import resolve_plan, sharded_ebc_from_config
+from neorec.modules.dlrm import check_dense_input
+from neorec.sparse import SparseFeatures
+
+__all__ = ["DistributedTowerModel", "PeerExchange", "tower_features"]
+
+
+def tower_features(
+    tables: Sequence[TableConfig], groups: Sequence[Sequence[str]]
+) -> list[list[str]]:
+    """Per tower, its features: those of its tables, in the config's table order."""
+    out = []
+    for g in groups:
+        names = set(g)
+        out.append([f for t in tables if t.name in names for f in t.features])
+    return out
+
+
+class PeerExchange(torch.autograd.Function):
+    """An all-to-all of float rows with fixed splits; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        send: Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        group: Any,
+        stats: CommStats | None,
+    ) -> Tensor:
+        ctx.meta = (send.shape, send_splits, recv_splits, group, stats)
+        return all_to_all(
+            send.reshape(-1), send_splits, recv_splits, group, stats, "tower_fwd"
+        ).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        shape, send_splits, recv_splits, group, stats = ctx.meta
+        back = all_to_all(grad.contiguous(), recv_splits, send_splits, group, stats, "tower_bwd")
+        return back.wait().view(shape), None, None, None, None
+
+
+class _TowerDense(nn.Module):
+    """Every tower module (replicated) and the dense arch, as one module for DDP. Its state-dict
+    keys (``towers.*``, ``dense_arch.*``) are those of the unsharded ``TowerDLRM``'s dense part."""
+
+    def __init__(self, towers: nn.ModuleList, dense_arch: nn.Module, owner: Any) -> None:
+        super().__init__()
+        self.dense_arch = dense_arch  # first: parameters in TowerDLRM.dense_parameters() order
+        self.towers = towers
+        self._owner = [owner]  # not a submodule
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """Logits [b] from this rank's dense features and its host's tower batch [H*b, F_h*D]."""
+        m = self._owner[0]
+        out = self.towers[m.host](pooled)  # [H*b, k_h*D]
+        got = PeerExchange.apply(out, m.out_send, m.out_recv, m.xgroup, m.stats)
+        b = dense.shape[0]
+        parts = torch.split(got, [n for n in m.out_recv if n])  # tower order = host order
+        cat = torch.cat([p.view(b, -1) for p in parts], dim=1)
+        return self.dense_arch(dense, cat)  # type: ignore[no-any-return]
+
+
+class DistributedTowerModel(nn.Module):
+    """The towered DLRM of ``cfg`` under SPTT: same forward / loss API as ``DLRM``.
+
+    ``groups``: the towers' tables, one list per tower; the world must be ``len(groups)`` hosts
+    of equal size (``world / towers`` ranks each, consecutive global ranks). ``build_dense``
+    returns ``(towers: nn.ModuleList, dense_arch)`` exactly as the unsharded ``TowerDLRM`` builds
+    them (called after seeding, so both start from the same weights).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        groups: Sequence[Sequence[str]],
+        build_dense: Any,
+    ) -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        towers = len(groups)
+        if towers < 1 or world % towers:
+            raise ConfigError(
+                f"towers: {towers} towers need a world size that is a multiple of it (one host "
+                f"of world / towers ranks per tower), got {world} ranks"
+            )
+        self.rph = world // towers
+        self.hosts = towers
+        self.host, self.local = divmod(rank, self.rph)
+        self.stats = CommStats(ranks_per_host=self.rph)
+        self.groups = [list(g) for g in groups]
+        self.all_tables = list(cfg.embedding.tables)
+        big = max(t.rows for t in self.all_tables) >= 2**31
+        self._id_dtype = torch.int64 if big else torch.int32
+        self.features = tower_features(self.all_tables, self.groups)
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        host_groups = [
+            dist.new_group(ranks=list(range(h * self.rph, (h + 1) * self.rph)))
+            for h in range(towers)
+        ]
+        self.xgroup = dist.new_group()  # the peer exchanges, apart from DDP's collectives
+        sub = _tower_config(cfg, self.groups[self.host])
+        plan = resolve_plan(sub, self.rph, self.rph)
+        torch.manual_seed(cfg.train.seed)  # same dense init as the unsharded TowerDLRM
+        self.ebc = sharded_ebc_from_config(
+            sub, plan, group=host_groups[self.host], stats=self.stats
+        )
+        tower_mods, dense_arch = build_dense()
+        if len(tower_mods) != towers:
+            raise ValueError(f"build_dense made {len(tower_mods)} towers for {towers} groups")
+        dims = {t.dim for t in self.all_tables}
+        self.dim = dims.pop()
+        outs = [int(m.out_vectors) * self.dim for m in tower_mods]
+        self.arch = dense_arch
+        peers = [j % self.rph == self.local for j in range(world)]
+        self._out_k = outs
+        self.out_send: list[int] = []  # set per batch size in forward
+        self.out_recv: list[int] = []
+        self._peers = peers
+        self.dense_arch: nn.Module = DistributedDataParallel(
+            _TowerDense(tower_mods, dense_arch, self), find_unused_parameters=True
+        )
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
+        """Logits [b] for this rank's samples."""
+        check_dense_input(dense, sparse, self.arch)
+        b = sparse.batch_size
+        batch = self._send_ids(sparse)
+        pooled = self.ebc(batch)  # [H*b, F_h*D]: host-local all-to-alls only
+        pooled = ScaleGrad.apply(pooled, 1.0 / self.hosts)
+        k_h = self._out_k[self.host]
+        self.out_send = [b * k_h if p else 0 for p in self._peers]
+        self.out_recv = [
+            b * self._out_k[j // self.rph] if p else 0 for j, p in enumerate(self._peers)
+        ]
+        return self.dense_arch(dense, pooled)  # type: ignore[no-any-return]
+
+    def _send_ids(self, sparse: SparseFeatures) -> SparseFeatures:
+        """This host's tower batch: its features' bags of every peer's samples, peers in host
+        order (``H * b`` samples)."""
+        b = sparse.batch_size
+        mine = self.features[self.host]
+        subs = [sparse.select(f) for f in self.features]
+        world = len(self._peers)
+        send_len = torch.cat([s.lengths.to(torch.int32) for s in subs])
+        len_send = [
+            len(self.features[j // self.rph]) * b if p else 0 for j, p in enumerate(self._peers)
+        ]
+        len_recv = [len(mine) * b if p else 0 for p in self._peers]
+        got_len = all_to_all(send_len, len_send, len_recv, self.xgroup, self.stats, "tower_lengths")
+        recv_len = got_len.wait().to(torch.int64)
+        per_src = torch.split(recv_len, [n for n in len_recv if n])
+        val_send = [0] * world
+        val_recv = [0] * world
+        peers = [j for j in range(world) if self._peers[j]]
+        for t, j in enumerate(peers):
+            val_send[j] = subs[t].values.numel()
+            val_recv[j] = int(per_src[t].sum())
+        # ids travel as int32 when every table fits (lossless, half the bytes), as in input_dist
+        values = torch.cat([s.values.to(self._id_dtype) for s in subs])
+        got_val = all_to_all(values, val_send, val_recv, self.xgroup, self.stats, "tower_ids")
+        weights = None
+        if sparse.weights is not None:
+            w = torch.cat([s.weights for s in subs if s.weights is not None])
+            weights = all_to_all(w, val_send, val_recv, self.xgroup, self.stats, "tower_ids")
+        blocks = recv_len.view(self.hosts, len(mine), b)
+        idx, offsets, wts = source_major_to_unit_major(
+            blocks, got_val.wait().to(torch.int64), weights.wait() if weights is not None else None
+        )
+        lengths = offsets[1:] - offsets[:-1]
+        return SparseFeatures(mine, idx, lengths, wts)
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters trained by the dense optimizer: every tower module and the dense arch."""
+        return self.dense_arch.parameters()
+
+    @property
+    def dense_part(self) -> nn.Module:
+        """Tower modules and dense arch (checkpoints: the keys of ``TowerDLRM.dense_part``)."""
+        part: nn.Module = self.dense_arch.module  # type: ignore[assignment]
+        return part
+
+
+def _tower_config(cfg: Config, tables: Sequence[str]) -> Config:
+    """``cfg`` with only the tower's ``tables`` (and their sharding types)."""
+    sub = copy.deepcopy(cfg)
+    names = set(tables)
+    sub.embedding.tables = [t for t in sub.embedding.tables if t.name in names]
+    sub.sharding.types = {k: v for k, v in sub.sharding.types.items() if k in names}
+    return sub

@@ -1,0 +1,117 @@
+"""GroupedEmbeddingBagCollection: tables of different stored precisions, one collection each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from neorec.config import TableConfig
+from neorec.modules.embedding import EmbeddingBagCollection, UpdateHook, checked_batch
+from neorec.ops.row_optim import RowOptimizer
+from neorec.ops.tbe import PoolingMode
+from neorec.sparse import SparseFeatures
+
+__all__ = ["GroupedEmbeddingBagCollection"]
+
+
+class GroupedEmbeddingBagCollection(nn.Module):
+    """One ``EmbeddingBagCollection`` per table precision (fp32, fp16, bf16, fp8), with the
+    interface of one collection: pooled outputs in the tables' feature order.
+
+    Each table is initialized from its name and the seed, as in a single collection, and each
+    group's TBE pools and updates its tables exactly as a single collection would: the result
+    equals one collection whose tables are stored in their own precisions.
+    """
+
+    _perm: Tensor
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: RowOptimizer | None = None,
+        pooling: str = "sum",
+        backend: str = "auto",
+        device: torch.device | str = "cpu",
+        init_scale: float = 0.0,
+        seed: int = 0,
+        validate_ids: bool = True,
+        rounding: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.optimizer = optimizer or RowOptimizer()
+        self.pooling = PoolingMode(pooling)
+        self.validate_ids = validate_ids
+        order: list[str] = []
+        for t in self.tables:
+            p = t.precision or "fp32"
+            if p not in order:
+                order.append(p)
+        self.groups = nn.ModuleDict(
+            {
+                p: EmbeddingBagCollection(
+                    [t for t in self.tables if (t.precision or "fp32") == p],
+                    self.optimizer,
+                    pooling,
+                    backend,
+                    device,
+                    init_scale=init_scale,
+                    seed=seed,
+                    validate_ids=validate_ids,
+                    rounding=rounding,
+                )
+                for p in order
+            }
+        )
+        self._parts: list[EmbeddingBagCollection] = [self.groups[p] for p in order]  # type: ignore[misc]
+        self.feature_names = [f for t in self.tables for f in t.features]
+        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
+        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        # Columns of the groups' concatenated outputs, in feature order.
+        dims = {f: t.dim for t in self.tables for f in t.features}
+        start, cols = 0, {}
+        for g in self._parts:
+            for f in g.feature_names:
+                cols[f] = torch.arange(start, start + dims[f])
+                start += dims[f]
+        self.register_buffer(
+            "_perm", torch.cat([cols[f] for f in self.feature_names]), persistent=False
+        )
+        self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
+
+    @property
+    def step(self) -> Tensor:
+        """The fused updates applied so far (every group counts each batch)."""
+        return self._parts[0].step
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output."""
+        return sum(g.output_dim for g in self._parts)
+
+    def add_update_hook(self, hook: UpdateHook) -> None:
+        """Call ``hook(layout, indices, offsets)`` after every group's fused update."""
+        for g in self._parts:
+            g.add_update_hook(hook)
+
+    def _group_of(self, name: str) -> EmbeddingBagCollection:
+        for g in self._parts:
+            if any(t.name == name for t in g.tables):
+                return g
+        raise KeyError(f"no table '{name}' (tables: {[t.name for t in self.tables]})")
+
+    def table_weight(self, name: str) -> Tensor:
+        """One table's weights [rows, dim] as fp32 (see ``EmbeddingBagCollection``)."""
+        return self._group_of(name).table_weight(name)
+
+    def set_table_weight(self, name: str, rows: Tensor) -> None:
+        """Overwrite one table's weights (rounded to its precision)."""
+        self._group_of(name).set_table_weight(name, rows)
+
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
+        sparse = checked_batch(self, sparse)
+        outs = [g(sparse.select(g.feature_names)) for g in self._parts]
+        return torch.cat(outs, dim=1).index_select(1, self._perm)

@@ -1,0 +1,451 @@
+"""Low-precision embedding rows: fp16 / bf16 tables, and fp8 (e4m3) with a per-row scale.
+
+A table batch whose ``precision`` is not ``fp32`` stores its weights packed (LoKA's low-precision
+embedding weights; FBGEMM's fp16 and fp8 TBE tables), in one flat buffer with the ``TBELayout``
+element order:
+
+- ``fp16`` / ``bf16``: a ``torch.float16`` / ``torch.bfloat16`` buffer of ``total_elems`` values
+  (half the memory of fp32);
+- ``fp8``: a ``torch.uint8`` buffer: ``total_elems`` e4m3 codes, padded to 4 bytes, then one fp32
+  scale per row (``total_rows``); a row's value is ``code * scale`` with ``scale = amax / 448``, so
+  a row's largest magnitude is exact (a quarter of the memory plus 4 bytes a row).
+
+The optimizer state stays fp32 (it is a separate buffer). :class:`LowpRowsBackend` wraps any fp32
+backend (``reference``, ``cpu``, ``cuda``) with a per-batch working set: the distinct rows a batch
+reads are decoded to fp32 into a compact table batch (ids remapped, in the same order), the inner
+kernel pools them and, in backward, sums the gradients and applies the optimizer exactly as it
+would on fp32 tables, and the updated rows are encoded back. So the only difference from an fp32
+table is the rounding of the stored rows, which is ``nearest`` (round to nearest even) or
+``stochastic`` (unbiased: up with probability equal to the distance from the lower neighbour, from
+a counter-based hash of (seed, step, element): deterministic for a seed, for any thread count).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from neorec.errors import ConfigError
+from neorec.ops.row_optim import RowOptimizer
+from neorec.ops.tbe import PoolingMode, TBEInputError, TBELayout, check_ids, check_offsets
+
+__all__ = [
+    "PRECISIONS",
+    "ROUNDINGS",
+    "DEFAULT_ROUNDING",
+    "RowFormat",
+    "row_format",
+    "bytes_per_row",
+    "LowpRowsBackend",
+    "stochastic_round",
+    "pow2_scale",
+    "DecodedRows",
+    "table_key",
+]
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+"""Storage formats of embedding rows."""
+
+ROUNDINGS = ("auto", "nearest", "stochastic")
+"""How updated rows are rounded to their storage format (``auto``: ``DEFAULT_ROUNDING``)."""
+
+DEFAULT_ROUNDING = {"fp32": "nearest", "fp16": "nearest", "bf16": "nearest", "fp8": "stochastic"}
+"""What ``auto`` picks, per format, from ``neorec bench lowp --emb ...`` (docs/lowp.md): on the
+default config (3 seeds) stochastic rounding moved fp8 tables from +0.19% to +0.08% eval NE vs
+fp32; for fp16 and bf16 the two roundings were within the seed spread, so the cheaper nearest."""
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def bytes_per_row(precision: str, dim: int) -> int:
+    """Bytes one row of ``dim`` values takes in ``precision`` (fp8 includes its fp32 scale)."""
+    if precision == "fp8":
+        return dim + 4
+    if precision in ("fp16", "bf16"):
+        return 2 * dim
+    if precision == "fp32":
+        return 4 * dim
+    raise ConfigError(f"unknown embedding precision {precision!r}, expected one of {PRECISIONS}")
+
+
+def _hash_uniform(elem: Tensor, step: int, seed: int) -> Tensor:
+    """Uniform [0, 1) float32 per element (24 random bits) from (seed, step, element index)."""
+    return ((_hash32(elem, step, seed) >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def _i32(c: int) -> int:
+    """A 32-bit constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _hash32(elem: Tensor, step: int, seed: int) -> Tensor:
+    """32 random bits (int32) per element from (seed, step, element index): lowbias32 in
+    wrapping int32 arithmetic (the index's high half folded in first)."""
+    e = elem.to(torch.int64)
+    x = (e ^ (e >> 32)).to(torch.int32)
+    k = _i32((step * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF)
+    x = x * _i32(0x9E3779B1) + k
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _i32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+_MBITS = {torch.float16: 10, torch.bfloat16: 7, torch.float8_e4m3fn: 3}
+
+
+def _bits_stochastic(x: Tensor, dtype: torch.dtype, bits32: Tensor) -> Tensor:
+    """Stochastic rounding of fp32 ``x`` to ``dtype`` in bit arithmetic: add random bits below
+    the format's last mantissa bit and truncate (a carry rounds the magnitude up with
+    probability equal to the dropped fraction: unbiased). Exact for normal values of ``dtype``;
+    in fp16's and fp8's subnormal range (below 2^-14, 2^-6) the final cast rounds to nearest.
+    Values that are not finite round to nearest."""
+    drop = 23 - _MBITS[dtype]
+    mask = (1 << drop) - 1
+    b = x.contiguous().view(torch.int32)
+    y = ((b + (bits32 & mask)) & ~mask).view(torch.float32).to(dtype)
+    return torch.where(torch.isfinite(x), y, x.to(dtype))
+
+
+_GRID = {  # mantissa bits, exponent of the smallest (subnormal) spacing
+    torch.float16: (10, -24),
+    torch.bfloat16: (7, -133),
+    torch.float8_e4m3fn: (3, -9),
+}
+
+
+def stochastic_round(x: Tensor, dtype: torch.dtype, u: Tensor) -> Tensor:
+    """``x`` (fp32, within ``dtype``'s finite range) rounded to ``dtype`` stochastically: up in
+    magnitude with probability equal to the fraction of a spacing ``|x|`` lies above the
+    representable value below it, given ``u`` uniform in [0, 1) per element: unbiased,
+    ``E[result] = x``; representable values stay as they are.
+
+    In fp32 arithmetic that is exact: the spacing ``s`` of ``dtype`` at ``|x|`` is a power of
+    two, so ``|x| / s`` and its fractional part are exact."""
+    mbits, min_exp = _GRID[dtype]
+    ax = x.abs()
+    _, e = torch.frexp(ax)  # ax in [2^(e-1), 2^e)
+    sp = torch.ldexp(torch.ones_like(ax), torch.clamp(e - 1 - mbits, min=min_exp))
+    scaled = ax / sp
+    low = torch.floor(scaled)
+    q = (low + (u < (scaled - low)).to(ax.dtype)) * sp
+    return torch.copysign(q, x).to(dtype)
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one precision packs, decodes and encodes the rows of a flat table batch."""
+
+    precision: str
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"unknown embedding precision {self.precision!r}, expected one of {PRECISIONS}"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the packed buffer."""
+        return torch.uint8 if self.precision == "fp8" else _DTYPES[self.precision]
+
+    @property
+    def element_dtype(self) -> torch.dtype:
+        """The dtype one stored value rounds to."""
+        return torch.float8_e4m3fn if self.precision == "fp8" else _DTYPES[self.precision]
+
+    def numel(self, layout: TBELayout) -> int:
+        """Elements of the packed buffer for ``layout``."""
+        if self.precision == "fp8":
+            return _scale_start(layout) + 4 * layout.total_rows
+        return layout.total_elems
+
+    def nbytes(self, layout: TBELayout) -> int:
+        """Bytes of the packed buffer."""
+        return self.numel(layout) * self.dtype.itemsize
+
+    def empty(self, layout: TBELayout, device: torch.device | str = "cpu") -> Tensor:
+        """An uninitialized packed buffer (fp8 scales set to 1)."""
+        out = torch.empty(self.numel(layout), dtype=self.dtype, device=device)
+        if self.precision == "fp8":
+            self.scales(out, layout).fill_(1.0)
+        return out
+
+    def codes(self, weights: Tensor, layout: TBELayout, t: int) -> Tensor:
+        """View [rows, dim] of table ``t``'s stored values (e4m3 codes for fp8)."""
+        lo, hi = layout.elem_offsets[t], layout.elem_offsets[t + 1]
+        block = weights[lo:hi]
+        if self.precision == "fp8":
+            block = block.view(torch.float8_e4m3fn)
+        return block.view(layout.rows[t], layout.dims[t])
+
+    def scales(self, weights: Tensor, layout: TBELayout) -> Tensor:
+        """The fp32 per-row scales of an fp8 buffer [total_rows] (a view)."""
+        lo = _scale_start(layout)
+        return weights[lo : lo + 4 * layout.total_rows].view(torch.float32)
+
+    def decode(
+        self, weights: Tensor, layout: TBELayout, t: int, ids: Tensor | None = None
+    ) -> Tensor:
+        """Rows ``ids`` (all when None) of table ``t`` as fp32 [n, dim] (a new tensor)."""
+        codes = self.codes(weights, layout, t)
+        rows = (codes if ids is None else codes[ids]).float()
+        if self.precision == "fp8":
+            sc = self.scales(weights, layout)[layout.row_offsets[t] : layout.row_offsets[t + 1]]
+            rows.mul_((sc if ids is None else sc[ids]).unsqueeze(1))
+        return rows
+
+    def encode(
+        self,
+        weights: Tensor,
+        layout: TBELayout,
+        t: int,
+        ids: Tensor | None,
+        rows: Tensor,
+        rounding: str = "nearest",
+        step: int = 0,
+        seed: int = 0,
+        key: tuple[int, int, int, int] | None = None,
+    ) -> None:
+        """Store fp32 ``rows`` [n, dim] as rows ``ids`` (all when None) of table ``t``.
+
+        Stochastic rounding draws each element's number from (seed, step, ``key``'s table key,
+        the element's global row and column): ``key = (table_key, first_row, first_col,
+        full_dim)`` places a shard in its table (default: table ``t`` is the whole table), so a
+        sharded table rounds as the unsharded one does."""
+        rows = rows.float()
+        codes = self.codes(weights, layout, t)
+        if self.precision == "fp8":
+            sc = pow2_scale(rows)
+            scaled = (rows / sc.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX)
+            allsc = self.scales(weights, layout)[layout.row_offsets[t] : layout.row_offsets[t + 1]]
+            if ids is None:
+                allsc.copy_(sc)
+            else:
+                allsc[ids] = sc
+            rows = scaled
+        if rounding == "stochastic" and self.precision != "fp32":
+            d = layout.dims[t]
+            r = torch.arange(layout.rows[t], device=rows.device) if ids is None else ids
+            tkey, row0, col0, width = key or (t, 0, 0, d)
+            elem = ((row0 + r.to(torch.int64)) * width + col0).unsqueeze(1) + torch.arange(
+                d, device=rows.device
+            )
+            hseed = (seed * 1_000_003 + tkey) & 0xFFFFFFFF
+            q = _bits_stochastic(rows, self.element_dtype, _hash32(elem, step, hseed))
+        else:
+            q = rows.to(self.element_dtype)
+        if ids is None:
+            codes.copy_(q)
+        else:
+            codes[ids] = q
+
+
+def pow2_scale(rows: Tensor) -> Tensor:
+    """Per row of ``rows`` [n, d], the smallest power of two ``s`` with ``amax / s <= 448``
+    (1 for an all-zero row)."""
+    amax = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
+    mant, exp = torch.frexp(amax / FP8_MAX)  # amax/448 = mant * 2^exp, mant in [0.5, 1)
+    exp = torch.where(mant == 0.5, exp - 1, exp)
+    sc = torch.ldexp(torch.ones_like(amax), exp)
+    # amax/448 itself rounds: step up where that rounding hid an overflow
+    sc = torch.where(amax / sc > FP8_MAX, sc * 2, sc)
+    return torch.where(amax > 0, sc, torch.ones_like(amax))
+
+
+class DecodedRows:
+    """Table ``t`` of a packed buffer seen as fp32 [rows, dim]: indexing decodes the rows it
+    selects, assignment encodes them back (nearest). For code written against fp32 views
+    (checkpoints read rows and restore them in place)."""
+
+    def __init__(self, fmt: RowFormat, weights: Tensor, layout: TBELayout, t: int) -> None:
+        self.fmt, self.weights, self.layout, self.t = fmt, weights, layout, t
+        self.shape = torch.Size((layout.rows[t], layout.dims[t]))
+        self.dtype = torch.float32
+
+    def _rows(self, key: Any) -> Tensor:
+        if isinstance(key, Tensor) and key.dtype in (torch.int64, torch.int32) and key.dim() == 1:
+            return self.fmt.decode(self.weights, self.layout, self.t, key)
+        return self.fmt.decode(self.weights, self.layout, self.t)[key]
+
+    def __getitem__(self, key: Any) -> Tensor:
+        return self._rows(key)
+
+    def __setitem__(self, key: Any, value: Tensor) -> None:
+        full = self.fmt.decode(self.weights, self.layout, self.t)
+        full[key] = value
+        self.fmt.encode(self.weights, self.layout, self.t, None, full)
+
+    def clone(self) -> Tensor:
+        """All rows, fp32."""
+        return self.fmt.decode(self.weights, self.layout, self.t)
+
+    def float(self) -> Tensor:
+        """All rows, fp32."""
+        return self.clone()
+
+
+def table_key(name: str) -> int:
+    """A table's stochastic-rounding key: the same in every process and layout."""
+    return zlib.crc32(name.encode())
+
+
+def _scale_start(layout: TBELayout) -> int:
+    return (layout.total_elems + 3) // 4 * 4
+
+
+def row_format(precision: str) -> RowFormat:
+    """The ``RowFormat`` of ``precision`` (``ConfigError`` when unknown)."""
+    return RowFormat(precision)
+
+
+@dataclass
+class _WorkingSet:
+    """A batch's distinct rows as a compact fp32 table batch, ids remapped in order."""
+
+    layout: TBELayout
+    weights: Tensor
+    indices: Tensor
+    table_ids: list[Tensor]  # per table, the distinct original ids (sorted)
+    row_starts: list[int]  # per table, where its rows start in the compact batch
+
+
+class LowpRowsBackend:
+    """A TBE backend over packed low-precision rows (see the module docstring)."""
+
+    def __init__(
+        self,
+        inner: Any,
+        fmt: RowFormat,
+        rounding: str = "nearest",
+        seed: int = 0,
+        keys: Sequence[tuple[int, int, int, int]] | None = None,
+    ) -> None:
+        if rounding == "auto":
+            rounding = DEFAULT_ROUNDING[fmt.precision]
+        if rounding not in ROUNDINGS:
+            raise ConfigError(f"embedding rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.inner = inner
+        self.fmt = fmt
+        self.rounding = rounding
+        self.seed = seed
+        self._cached: tuple[tuple[Any, ...], tuple[int, ...], _WorkingSet] | None = None
+        self.keys = list(keys) if keys is not None else None
+        """Per table of the layout, its place in a global table (see ``RowFormat.encode``)."""
+        self.name = f"{inner.name}+{fmt.precision}"
+
+    def working_set(
+        self, layout: TBELayout, weights: Tensor, indices: Tensor, offsets: Tensor
+    ) -> _WorkingSet:
+        """Decode the distinct rows the batch reads (ids checked first: nothing is read for a
+        bad batch)."""
+        if weights.numel() != self.fmt.numel(layout) or weights.dtype != self.fmt.dtype:
+            raise TBEInputError(
+                f"{self.fmt.precision} weights must be {self.fmt.dtype} with "
+                f"{self.fmt.numel(layout)} elements, got {weights.dtype} with {weights.numel()}"
+            )
+        b = check_offsets(offsets, indices.numel(), layout.num_features)
+        check_ids(layout, indices, offsets, b)
+        # The same tensors (held, so no new tensor can reuse their memory), unchanged since.
+        key = (layout, weights, indices, offsets)
+        versions = (weights._version, indices._version, offsets._version)
+        c = self._cached
+        if c is not None and all(x is y for x, y in zip(c[0], key)) and c[1] == versions:
+            return c[2]  # this batch's forward decoded the same, unchanged rows
+        dev = indices.device
+        idx = indices.to(torch.int64)
+        # One sort of global row numbers (table start + id): distinct rows of every table, in
+        # table order then id order, and each id's place among them.
+        counts = offsets[b :: max(b, 1)] - offsets[: -1 : max(b, 1)] if b else None
+        ft, ro = layout.meta(dev)["feature_table"], layout.meta(dev)["row_offsets"]
+        if counts is None or idx.numel() == 0:
+            tab = idx.new_zeros(0)
+        else:
+            tab = torch.repeat_interleave(ft, counts.to(torch.int64))
+        uniq, inv = torch.unique(ro[tab] + idx, sorted=True, return_inverse=True)
+        bounds = torch.searchsorted(uniq, ro).tolist()  # first distinct row of each table
+        table_ids, blocks = [], []
+        for t in range(layout.num_tables):
+            ids = uniq[bounds[t] : bounds[t + 1]] - layout.row_offsets[t]
+            table_ids.append(ids)
+            blocks.append(self.fmt.decode(weights, layout, t, ids).reshape(-1))
+        new_idx = inv - torch.tensor(bounds[:-1], dtype=torch.int64, device=dev)[tab]
+        rows = tuple(bounds[t + 1] - bounds[t] for t in range(layout.num_tables))
+        compact = TBELayout(rows=rows, dims=layout.dims, feature_table=layout.feature_table)
+        flat = torch.cat(blocks) if blocks else weights.new_zeros(0, dtype=torch.float32)
+        ws = _WorkingSet(compact, flat.contiguous(), new_idx, table_ids, bounds[:-1])
+        self._cached = (key, versions, ws)
+        return ws
+
+    def forward(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+    ) -> Tensor:
+        """Pooled output [B, total_dim] from the decoded rows."""
+        ws = self.working_set(layout, weights, indices, offsets)
+        out: Tensor = self.inner.forward(
+            ws.layout, ws.weights, ws.indices, offsets, per_sample_weights, pooling
+        )
+        return out
+
+    def backward_update(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        state: dict[str, Tensor],
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+        opt: RowOptimizer,
+        step: int,
+    ) -> None:
+        """The inner fused update on the decoded rows and their fp32 state; rows encoded back."""
+        ws = self.working_set(layout, weights, indices, offsets)
+        self._cached = None  # its rows are about to change
+        st = {k: _gather(layout, k, s, ws) for k, s in state.items()}
+        self.inner.backward_update(
+            ws.layout, ws.weights, st, ws.indices, offsets, per_sample_weights, pooling,
+            grad_output, opt, step,
+        )  # fmt: skip
+        for t, ids in enumerate(ws.table_ids):
+            if not ids.numel():
+                continue
+            self.fmt.encode(
+                weights, layout, t, ids, ws.layout.table(ws.weights, t), self.rounding, step,
+                self.seed, self.keys[t] if self.keys is not None else None,
+            )  # fmt: skip
+            for k, s in state.items():
+                _scatter(layout, k, s, ws, t, st[k])
+
+
+def _gather(layout: TBELayout, key: str, s: Tensor, ws: _WorkingSet) -> Tensor:
+    parts = []
+    for t, ids in enumerate(ws.table_ids):
+        if key == "momentum1":
+            parts.append(s[layout.row_offsets[t] + ids])
+        else:
+            parts.append(layout.table(s, t)[ids].reshape(-1))
+    return torch.cat(parts).contiguous() if parts else s.new_zeros(0)
+
+
+def _scatter(layout: TBELayout, key: str, s: Tensor, ws: _WorkingSet, t: int, st: Tensor) -> None:
+    ids = ws.table_ids[t]
+    if key == "momentum1":
+        lo = ws.row_starts[t]
+        s[layout.row_offsets[t] + ids] = st[lo : lo + ids.numel()]
+    else:
+        layout.table(s, t)[ids] = ws.layout.table(st, t)

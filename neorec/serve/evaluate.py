@@ -1,0 +1,145 @@
+"""Eval and batch inference of a saved model: which data, and the trainer's prediction loop.
+
+Data: the saved config's eval split (synthetic, Criteo TSV or preprocessed, as the trainer reads
+it), or ``--data PATH``: a Criteo TSV file / directory of them (every line, in file and line
+order) or a preprocessed directory (its held-out split when it has one, else all of it, in shard
+order). ``--set data.KEY=VALUE`` overrides the saved data section (e.g. ``data.eval_samples``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from neorec.config import Config, ConfigError, apply_overrides
+from neorec.data.batch import Batch
+from neorec.errors import DataError
+from neorec.serve.model import config_from_dict
+from neorec.train.metrics import binary_metrics
+
+__all__ = [
+    "OVERRIDABLE",
+    "override_config",
+    "EvalData",
+    "eval_data",
+    "predict_batches",
+    "evaluate_model",
+]
+
+OVERRIDABLE = ("data.", "train.threads", "train.bf16_dense")
+"""What ``--set`` may change of a saved model's config (the model itself is fixed)."""
+
+
+def override_config(cfg: Config, sets: list[str]) -> Config:
+    """``cfg`` with ``--set`` overrides of its data section (and train.threads / bf16_dense)."""
+    if not sets:
+        return cfg
+    for item in sets:
+        key = str(item).split("=", 1)[0].strip()
+        if not any(key.startswith(k) or key == k for k in OVERRIDABLE):
+            raise ConfigError(
+                f"--set {item}: a saved model's {key or 'config'} is fixed; only data.* keys, "
+                "train.threads and train.bf16_dense can be overridden here"
+            )
+    return config_from_dict(apply_overrides(cfg.to_dict(), list(sets)), "--set")
+
+
+class EvalData:
+    """Eval batches of one data source, in order (and the teacher's metrics when known)."""
+
+    def __init__(self, batches: Any, teacher: Any, describe: str) -> None:
+        self._batches = batches
+        self._teacher = teacher
+        self.describe = describe
+
+    def batches(self) -> Iterator[Batch]:
+        """The batches (one pass)."""
+        return iter(self._batches())
+
+    def teacher(self) -> dict[str, float] | None:
+        """The synthetic teacher's metrics on the same data (None for real data)."""
+        return self._teacher() if self._teacher is not None else None
+
+
+def eval_data(cfg: Config, data: str | None = None) -> EvalData:
+    """The eval batches of ``cfg`` (``data`` None) or of the data at path ``data``."""
+    if data is None:
+        from neorec.train.sources import make_source
+
+        source = make_source(cfg)
+        where = (
+            "synthetic eval split" if cfg.data.source == "synthetic" else "the config's eval data"
+        )
+        return EvalData(source.eval_batches, source.reference_metrics, where)
+    return EvalData(_path_batches(cfg, Path(data)), None, str(data))
+
+
+def _path_batches(cfg: Config, p: Path) -> Any:
+    from neorec.data.loader import MANIFEST, ShardedReader, ShardSet, _check_tables, is_preprocessed
+
+    tables, bs = cfg.embedding.tables, cfg.data.batch_size
+    if not p.exists():
+        raise DataError(f"{p}: no such file or directory (--data); check the path")
+    if is_preprocessed(p):
+        shards = ShardSet(p)
+        held = [s for s in shards.shards if s.get("split") == "eval"]
+        if held:
+            shards = ShardSet(p, held)
+        _check_tables(shards, tables)
+        shards.check_files()
+        keys = [t.features[0] for t in tables]
+        reader = ShardedReader(shards, bs, keys=keys, shuffle=False, workers=0)
+        return lambda: iter(reader)
+    if (p / "shards").is_dir():
+        raise DataError(
+            f"{p}: a preprocessed directory without {MANIFEST} (preprocessing did not finish); "
+            "run `neorec data preprocess` into it again"
+        )
+    from neorec.data.criteo import CriteoTSVDataset, criteo_files
+    from neorec.train.sources import _report_skipped
+
+    d = cfg.data
+    dataset = CriteoTSVDataset(
+        [str(f) for f in criteo_files(p)], tables, bs, d.bad_lines, d.hash_categories
+    )
+
+    def batches() -> Iterator[Batch]:
+        yield from dataset
+        _report_skipped("--data", dataset)
+
+    return batches
+
+
+@torch.no_grad()
+def predict_batches(
+    model: Any, batches: Iterator[Batch], bf16: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(probabilities, labels) float32 over ``batches``, in order: the trainer's eval loop (the
+    same per-block sigmoid), so the same model and batches give bitwise its predictions."""
+    from neorec.distributed.dense_blocks import blocks_of, per_block
+
+    model.train(False)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    blocks = blocks_of(model)
+    probs: list[Tensor] = []
+    labels: list[Tensor] = []
+    for batch in batches:
+        with ctx:
+            logits = model(batch.dense, batch.sparse)
+        p = torch.cat(per_block(torch.sigmoid, blocks, logits.float()))
+        probs.append(p.detach().float().cpu())
+        labels.append(batch.labels.detach().float().cpu())
+    if not probs:
+        raise DataError("the data holds no samples to predict; check --data or the eval split")
+    return torch.cat(probs), torch.cat(labels)
+
+
+def evaluate_model(model: Any, cfg: Config, data: EvalData) -> dict[str, float]:
+    """AUC, log loss, NE, calibration of ``model`` on ``data`` (the trainer's metrics)."""
+    probs, labels = predict_batches(model, data.batches(), cfg.train.bf16_dense)
+    return binary_metrics(probs, labels)

@@ -1,0 +1,178 @@
+"""``neorec export``: a serving artifact that loads without neorec (torch and numpy only).
+
+::
+
+    DIR/
+      manifest.json     features -> tables, dims, pooling, quantization, the files
+      dense.pt2         bottom MLP + interaction + top MLP: a torch.export program
+                        (dense [B, num_dense], pooled [B, F*dim]) -> logits [B]
+                        (dense.ts, TorchScript, where torch.export cannot)
+      tables/<i>_<t>.npy  fp32 rows; or <i>_<t>.codes.npy (uint8), .scale.npy, .offset.npy
+                        (float32 per row) for --quantize int8 / int4 (<i>: the table's index)
+      serving.py        the loader (``neorec/serve/standalone.py``): load(DIR) -> predict
+
+The tables are read through ``ebc.table_weight`` (fp32 whatever the stored precision).
+Quantization is row-wise asymmetric (``neorec.ops.quant``): int8 over each row's [min, max],
+int4 with Check-N-Run's greedy range search.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from neorec.config import Config, ConfigError
+from neorec.errors import DataError
+from neorec.ops.quant import int_rowwise_quantize
+from neorec.serve import standalone
+
+__all__ = ["QUANTIZE", "export_model", "dense_program"]
+
+QUANTIZE = {"none": 32, "int8": 8, "int4": 4}
+"""``--quantize`` choices and their bits."""
+CHUNK_ROWS = 65536
+"""Rows quantized per call (bounds the temporaries of the range search)."""
+
+
+def dense_program(model: Any, cfg: Config) -> tuple[nn.Module, int]:
+    """A plain copy of the model's dense part (no dense blocks, eval mode) and its input width."""
+    from neorec.checkpoint.restore import dense_module
+    from neorec.modules.dlrm import DenseArch
+
+    if getattr(model, "towers", None) is not None:
+        raise ConfigError(
+            "neorec export does not handle towered (DMT) models yet; eval and predict do"
+        )
+    src = dense_module(model)
+    features, dim = int(src.num_features), int(src.emb_dim)  # type: ignore[arg-type]
+    plain = DenseArch(cfg.model, features, dim)
+    plain.load_state_dict(src.state_dict())
+    return plain.train(False), features * dim
+
+
+def _export_dense(plain: nn.Module, num_dense: int, width: int, out: Path) -> dict[str, Any]:
+    """``dense.pt2`` (torch.export, batch dimension dynamic), else ``dense.ts`` (TorchScript)."""
+    example = (torch.zeros(2, num_dense), torch.zeros(2, width))
+    try:
+        batch = torch.export.Dim("batch", min=1)
+        program = torch.export.export(plain, example, dynamic_shapes=({0: batch}, {0: batch}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's notes on weight storage
+            torch.export.save(program, str(out / "dense.pt2"))
+        fmt, file = "torch.export", "dense.pt2"
+        why = ""
+    except Exception as e:  # noqa: BLE001 - an export failure falls back to TorchScript
+        why = f"torch.export failed: {type(e).__name__}: {str(e).strip()[:200]}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is the fallback
+            traced = torch.jit.trace(plain, example, check_trace=False)
+            traced.save(str(out / "dense.ts"))  # type: ignore[no-untyped-call]
+        fmt, file = "torchscript", "dense.ts"
+    return {
+        "format": fmt,
+        "file": file,
+        **({"fallback": why} if why else {}),
+        "inputs": [f"dense [B, {num_dense}] float32", f"pooled [B, {width}] float32"],
+        "output": "logits [B] float32",
+    }
+
+
+def _quantized(w: Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-wise codes (uint8), scale and offset (float32 per row) of ``w`` [rows, dim]."""
+    codes, scale, offset = [], [], []
+    for lo in range(0, w.shape[0], CHUNK_ROWS):
+        q = int_rowwise_quantize(w[lo : lo + CHUNK_ROWS], bits, adaptive_range=bits <= 4)
+        codes.append(q.packed.numpy())
+        scale.append((q.scale.float() * q.scale_unit).numpy())
+        offset.append((q.offset.float() * q.offset_unit).numpy())
+    return np.concatenate(codes), np.concatenate(scale), np.concatenate(offset)
+
+
+def _save(path: Path, a: np.ndarray) -> int:
+    with open(path, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(a), allow_pickle=False)
+    return path.stat().st_size
+
+
+def _write_tables(model: Any, bits: int, quantize: str, out: Path) -> list[dict[str, Any]]:
+    (out / "tables").mkdir()
+    specs = []
+    for i, t in enumerate(model.ebc.tables):
+        w = model.ebc.table_weight(t.name).detach().float().cpu()
+        base = f"tables/{i:03d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', t.name)}"  # a safe file name
+        spec: dict[str, Any] = {"name": t.name, "rows": t.rows, "dim": t.dim}
+        spec["quantization"] = quantize
+        if bits == 32:
+            spec["files"] = {"weight": f"{base}.npy"}
+            spec["bytes"] = _save(out / f"{base}.npy", w.numpy())
+        else:
+            codes, scale, offset = _quantized(w, bits)
+            spec["bits"] = bits
+            spec["files"] = {k: f"{base}.{k}.npy" for k in ("codes", "scale", "offset")}
+            spec["bytes"] = sum(
+                _save(out / f"{base}.{k}.npy", a)
+                for k, a in (("codes", codes), ("scale", scale), ("offset", offset))
+            )
+        specs.append(spec)
+    return specs
+
+
+def _target(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out}: exists and is not an empty directory; export into a new directory")
+    if not out.parent.is_dir():
+        raise DataError(f"{out.parent}: no such directory (for --out {out}); create it first")
+
+
+def export_model(model_path: str | Path, out_dir: str | Path, quantize: str = "none") -> Path:
+    """Write the serving artifact of a saved model (run folder or model dir) into ``out_dir``
+    (new or empty; written under a temporary name, then renamed). Returns ``out_dir``."""
+    from neorec.serve.model import find_model_dir, load_model, read_model_info
+
+    if quantize not in QUANTIZE:
+        raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    out = Path(out_dir)
+    _target(out)
+    src = find_model_dir(model_path)
+    model, cfg = load_model(src, dense_blocks=False)
+    step = int(read_model_info(src)["step"])
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        plain, width = dense_program(model, cfg)
+        dense = _export_dense(plain, cfg.model.num_dense, width, tmp)
+        tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp)
+        ebc = model.ebc
+        manifest = {
+            "format": standalone.FORMAT,
+            "format_version": standalone.FORMAT_VERSION,
+            "num_dense": cfg.model.num_dense,
+            "dim": int(ebc.tables[0].dim),
+            "pooling": cfg.embedding.pooling,
+            "features": [{"name": f, "table": t.name} for t in ebc.tables for f in t.features],
+            "tables": tables,
+            "quantization": quantize,
+            "dense": dense,
+            "output": "probabilities = sigmoid(logits); serving.load(DIR) returns them",
+            "source": {"model": str(src.resolve()), "step": step},
+            "torch": torch.__version__,
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        shutil.copyfile(standalone.__file__, tmp / "serving.py")
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

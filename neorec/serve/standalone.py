@@ -1,0 +1,184 @@
+"""Loader of a neorec serving artifact (``neorec export``): imports only torch and numpy.
+
+``neorec export`` copies this file into the artifact as ``serving.py``; use it from there::
+
+    import sys; sys.path.insert(0, "DIR")
+    import serving
+    predict = serving.load("DIR")
+    probs = predict(dense, {"t0": (lengths, ids), "t1": (lengths, ids, weights), ...})
+
+``dense`` is [B, num_dense] (cast to float32); each sparse feature is a bag per sample:
+``lengths`` [B] (ids per sample), ``ids`` [sum(lengths)] row ids of the feature's table, and
+optionally per-id ``weights`` [sum(lengths)]. Every feature of ``predict.features`` is required.
+The result is float32 click probabilities [B] (``sigmoid`` of the model's logit; ``predict.logits``
+gives the logits). Bad input raises ``ValueError`` naming the feature.
+
+The artifact: ``manifest.json`` (features -> tables, dims, pooling, quantization, files), the
+dense part (bottom MLP, interaction, top MLP) as a ``torch.export`` program ``dense.pt2`` (or
+TorchScript ``dense.ts``), and the tables as ``.npy``: fp32 rows, or row-wise integer codes
+(uint8; int4 packs two codes per byte, high nibble first) with float32 per-row ``scale`` and
+``offset`` (row = codes * scale + offset), decoded only for the rows a batch looks up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "Table", "Predictor", "load"]
+
+FORMAT = "neorec.serving"
+FORMAT_VERSION = 1
+
+
+class Table:
+    """One embedding table of the artifact (memory-mapped); ``rows(ids)`` gives fp32 rows."""
+
+    def __init__(self, root: str, spec: dict[str, Any]) -> None:
+        self.name = str(spec["name"])
+        self.num_rows, self.dim = int(spec["rows"]), int(spec["dim"])
+        self.quantization = str(spec["quantization"])
+        files = spec["files"]
+
+        def arr(key: str) -> np.ndarray:
+            return np.load(os.path.join(root, files[key]), mmap_mode="r", allow_pickle=False)
+
+        if self.quantization == "none":
+            self.weight = arr("weight")
+            want: list[tuple[np.ndarray, tuple[int, ...], Any]] = [
+                (self.weight, (self.num_rows, self.dim), np.float32)
+            ]
+        elif self.quantization in ("int8", "int4"):
+            self.bits = int(spec["bits"])
+            self.codes, self.scale, self.offset = arr("codes"), arr("scale"), arr("offset")
+            nbytes = (self.dim * self.bits + 7) // 8
+            want = [
+                (self.codes, (self.num_rows, nbytes), np.uint8),
+                (self.scale, (self.num_rows,), np.float32),
+                (self.offset, (self.num_rows,), np.float32),
+            ]
+        else:
+            raise ValueError(f"table '{self.name}': unknown quantization {self.quantization!r}")
+        for a, shape, dtype in want:
+            if a.shape != shape or a.dtype != dtype:
+                raise ValueError(
+                    f"table '{self.name}': an array is {a.dtype} {a.shape}, the manifest says "
+                    f"{np.dtype(dtype)} {shape} (a damaged artifact)"
+                )
+
+    def rows(self, ids: np.ndarray) -> torch.Tensor:
+        """fp32 rows [len(ids), dim] of ``ids`` (int64, checked by the caller)."""
+        if self.quantization == "none":
+            return torch.from_numpy(np.ascontiguousarray(self.weight[ids]))
+        packed = torch.from_numpy(np.ascontiguousarray(self.codes[ids]))
+        if self.bits == 8:
+            codes = packed.to(torch.int32)
+        else:  # 4 bits: high nibble first
+            codes = torch.stack([packed >> 4, packed & 15], dim=2).reshape(len(ids), -1)
+            codes = codes[:, : self.dim].to(torch.int32)
+        scale = torch.from_numpy(np.ascontiguousarray(self.scale[ids]))
+        offset = torch.from_numpy(np.ascontiguousarray(self.offset[ids]))
+        return codes.float() * scale.unsqueeze(1) + offset.unsqueeze(1)
+
+
+class Predictor:
+    """``predict(dense, sparse)`` of a serving artifact (see the module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        path = os.path.join(root, "manifest.json")
+        with open(path, encoding="utf-8") as fh:
+            m = json.load(fh)
+        if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest "
+                f"(format {m.get('format')!r} v{m.get('format_version')!r})"
+            )
+        self.manifest = m
+        self.num_dense = int(m["num_dense"])
+        self.pooling = str(m["pooling"])
+        self.tables = {t["name"]: Table(root, t) for t in m["tables"]}
+        self.features = [str(f["name"]) for f in m["features"]]
+        self._table_of = {str(f["name"]): self.tables[f["table"]] for f in m["features"]}
+        dense = m["dense"]
+        file = os.path.join(root, dense["file"])
+        if dense["format"] == "torch.export":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's notes on weight storage
+                self.program = torch.export.load(file).module()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.program = torch.jit.load(file)
+
+    def _dense(self, dense: Any) -> torch.Tensor:
+        x = torch.as_tensor(np.asarray(dense, dtype=np.float32))
+        if x.dim() != 2 or x.shape[1] != self.num_dense:
+            raise ValueError(f"dense must be [batch, {self.num_dense}], got {list(x.shape)}")
+        return x
+
+    def _pool(self, name: str, bag: Any, batch: int) -> torch.Tensor:
+        table = self._table_of[name]
+        if not isinstance(bag, (tuple, list)) or len(bag) not in (2, 3):
+            raise ValueError(f"feature '{name}': expected (lengths, ids[, weights])")
+        lengths = np.asarray(bag[0])
+        ids = np.asarray(bag[1])
+        where = f"feature '{name}' (table '{table.name}')"
+        for label, a in (("lengths", lengths), ("ids", ids)):
+            if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                raise ValueError(f"{where}: {label} must be a 1-D integer array, got {a.dtype}")
+        lengths, ids = lengths.astype(np.int64), ids.astype(np.int64)
+        if lengths.shape[0] != batch:
+            raise ValueError(f"{where}: {lengths.shape[0]} lengths for a batch of {batch}")
+        if (lengths < 0).any() or int(lengths.sum()) != ids.shape[0]:
+            raise ValueError(
+                f"{where}: lengths must be >= 0 and sum to the {ids.shape[0]} ids, "
+                f"got sum {int(lengths.sum())}"
+            )
+        bad = (ids < 0) | (ids >= table.num_rows)
+        if bad.any():
+            raise ValueError(f"{where}: id {int(ids[bad][0])} outside [0, {table.num_rows})")
+        rows = table.rows(ids)
+        if len(bag) == 3 and bag[2] is not None:
+            w = torch.as_tensor(np.asarray(bag[2], dtype=np.float32))
+            if tuple(w.shape) != (ids.shape[0],) or not bool(torch.isfinite(w).all()):
+                raise ValueError(f"{where}: weights must be {ids.shape[0]} finite numbers")
+            rows = rows * w.unsqueeze(1)
+        lens = torch.from_numpy(lengths)
+        seg = torch.repeat_interleave(torch.arange(batch), lens)
+        pooled = torch.zeros(batch, table.dim).index_add_(0, seg, rows)
+        if self.pooling == "mean":
+            pooled = pooled / lens.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+        return pooled
+
+    def logits(self, dense: Any, sparse: dict[str, Any]) -> torch.Tensor:
+        """Logits [B] (float32)."""
+        x = self._dense(dense)
+        batch = x.shape[0]
+        if not isinstance(sparse, dict):
+            raise ValueError(f"sparse must be a dict feature -> (lengths, ids), got {type(sparse)}")
+        missing = [f for f in self.features if f not in sparse]
+        unknown = [f for f in sparse if f not in self._table_of]
+        if missing or unknown:
+            raise ValueError(
+                f"sparse features: missing {missing}, unknown {unknown}; the model reads "
+                f"{self.features}"
+            )
+        if batch == 0:
+            return torch.zeros(0)
+        with torch.inference_mode():
+            pooled = torch.cat([self._pool(f, sparse[f], batch) for f in self.features], dim=1)
+            return self.program(x, pooled).float()
+
+    def __call__(self, dense: Any, sparse: dict[str, Any]) -> np.ndarray:
+        """Click probabilities float32 [B]."""
+        return torch.sigmoid(self.logits(dense, sparse)).numpy()
+
+
+def load(path: str) -> Predictor:
+    """The predictor of the artifact in directory ``path``."""
+    return Predictor(str(path))
