@@ -12,6 +12,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+GPU_STAMP := $(VENV)/.installed-gpu
+
+# The tests also run the Triton kernels in triton's interpreter (the [gpu] extra, ~1 GB).
+$(GPU_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gpu]"
+	touch $(GPU_STAMP)
+
 install: $(STAMP)
 
 run: $(STAMP)
@@ -22,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check neorec tests
 	$(BIN)/mypy
 
-test: lint
+test: lint $(GPU_STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-isa
 

@@ -36,6 +36,8 @@ BENCHES = {
     "data": "neorec.bench.data",
     "lowp": "neorec.bench.lowp",
     "dmt": "neorec.bench.dmt",
+    "dynamic": "neorec.bench.dynamic",
+    "distill": "neorec.bench.distill",
 }
 
 
@@ -50,6 +52,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
     cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
+    dynamic = [t.name for t in cfg.embedding.tables if t.kind == "dynamic"]
+    if dynamic:
+        raise ConfigError(
+            f"tables {dynamic} are dynamic: neorec train cannot checkpoint or save dynamic tables "
+            "yet (train them through neorec.storage.dynamic in Python for now)"
+        )
     from neorec.train.runs import resolve_run
 
     run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -26,10 +27,13 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        # Every rank done (its collectives and their threads finished) before any group goes.
+        dist.barrier()
     except BaseException:
         traceback.print_exc()
         raise
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 

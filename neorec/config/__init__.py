@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from neorec.config.checks import SHARDING_TYPES
 from neorec.config.core import MAX_DENSE_PARAMS, Config, check_trainable, dense_params
+from neorec.config.distill import DistillConfig
 from neorec.config.load import _parse_value, apply_overrides, load_config, read_toml
 from neorec.config.model import EMBEDDING_OPTIMIZERS, EmbeddingConfig, ModelConfig, TableConfig
 from neorec.config.run import (
@@ -38,6 +39,7 @@ __all__ = [
     "CommConfig",
     "LowpConfig",
     "TowersConfig",
+    "DistillConfig",
     "TOWER_MODULES",
     "TOWER_PARTITIONERS",
     "Config",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from neorec.config.checks import show, suggest
+from neorec.config.distill import DistillConfig
 from neorec.config.model import EmbeddingConfig, ModelConfig
 from neorec.config.run import (
     CheckpointConfig,
@@ -40,6 +41,7 @@ class Config:
     comm: CommConfig = field(default_factory=lambda: CommConfig())
     lowp: LowpConfig = field(default_factory=LowpConfig)
     towers: TowersConfig = field(default_factory=TowersConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         hints = get_type_hints(Config)
@@ -52,6 +54,7 @@ class Config:
         self._check_dims()
         self._check_sharding()
         self._check_towers()
+        self._check_distill()
 
     def _check_dims(self) -> None:
         dims = {t.dim for t in self.embedding.tables}
@@ -82,7 +85,7 @@ class Config:
 
     def _check_towers(self) -> None:
         groups = getattr(self.data, "teacher_groups", 0)  # a DataConfig field (synthetic data)
-        if self.data.source == "synthetic" and groups > len(self.embedding.tables):
+        if self.data.source in ("synthetic", "stream") and groups > len(self.embedding.tables):
             raise ConfigError(
                 f"data.teacher_groups {groups:,} is more than the {len(self.embedding.tables):,} "
                 "tables (groups of tables); lower data.teacher_groups"
@@ -124,6 +127,14 @@ class Config:
             raise ConfigError(
                 f"towers.groups leaves out table(s) {show(missing)}; every table must be in "
                 "exactly one tower"
+            )
+
+    def _check_distill(self) -> None:
+        d = self.distill
+        if d.enabled and (d.aux_head or d.adapter) and self.towers.enabled:
+            raise ConfigError(
+                "distill.aux_head / distill.adapter do not run on towered (DMT) models yet; "
+                "drop [towers] or use plain distillation (distill.weight)"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,10 +197,17 @@ def check_trainable(cfg: Config) -> None:
             f", {cfg.model.interaction} interaction {inter:,}, top MLP {top:,}), at most "
             f"{MAX_DENSE_PARAMS:,}; use fewer features, smaller model.top_mlp or dcn_low_rank"
         )
+    if cfg.distill.enabled and not getattr(cfg.data, "fm_logits", ""):
+        raise ConfigError(
+            "distill.enabled needs the FM's logits with the data: set data.fm_logits = DIR (the "
+            "side files of neorec.data.stream.write_fm_logits)"
+        )
     d = cfg.data
-    if d.source != "synthetic":
+    if d.source not in ("synthetic", "stream"):
         return
-    for split in ("train_samples", "eval_samples"):
+    splits = ("train_samples", "eval_samples") if d.source == "synthetic" else (
+        "window_samples", "eval_samples")  # fmt: skip
+    for split in splits:
         n = getattr(d, split)
         if n < d.batch_size:
             raise ConfigError(

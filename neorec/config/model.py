@@ -23,6 +23,12 @@ from neorec.errors import ConfigError
 __all__ = ["TableConfig", "ModelConfig", "EmbeddingConfig", "EMBEDDING_OPTIMIZERS", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+TABLE_KINDS = ("fixed", "dynamic")
+"""``TableConfig.kind``: ids are rows (``fixed``) or raw ids mapped to slots (``dynamic``)."""
+ADMISSIONS = ("always", "threshold", "probability")
+"""Admission policies of dynamic tables."""
+EVICTIONS = ("lru", "lfu", "ttl")
+"""Eviction policies of dynamic tables."""
 """Stored precisions of embedding rows (``neorec.ops.lowp_rows.PRECISIONS``)."""
 
 EMBEDDING_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
@@ -62,10 +68,31 @@ class TableConfig:
     precision: str = field(default="", metadata=rule(choices=("",) + PRECISIONS))
     """Stored precision of the rows: fp32, fp16, bf16, fp8 (e4m3 + a per-row scale); empty =
     ``embedding.precision``. The optimizer state stays fp32."""
+    kind: str = field(default="fixed", metadata=rule(choices=TABLE_KINDS))
+    """``fixed`` (ids are rows in ``[0, rows)``) or ``dynamic`` (any 64-bit raw id, mapped to one
+    of ``capacity`` slots by an id map with admission and eviction; ``neorec.storage.dynamic``)."""
+    capacity: int = field(default=0, metadata=rule(0, MAX_ROWS))
+    """Slots of a dynamic table; 0 = ``rows``."""
+    admission: str = field(default="always", metadata=rule(choices=ADMISSIONS))
+    """Dynamic tables: when an unseen id gets a slot: ``always``, ``threshold`` (on its
+    ``admit_threshold``-th sighting, counted in a count-min sketch) or ``probability``."""
+    admit_threshold: int = field(default=1, metadata=rule(1, 1_000_000))
+    """Sightings (lookups) before an id is admitted (admission ``threshold``)."""
+    admit_probability: float = field(default=1.0, metadata=rule(0, 1))
+    """Share of ids admitted, decided per id by a seeded hash (admission ``probability``)."""
+    eviction: str = field(default="lru", metadata=rule(choices=EVICTIONS))
+    """Dynamic tables, when full: ``lru``, ``lfu``, or ``ttl`` (ids unused for more than
+    ``ttl_steps`` steps are forgotten; LRU when still full)."""
+    ttl_steps: int = field(default=0, metadata=rule(0, 2**62))
+    """Steps an unused id keeps its slot (eviction ``ttl``)."""
+    unadmitted: str = field(default="zeros", metadata=rule(choices=("zeros", "default_row")))
+    """What an unadmitted id reads: ``zeros`` (dropped from its bag: no contribution, no update)
+    or ``default_row`` (one shared trained row per table)."""
 
     def __post_init__(self) -> None:
         where = _table_where(self.name)
         check_fields(self, where)
+        _check_kind(self, where)
         if self.cache_rows and self.cache_fraction:
             raise ConfigError(f"{where}: set cache_rows or cache_fraction, not both")
         for i, f in enumerate(self.features):
@@ -75,6 +102,56 @@ class TableConfig:
             raise ConfigError(f"{where}.features {self.features} repeat a name")
         if not self.features:
             self.features = [self.name]
+
+
+_DYNAMIC_DEFAULTS: dict[str, Any] = {
+    "capacity": 0,
+    "admission": "always",
+    "admit_threshold": 1,
+    "admit_probability": 1.0,
+    "eviction": "lru",
+    "ttl_steps": 0,
+    "unadmitted": "zeros",
+}
+"""The dynamic-table fields and their defaults (a fixed table must leave them so)."""
+
+
+def _check_kind(t: TableConfig, where: str) -> None:
+    """Refuse dynamic-table fields on a fixed table, and settings that contradict each other."""
+    if t.kind == "fixed":
+        for k, v in _DYNAMIC_DEFAULTS.items():
+            if getattr(t, k) != v:
+                raise ConfigError(
+                    f"{where}.{k} = {show(getattr(t, k))} is for kind = 'dynamic' tables; "
+                    f"set kind = 'dynamic' or remove {k}"
+                )
+        return
+    if t.storage != "memory":
+        raise ConfigError(
+            f"{where}: kind 'dynamic' needs storage 'memory' (got {t.storage!r}); a row cache "
+            "over dram/ssd for dynamic tables is not supported yet"
+        )
+    if t.precision not in ("", "fp32"):
+        raise ConfigError(
+            f"{where}: kind 'dynamic' stores fp32 rows, got precision {t.precision!r}; "
+            "remove precision or set it to 'fp32'"
+        )
+    if t.admit_threshold != 1 and t.admission != "threshold":
+        raise ConfigError(
+            f"{where}.admit_threshold = {t.admit_threshold} needs admission = 'threshold' "
+            f"(got {t.admission!r})"
+        )
+    if t.admit_probability != 1.0 and t.admission != "probability":
+        raise ConfigError(
+            f"{where}.admit_probability = {t.admit_probability} needs admission = "
+            f"'probability' (got {t.admission!r})"
+        )
+    if t.eviction == "ttl" and t.ttl_steps < 1:
+        raise ConfigError(f"{where}: eviction 'ttl' needs ttl_steps >= 1, got {t.ttl_steps}")
+    if t.ttl_steps and t.eviction != "ttl":
+        raise ConfigError(
+            f"{where}.ttl_steps = {t.ttl_steps} needs eviction = 'ttl' (got {t.eviction!r})"
+        )
 
 
 _WIDTHS = rule(nonempty=True, item=item_rule(1, MAX_WIDTH))
@@ -130,9 +207,9 @@ class EmbeddingConfig:
     weight_decay: float = field(default=0.0, metadata=rule(0, _F32_MAX))
     """Fused optimizer L2 penalty."""
     backend: str = field(
-        default="auto", metadata=rule(choices=("auto", "reference", "cpu", "cuda"))
+        default="auto", metadata=rule(choices=("auto", "reference", "cpu", "cuda", "triton"))
     )
-    """TBE backend: auto, reference, cpu, cuda."""
+    """TBE backend: auto, reference, cpu, cuda, triton."""
     init_scale: float = field(default=0.0, metadata=rule(0, _F32_MAX))
     """Uniform init range +-init_scale; 0 = +-sqrt(1/rows) as in the reference DLRM."""
     precision: str = field(default="fp32", metadata=rule(choices=PRECISIONS))
@@ -167,6 +244,13 @@ class EmbeddingConfig:
                 for i in range(self.num_tables)
             ]
         for t in self.tables:
+            if t.kind == "dynamic":  # slot rows are fp32 for now
+                if t.precision not in ("", "fp32"):
+                    raise ConfigError(
+                        f"{_table_where(t.name)}: a dynamic table's rows are fp32 for now, got "
+                        f"precision {t.precision}"
+                    )
+                t.precision = "fp32"
             t.precision = t.precision or self.precision
             if t.precision != "fp32" and t.storage != "memory":
                 raise ConfigError(

@@ -36,14 +36,18 @@ _MAX_SAMPLES = 2**48
 _MAX_BATCH = 2**24
 _MAX_STEPS = 2**48
 _MAX_THREADS = 4096
+_MAX_WINDOWS = 1_000_000
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     """Where batches come from."""
 
-    source: str = field(default="synthetic", metadata=rule(choices=("synthetic", "criteo")))
-    """``synthetic`` or ``criteo`` (TSV files, or a directory from ``neorec data preprocess``)."""
+    source: str = field(
+        default="synthetic", metadata=rule(choices=("synthetic", "criteo", "stream"))
+    )
+    """``synthetic``, ``criteo`` (TSV files, or a directory from ``neorec data preprocess``) or
+    ``stream`` (synthetic windows of a drifting teacher, neorec.data.stream)."""
     path: str = ""
     """Criteo: a file or directory of TSV (optionally .gz) files, or a preprocessed directory."""
     eval_path: str = ""
@@ -81,9 +85,30 @@ class DataConfig:
     """Criteo preprocessed: reader worker processes per rank (0 = read in the training process)."""
     prefetch: int = field(default=4, metadata=rule(1, 1024))
     """Criteo preprocessed: batches each reader worker prepares ahead."""
+    window: int = field(default=0, metadata=rule(0, _MAX_WINDOWS - 1))
+    """Stream: the window ("day") this run trains on and evaluates (< data.windows)."""
+    windows: int = field(default=8, metadata=rule(1, _MAX_WINDOWS))
+    """Stream: number of windows of the stream."""
+    drift: float = field(default=0.2, metadata=rule(0, 1))
+    """Stream: teacher drift rate r per window (w_t = sqrt(1 - r^2) w_(t-1) + r fresh_t)."""
+    id_churn: float = field(default=0.1, metadata=rule(0, 1))
+    """Stream: fraction of each table's active ids that retire (and as many new ones that appear)
+    per window."""
+    window_samples: int = field(default=200_000, metadata=rule(1, _MAX_SAMPLES))
+    """Stream: train samples per window (eval samples per window: data.eval_samples)."""
+    fm_logits: str = ""
+    """Stream: directory of DAS side files (``fm_w{window}_{split}.npy`` + ``.json``, written by
+    neorec.data.stream.write_fm_logits) whose FM logits are attached to the batches; "" = none."""
+    fm_staleness: int = field(default=0, metadata=rule(0, _MAX_WINDOWS - 1))
+    """Stream: k, the FM logits of window w come from the FM trained on window w - k."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
+        if self.window >= self.windows:
+            raise ConfigError(
+                f"data.window {self.window:,} is not below data.windows {self.windows:,} (windows "
+                "are numbered from 0); lower data.window or raise data.windows"
+            )
 
 
 @dataclass(kw_only=True)

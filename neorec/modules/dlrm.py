@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,10 @@ __all__ = [
     "DotInteraction",
     "CrossNet",
     "DenseArch",
+    "StudentAdapter",
+    "attach_distill",
+    "emit_hidden",
+    "serving_state_dict",
     "DLRM",
     "build_dlrm",
     "build_flat_dlrm",
@@ -107,10 +112,23 @@ class CrossNet(nn.Module):
 
 
 class DenseArch(nn.Module):
-    """Everything but the embeddings: bottom MLP, interaction, top MLP (data-parallel part)."""
+    """Everything but the embeddings: bottom MLP, interaction, top MLP (data-parallel part).
+
+    ExFM students (``[distill]``, ``attach_distill``) also hold ``aux_head`` (a second output
+    head on the top MLP's penultimate layer) and ``adapter`` (``StudentAdapter``); the forward
+    never uses them. Inside ``emit_hidden`` the forward returns ``[B, 1 + H]``: the serving logit
+    (bitwise the plain forward's) then the penultimate activations, one batch-major tensor, so
+    dense blocks and DDP carry it like the logits.
+    """
+
+    emit_hidden: bool = False
+    aux_head: nn.Module | None
+    adapter: nn.Module | None
 
     def __init__(self, model: ModelConfig, num_features: int, emb_dim: int) -> None:
         super().__init__()
+        self.aux_head = None
+        self.adapter = None
         self.bottom = MLP(model.num_dense, model.bottom_mlp)
         self.num_features = num_features
         self.emb_dim = emb_dim
@@ -127,7 +145,99 @@ class DenseArch(nn.Module):
         x = self.bottom(dense)  # [B, D]
         emb = pooled.view(pooled.shape[0], self.num_features, self.emb_dim)  # [B, F, D]
         z = self.interaction(x, emb.to(x.dtype))
-        return self.top(z).squeeze(1)
+        if not self.emit_hidden:
+            return self.top(z).squeeze(1)
+        *body, last = list(self.top)
+        h = z
+        for layer in body:
+            h = layer(h)
+        logit = last(h)
+        return torch.cat([logit, h.to(logit.dtype)], dim=1)
+
+
+class StudentAdapter(nn.Module):
+    """ExFM's Student Adapter: ``(fm_logit, student_logit, dense)`` -> a corrected FM logit [B].
+
+    Inputs x = [fm_logit, student_logit (detached by the caller), the dense features]:
+    ``out = <a, x> + c + MLP(x)``. The linear part starts as the identity on the FM logit
+    (a = e_0, c = 0) and the MLP's last layer at zero, so an untrained adapter passes the FM
+    logit through. Trained on the true labels it learns the FM's staleness: a scale and shift of
+    its logit, what the fresh student knows that the FM does not, and the part of the drift that
+    is a function of the dense features (a drifted dense weight is a linear correction in them).
+    """
+
+    def __init__(self, hidden: int, num_dense: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        n = 2 + num_dense
+        self.linear = nn.Linear(n, 1)
+        first, last = nn.Linear(n, hidden), nn.Linear(hidden, 1)
+        self.mlp = nn.Sequential(first, nn.ReLU(), last)
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.weight[0, 0] = 1.0
+            self.linear.bias.zero_()
+            first.weight.copy_(torch.randn(hidden, n, generator=g) * math.sqrt(2.0 / (n + hidden)))
+            first.bias.copy_(torch.randn(hidden, generator=g) * 0.1)
+            last.weight.zero_()
+            last.bias.zero_()
+
+    def forward(
+        self, fm_logit: Tensor, student_logit: Tensor, dense: Tensor | None = None
+    ) -> Tensor:
+        """Corrected FM logits [B] from ``fm_logit`` [B], ``student_logit`` [B] and, when the
+        adapter was built with ``num_dense``, the dense features [B, num_dense]."""
+        parts = [fm_logit.unsqueeze(1), student_logit.unsqueeze(1)]
+        if self.linear.in_features > 2:
+            if dense is None:
+                raise ValueError("this adapter reads the dense features: pass dense")
+            parts.append(dense.float())
+        x = torch.cat(parts, dim=1)
+        return (self.linear(x) + self.mlp(x)).squeeze(1)
+
+
+def attach_distill(
+    arch: DenseArch, aux_head: bool, adapter_size: int = 0, seed: int = 0
+) -> DenseArch:
+    """Give ``arch`` an aux head (``Linear(H, 1)`` on the top MLP's penultimate layer, H its
+    width) and, ``adapter_size > 0``, a ``StudentAdapter``. They take no random numbers of
+    torch's global generator (their own, from ``seed``), so the serving part's init and
+    everything drawn after the model is built are those of the model without them."""
+    if aux_head:
+        last = list(arch.top)[-1]
+        assert isinstance(last, nn.Linear)
+        h = last.in_features
+        g = torch.Generator().manual_seed(seed + 1)
+        head = nn.Linear(h, 1)
+        with torch.no_grad():  # the MLP's init (Glorot normal), from the head's own generator
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g) * math.sqrt(2 / (h + 1)))
+            head.bias.zero_()
+        arch.aux_head = head.to(last.weight.device)
+    if adapter_size > 0:
+        first = arch.bottom[0]
+        assert isinstance(first, nn.Linear)
+        arch.adapter = StudentAdapter(adapter_size, first.in_features, seed + 2).to(
+            next(arch.parameters()).device
+        )
+    return arch
+
+
+@contextmanager
+def emit_hidden(arch: DenseArch) -> Iterator[DenseArch]:
+    """Inside: ``arch``'s forward returns ``[B, 1 + H]`` (serving logit, penultimate layer)."""
+    arch.emit_hidden = True
+    try:
+        yield arch
+    finally:
+        arch.emit_hidden = False
+
+
+def serving_state_dict(arch: nn.Module) -> dict[str, Tensor]:
+    """``arch``'s state without the ExFM student parts (``aux_head.*``, ``adapter.*``): what a
+    plain ``DenseArch`` of the same config loads (e.g. an export of the serving program)."""
+    return {
+        k: v for k, v in arch.state_dict().items() if not k.startswith(("aux_head.", "adapter."))
+    }
 
 
 class DLRM(nn.Module):
@@ -197,33 +307,53 @@ def check_dense_input(dense: object, sparse: SparseFeatures, arch: DenseArch) ->
 
 
 def low_precision_collection(
-    cfg: Config, opt: RowOptimizer, device: torch.device | str = "cpu"
+    cfg: Config,
+    opt: RowOptimizer,
+    device: torch.device | str = "cpu",
+    tables: Sequence[TableConfig] | None = None,
 ) -> nn.Module:
-    """The collection of a config whose tables are stored in fp16 / bf16 / fp8 (one collection
-    when they share a precision, else one per precision)."""
+    """The collection of a config whose tables (``tables``, default all) are stored in fp16 /
+    bf16 / fp8 (one collection when they share a precision, else one per precision)."""
     emb = cfg.embedding
+    tables = list(emb.tables if tables is None else tables)
     cls = (
         EmbeddingBagCollection
-        if len({t.precision for t in emb.tables}) == 1
+        if len({t.precision for t in tables}) == 1
         else GroupedEmbeddingBagCollection
     )
     return cls(
-        emb.tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
+        tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
         seed=cfg.train.seed, rounding=emb.rounding,
     )  # fmt: skip
 
 
 def build_collection(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
     """The embedding collection a config describes: tables in memory (fp32, or low precision),
-    or behind a row cache over DRAM/SSD."""
+    or behind a row cache over DRAM/SSD; ``kind = "dynamic"`` tables in their own collection
+    (``neorec.storage.dynamic``), combined with one of the other tables."""
+    emb = cfg.embedding
+    if any(t.kind == "dynamic" for t in emb.tables):
+        # Imported here: storage builds on modules, so modules cannot import it at load time.
+        from neorec.storage.dynamic import dynamic_collection
+
+        fixed = [t for t in emb.tables if t.kind != "dynamic"]
+        part = _tables_collection(cfg, fixed, device) if fixed else None
+        return dynamic_collection(cfg, part, device)
+    return _tables_collection(cfg, emb.tables, device)
+
+
+def _tables_collection(
+    cfg: Config, tables: Sequence[TableConfig], device: torch.device | str
+) -> nn.Module:
+    """``build_collection`` of the fixed ``tables`` of ``cfg``."""
     emb = cfg.embedding
     opt = RowOptimizer.from_config(emb)
-    if any(t.storage != "memory" for t in emb.tables):
+    if any(t.storage != "memory" for t in tables):
         # Imported here: storage builds on modules, so modules cannot import it at load time.
         from neorec.storage.cached import CachedEmbeddingBagCollection
 
         return CachedEmbeddingBagCollection(
-            emb.tables,
+            tables,
             opt,
             emb.pooling,
             emb.backend,
@@ -234,11 +364,11 @@ def build_collection(cfg: Config, device: torch.device | str = "cpu") -> nn.Modu
             io_threads=cfg.storage.io_threads,
             mapped_mb=cfg.storage.mapped_mb,
         )
-    if any(t.precision not in ("", "fp32") for t in emb.tables):
-        return low_precision_collection(cfg, opt, device)
+    if any(t.precision not in ("", "fp32") for t in tables):
+        return low_precision_collection(cfg, opt, device, tables)
     torch.manual_seed(cfg.train.seed)  # as DLRM does before building its collection
     return EmbeddingBagCollection(
-        emb.tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
+        tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
         seed=cfg.train.seed,
     )  # fmt: skip
 
@@ -276,15 +406,17 @@ def build_dlrm(
 
 
 def build_flat_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
-    """The flat DLRM of a config (its ``[towers]`` ignored)."""
+    """The flat DLRM of a config (its ``[towers]`` ignored); an ExFM student's aux head and
+    adapter (``[distill]``) in its dense arch."""
     emb = cfg.embedding
     opt = RowOptimizer.from_config(emb)
     ebc: nn.Module | None = None
-    if any(t.storage != "memory" for t in emb.tables) or any(
-        t.precision not in ("", "fp32") for t in emb.tables
+    if any(
+        t.storage != "memory" or t.precision not in ("", "fp32") or t.kind == "dynamic"
+        for t in emb.tables
     ):
         ebc = build_collection(cfg, device)
-    return DLRM(
+    model = DLRM(
         cfg.model,
         emb.tables,
         opt,
@@ -295,3 +427,9 @@ def build_flat_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
         init_scale=emb.init_scale,
         ebc=ebc,
     )
+    d = cfg.distill
+    if d.enabled and d.aux_head:
+        attach_distill(
+            model.dense_arch, True, d.adapter_size if d.adapter else 0, seed=cfg.train.seed
+        )
+    return model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from numbers import Integral, Real
 from typing import Any
 
@@ -396,6 +397,13 @@ def check_tables_memory(
     """``check_memory`` for a config's tables before anything is built (data readers, workers,
     the model): weights and optimizer state of the in-memory tables, plus the host memory of the
     ``dram`` / ``ssd`` tables (a 4-byte slot per row; a DRAM store holds rows and state)."""
+    # A dynamic table holds ``capacity`` slot rows (+ a default row), not ``rows``.
+    tables = [
+        replace(t, rows=(getattr(t, "capacity", 0) or t.rows) + 1)
+        if getattr(t, "kind", "fixed") == "dynamic"
+        else t
+        for t in tables
+    ]
     resident = [t for t in tables if t.storage == "memory"]
     host = 0
     for t in tables:

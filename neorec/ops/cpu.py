@@ -80,8 +80,9 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "neorec"
 
 
-_SOURCES = ("csrc/tbe_cpu.c", "csrc/row_cache.c")
-"""Compiled together into one library: the TBE kernel and the row cache's bookkeeping."""
+_SOURCES = ("csrc/tbe_cpu.c", "csrc/row_cache.c", "csrc/id_map.c")
+"""Compiled together into one library: the TBE kernel, the row cache's bookkeeping and the
+dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares)."""
 
 
 def _source() -> str:

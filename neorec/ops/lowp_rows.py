@@ -98,6 +98,17 @@ def _hash32(elem: Tensor, step: int, seed: int) -> Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
+def _element_bits(rows: Tensor, col0: int, d: int, step: int, seed: int) -> Tensor:
+    """32 random bits (int32) per element of global ``rows`` [n] x columns ``col0 ..
+    col0 + d``: a full hash per row and per column, then one multiply-xorshift round per element
+    (a few passes over the [n, d] block instead of a whole hash)."""
+    rh = _hash32(rows, step, seed).unsqueeze(1)
+    cols = torch.arange(col0, col0 + d, device=rows.device)
+    ch = _hash32(cols, 0, seed ^ 0x5BD1E995).unsqueeze(0)
+    x = (rh ^ ch) * _i32(0x9E3779B1)
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
 _MBITS = {torch.float16: 10, torch.bfloat16: 7, torch.float8_e4m3fn: 3}
 
 
@@ -111,7 +122,9 @@ def _bits_stochastic(x: Tensor, dtype: torch.dtype, bits32: Tensor) -> Tensor:
     mask = (1 << drop) - 1
     b = x.contiguous().view(torch.int32)
     y = ((b + (bits32 & mask)) & ~mask).view(torch.float32).to(dtype)
-    return torch.where(torch.isfinite(x), y, x.to(dtype))
+    if not bool(torch.isfinite(x.sum())):  # (rare) inf / nan: those round to nearest
+        y = torch.where(torch.isfinite(x), y, x.to(dtype))
+    return y
 
 
 _GRID = {  # mantissa bits, exponent of the smallest (subnormal) spacing
@@ -235,11 +248,9 @@ class RowFormat:
             d = layout.dims[t]
             r = torch.arange(layout.rows[t], device=rows.device) if ids is None else ids
             tkey, row0, col0, width = key or (t, 0, 0, d)
-            elem = ((row0 + r.to(torch.int64)) * width + col0).unsqueeze(1) + torch.arange(
-                d, device=rows.device
-            )
             hseed = (seed * 1_000_003 + tkey) & 0xFFFFFFFF
-            q = _bits_stochastic(rows, self.element_dtype, _hash32(elem, step, hseed))
+            bits = _element_bits(row0 + r.to(torch.int64), col0, d, step, hseed)
+            q = _bits_stochastic(rows, self.element_dtype, bits)
         else:
             q = rows.to(self.element_dtype)
         if ids is None:

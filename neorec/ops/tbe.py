@@ -14,11 +14,14 @@ Backends (same interface, same semantics):
 - ``reference``: plain PyTorch ops; the oracle for tests.
 - ``cpu``: a C kernel compiled on first use (OpenMP, AVX-512 where present); see ``ops/cpu.py``.
 - ``cuda``: PyTorch ops on the GPU with deterministic sort-based reductions; see ``ops/cuda.py``.
+- ``triton``: ``@triton.jit`` kernels (optional ``neorec[gpu]`` extra); CUDA tensors, or CPU
+  tensors under ``TRITON_INTERPRET=1`` (triton's interpreter); see ``ops/triton_tbe.py``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -422,8 +425,27 @@ def _load_cuda() -> Any:
     return CudaBackend()
 
 
+def _load_triton() -> Any:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"TBE backend 'triton' needs the triton package ({e}): pip install 'neorec[gpu]'"
+        ) from None
+    from neorec.ops.triton_tbe import TritonBackend
+
+    return TritonBackend()
+
+
 _BACKENDS["cpu"] = _load_cpu
 _BACKENDS["cuda"] = _load_cuda
+_BACKENDS["triton"] = _load_triton
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    """Whether the triton package is installed (found without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def available_backends() -> Sequence[str]:
@@ -437,12 +459,16 @@ def _make(name: str) -> Any:
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> TBEBackend:
-    """Backend by name; ``auto`` picks ``cuda`` for CUDA weights, else ``cpu``."""
+    """Backend by name; ``auto`` picks ``triton`` (or ``cuda`` without triton) for CUDA weights,
+    else ``cpu``. ``triton`` on the CPU needs ``TRITON_INTERPRET=1`` (its interpreter)."""
     device = torch.device(device)
     if name == "auto" and device.type not in ("cpu", "cuda"):
         raise ConfigError(f"no TBE backend runs on device {device}; use cpu or cuda")
     if name == "auto":
-        name = "cuda" if device.type == "cuda" else "cpu"
+        if device.type == "cuda":
+            name = "triton" if _triton_importable() else "cuda"
+        else:
+            name = "cpu"
         if name == "cpu" and not _cpu_kernel_available():
             name = "reference"
     if not isinstance(name, str) or name not in _BACKENDS:
@@ -453,6 +479,20 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> TBEBackend:
         raise ConfigError("TBE backend 'cuda' needs weights on a CUDA device")
     if name == "cpu" and device.type != "cpu":
         raise ConfigError(f"TBE backend 'cpu' needs weights on the CPU, not {device}")
+    if name == "triton":
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"TBE backend 'triton' needs weights on a CUDA device (or the CPU under "
+                f"TRITON_INTERPRET=1), not {device}"
+            )
+        backend = _make(name)  # a missing triton is a ConfigError here
+        if device.type == "cpu" and not backend.interpret:
+            raise ConfigError(
+                "TBE backend 'triton' needs weights on a CUDA device, or TRITON_INTERPRET=1 in "
+                "the environment (set before neorec.ops.triton_tbe is first imported, kept while "
+                "it runs) for triton's interpreter to run its kernels on CPU tensors"
+            )
+        return backend
     return _make(name)
 
 

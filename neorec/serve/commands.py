@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from neorec.config import ConfigError
 from neorec.errors import NeorecError
 
 __all__ = ["add_parsers", "run_eval", "run_predict", "run_export", "main"]
@@ -29,6 +30,19 @@ _DATA_HELP = (
 def _common(p: argparse.ArgumentParser, data_help: str = _DATA_HELP) -> None:
     p.add_argument("--model", required=True, metavar="RUN", help=_MODEL_HELP)
     p.add_argument("--data", metavar="PATH", help=data_help)
+    p.add_argument(
+        "--window",
+        type=int,
+        metavar="W",
+        help="stream data (data.source = stream): read window W of the stream (the same as "
+        "--set data.window=W; data.windows is raised to W + 1 if needed)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["train", "eval"],
+        default="eval",
+        help="synthetic / stream data: which split of the config's data (default: eval)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -51,12 +65,19 @@ def add_parsers(sub: Any) -> None:
         help="batch inference: click probabilities (float32 .npy) of every sample, in data order",
     )
     _common(p, _DATA_HELP + "; default: the config's eval split (the trainer's eval order)")
-    p.add_argument(
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--out",
-        required=True,
         metavar="PREDS.npy",
         help="where to write the probabilities: float32 [samples], sigmoid of the model's logits "
         "(what the trainer's eval computes), in the order of the data",
+    )
+    where.add_argument(
+        "--das",
+        metavar="DIR",
+        help="stream data: write the model's float32 LOGITS of --window's --split as a DAS side "
+        "file DIR/fm_w{W}_{split}.npy + .json (the model is the FM of the window it was trained "
+        "on), for students' data.fm_logits = DIR",
     )
     p.set_defaults(func=run_predict)
 
@@ -82,12 +103,23 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     src = find_model_dir(args.model)
     cfg = config_from_dict(read_model_info(src)["config"], str(src / MODEL_FILE))
-    cfg = override_config(cfg, list(args.set))
+    sets = list(args.set)
+    window = getattr(args, "window", None)
+    if window is not None:
+        if cfg.data.source != "stream":
+            raise ConfigError(
+                f"--window {window}: the model's data.source is '{cfg.data.source}', not "
+                "'stream'; --window reads a window of stream data"
+            )
+        if isinstance(window, int) and window >= cfg.data.windows:
+            sets.append(f"data.windows={window + 1}")
+        sets.append(f"data.window={window}")
+    cfg = override_config(cfg, sets)
     if cfg.train.threads:
         import torch
 
         torch.set_num_threads(cfg.train.threads)
-    return src, cfg, eval_data(cfg, args.data)
+    return src, cfg, eval_data(cfg, args.data, getattr(args, "split", "eval"))
 
 
 def run_eval(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -124,6 +156,8 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from neorec.serve.model import check_out_path, load_model
 
     out = out or sys.stdout
+    if getattr(args, "das", None):
+        return _write_das(args, out)
     dest = check_out_path(args.out, "--out")
     src, cfg, data = _prepare(args)
     model, _ = load_model(src)
@@ -141,6 +175,27 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise DataError(f"{dest}: cannot write the predictions ({e.strerror or e})") from None
     print(
         f"wrote {arr.shape[0]:,} probabilities (float32) of {data.describe} to {dest}",
+        file=out,
+        flush=True,
+    )
+    return 0
+
+
+def _write_das(args: argparse.Namespace, out: TextIO) -> int:
+    """``neorec predict --das DIR``: the FM's logits of a stream window's split as a side file."""
+    from neorec.data.stream import write_fm_logits
+    from neorec.serve.model import MODEL_FILE, config_from_dict, find_model_dir, read_model_info
+
+    if args.data:
+        raise ConfigError("--das writes the logits of stream data; drop --data")
+    src = find_model_dir(args.model)
+    saved = config_from_dict(read_model_info(src)["config"], str(src / MODEL_FILE))
+    _, cfg, _ = _prepare(args)
+    npy = write_fm_logits(src, cfg, cfg.data.window, args.split, args.das, saved.data.window)
+    meta = json.loads(npy.with_suffix(".json").read_text())
+    print(
+        f"wrote {meta['samples']:,} FM logits (float32; FM of window {meta['fm_window']}, step "
+        f"{meta['fm_step']}) of stream window {meta['window']} {meta['split']} split to {npy}",
         file=out,
         flush=True,
     )

@@ -66,15 +66,29 @@ class EvalData:
         return self._teacher() if self._teacher is not None else None
 
 
-def eval_data(cfg: Config, data: str | None = None) -> EvalData:
-    """The eval batches of ``cfg`` (``data`` None) or of the data at path ``data``."""
+def eval_data(cfg: Config, data: str | None = None, split: str = "eval") -> EvalData:
+    """The eval batches of ``cfg`` (``data`` None) or of the data at path ``data``; ``split``
+    "train" reads the train split of synthetic or stream data instead (teacher metrics: eval
+    split only)."""
+    if split not in ("train", "eval"):
+        raise ConfigError(f"--split must be 'train' or 'eval', got {split!r}")
+    src = cfg.data.source
+    if split == "train" and (data is not None or src not in ("synthetic", "stream")):
+        raise ConfigError(
+            "--split train reads the train split of synthetic or stream data "
+            f"(data.source is '{src}'{', and --data is set' if data is not None else ''}); "
+            "use --data PATH for other data"
+        )
     if data is None:
         from neorec.train.sources import make_source
 
         source = make_source(cfg)
-        where = (
-            "synthetic eval split" if cfg.data.source == "synthetic" else "the config's eval data"
-        )
+        where = {
+            "synthetic": f"synthetic {split} split",
+            "stream": f"stream window {cfg.data.window} {split} split",
+        }.get(src, "the config's eval data")
+        if split == "train":
+            return EvalData(source.train_batches, None, where)
         return EvalData(source.eval_batches, source.reference_metrics, where)
     return EvalData(_path_batches(cfg, Path(data)), None, str(data))
 

@@ -47,7 +47,7 @@ CHUNK_ROWS = 65536
 def dense_program(model: Any, cfg: Config) -> tuple[nn.Module, int]:
     """A plain copy of the model's dense part (no dense blocks, eval mode) and its input width."""
     from neorec.checkpoint.restore import dense_module
-    from neorec.modules.dlrm import DenseArch
+    from neorec.modules.dlrm import DenseArch, serving_state_dict
 
     if getattr(model, "towers", None) is not None:
         raise ConfigError(
@@ -56,7 +56,7 @@ def dense_program(model: Any, cfg: Config) -> tuple[nn.Module, int]:
     src = dense_module(model)
     features, dim = int(src.num_features), int(src.emb_dim)  # type: ignore[arg-type]
     plain = DenseArch(cfg.model, features, dim)
-    plain.load_state_dict(src.state_dict())
+    plain.load_state_dict(serving_state_dict(src))  # no aux head / adapter
     return plain.train(False), features * dim
 
 

@@ -201,7 +201,7 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
     else:
         # Synthetic Zipf ids: skew lowers the rows a batch touches (other distributions: uniform).
         d = cfg.data
-        synthetic = d.source == "synthetic"
+        synthetic = d.source in ("synthetic", "stream")
         alpha = d.zipf_alpha if synthetic and d.id_distribution == "zipf" else 0.0
         dist = d.id_distribution if synthetic else ""
         tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type, alpha, dist)

@@ -169,7 +169,7 @@ class OverlappedTrainPipeline(TrainPipeline):
         main.wait_stream(self._stream)
         # The tensors were allocated on the side stream: keep them alive for the main one.
         sp = batch.sparse
-        for t in (batch.dense, batch.labels, sp.values, sp.lengths, sp.weights):
+        for t in (batch.dense, batch.labels, batch.fm_logits, sp.values, sp.lengths, sp.weights):
             if t is not None:
                 t.record_stream(main)
 

@@ -1,4 +1,5 @@
-"""Data sources the trainer reads: the synthetic generator, Criteo TSV files, preprocessed shards."""
+"""Data sources the trainer reads: the synthetic generator, its drifting stream (windows, with FM
+logits attached by DAS), Criteo TSV files, preprocessed shards."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Protocol
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 
-__all__ = ["DataSource", "SyntheticSource", "CriteoSource", "make_source"]
+__all__ = ["DataSource", "SyntheticSource", "StreamSource", "CriteoSource", "make_source"]
 
 
 class DataSource(Protocol):
@@ -56,6 +57,56 @@ class SyntheticSource:
     def reference_metrics(self) -> dict[str, float] | None:
         """The teacher's metrics on the eval split."""
         return dict(self.data.teacher_metrics("eval", self.bs))
+
+
+class StreamSource(SyntheticSource):
+    """Window ``data.window`` of the drifting synthetic stream; with ``data.fm_logits`` every
+    batch carries the FM logits of its samples (``Batch.fm_logits``) from the FM of window
+    ``data.window - data.fm_staleness`` (train: required; eval: when its side file exists)."""
+
+    def __init__(self, cfg: Config) -> None:
+        import numpy as np
+
+        from neorec.data.stream import DriftingClickData, read_fm_logits
+
+        d = cfg.data
+        for key in ("window_samples", "eval_samples"):
+            n = getattr(d, key)
+            if n < d.batch_size:
+                raise ConfigError(
+                    f"data.{key} {n:,} is less than one batch (data.batch_size "
+                    f"{d.batch_size:,}): the split would have no batch; raise data.{key} or "
+                    "lower data.batch_size"
+                )
+        self.bs = d.batch_size
+        self.window = d.window
+        self.fm: dict[str, np.ndarray] = {}
+        if d.fm_logits:  # checked before the generator (and the model) are built
+            for split, required in (("train", True), ("eval", False)):
+                arr = read_fm_logits(cfg, split, required)
+                if arr is not None:
+                    self.fm[split] = arr
+        self.data = DriftingClickData(d, cfg.embedding.tables, cfg.model.num_dense)
+
+    def _batch(self, split: str, i: int) -> Batch:
+        import torch
+
+        b = self.data.batch(split, i, self.bs)
+        arr = self.fm.get(split)
+        if arr is None:
+            return b
+        fm = torch.from_numpy(arr[i * self.bs : (i + 1) * self.bs].copy())
+        return Batch(b.dense, b.sparse, b.labels, fm)
+
+    def train_batches(self, start: int = 0) -> Iterator[Batch]:
+        """This window's train split, from batch ``start``."""
+        for i in range(start, self.data.num_batches("train", self.bs)):
+            yield self._batch("train", i)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """This window's eval split."""
+        for i in range(self.data.num_batches("eval", self.bs)):
+            yield self._batch("eval", i)
 
 
 class CriteoSource:
@@ -128,8 +179,15 @@ def _report_skipped(split: str, data: Any) -> None:
 def make_source(cfg: Config) -> DataSource:
     """The data source a config names. Cheap checks only (paths, manifests, splits, table sizes),
     so that bad data is refused before the tables are built."""
+    if cfg.data.fm_logits and cfg.data.source != "stream":
+        raise ConfigError(
+            f"data.fm_logits is set but data.source is '{cfg.data.source}': FM logits (DAS) are "
+            'attached to the stream only; set data.source = "stream" or data.fm_logits = ""'
+        )
     if cfg.data.source == "synthetic":
         return SyntheticSource(cfg)
+    if cfg.data.source == "stream":
+        return StreamSource(cfg)
     from pathlib import Path
 
     from neorec.data.loader import MANIFEST, PreprocessedSource, is_preprocessed

@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neorec.config import Config
+from neorec.config import Config, DistillConfig
 from neorec.data.batch import Batch
 from neorec.distributed.dense_blocks import blocks_of, per_block
 from neorec.errors import NeorecError
+from neorec.modules.dlrm import emit_hidden
 from neorec.sparse import SparseFeatures
+from neorec.train.distill import distill_arch, distill_loss
 from neorec.train.metrics import MetricState
 
 __all__ = [
@@ -55,23 +57,48 @@ def make_dense_optimizer(cfg: Config, params: Iterator[nn.Parameter]) -> torch.o
 
 
 def train_step(
-    model: RecModel, opt: torch.optim.Optimizer, batch: Batch, step: int, bf16: bool = False
+    model: RecModel,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    step: int,
+    bf16: bool = False,
+    distill: DistillConfig | None = None,
 ) -> Tensor:
-    """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step."""
+    """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step.
+
+    With ``distill`` enabled (an ExFM student, ``neorec.train.distill``) the loss also learns
+    from the batch's FM logits; the returned loss is still the serving head's true-label BCE."""
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    on = distill is not None and distill.enabled
+    hidden: Tensor | None = None
     with ctx:
-        logits = model(batch.dense, batch.sparse)
-    # The mean over the batch, as the mean of the dense blocks' means (the same number: blocks
-    # are equal): each sample's loss gradient then comes from a tensor of the block's size.
-    parts = per_block(
-        F.binary_cross_entropy_with_logits, blocks_of(model), logits.float(), batch.labels
-    )
-    loss = parts[0] if len(parts) == 1 else torch.stack(parts).mean()
-    value = loss.detach()
+        if on and distill is not None and distill.uses_hidden:
+            arch = distill_arch(model)
+            with emit_hidden(arch) if arch is not None else nullcontext():
+                out = model(batch.dense, batch.sparse)
+            if out.dim() == 2:  # [b, 1 + H]: the serving logit, then the penultimate layer
+                logits, hidden = out[:, 0].contiguous(), out[:, 1:]
+            else:
+                logits = out
+        else:
+            logits = model(batch.dense, batch.sparse)
+    if on and distill is not None:
+        losses = distill_loss(model, batch, logits.float(), hidden, distill)
+        loss, value = losses.total, losses.serving
+    else:
+        # The mean over the batch, as the mean of the dense blocks' means (the same number:
+        # blocks are equal): each sample's loss gradient then comes from a tensor of the block's
+        # size.
+        parts = per_block(
+            F.binary_cross_entropy_with_logits, blocks_of(model), logits.float(), batch.labels
+        )
+        loss = parts[0] if len(parts) == 1 else torch.stack(parts).mean()
+        value = loss.detach()
     # note: a host sync; refusing a non-finite loss before backward keeps the tables clean.
-    if not math.isfinite(float(value)):
+    total = float(loss.detach())
+    if not math.isfinite(total):
         raise TrainingDiverged(
-            f"loss became {float(value)} at step {step}; lower the learning rates "
+            f"loss became {total} at step {step}; lower the learning rates "
             f"(embedding.lr, train.dense_lr) or check the input data"
         )
     opt.zero_grad(set_to_none=True)

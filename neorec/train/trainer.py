@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -16,7 +17,7 @@ from typing import Any, TextIO, cast
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
@@ -37,6 +38,7 @@ from neorec.train.steps import (
     train_step,
 )
 from neorec.train.tb import TBWriter, tensorboard_wanted
+from neorec.train.towers import resolve_tower_groups, towered_model
 
 __all__ = [
     "TrainingDiverged",
@@ -133,6 +135,12 @@ class Trainer:
         from neorec.modules.embedding import check_tables_memory
 
         check_trainable(cfg)  # one dim, the dense part's size, splits of at least one batch
+        dynamic = [t.name for t in cfg.embedding.tables if t.kind == "dynamic"]
+        if dynamic:  # (also refused by the CLI, before a run folder exists)
+            raise ConfigError(
+                f"tables {dynamic} are dynamic: the trainer cannot checkpoint or save dynamic "
+                "tables yet (train them through neorec.storage.dynamic in Python for now)"
+            )
         self.tb: TBWriter | None = None
         self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
         if self.world == int(os.environ.get("LOCAL_WORLD_SIZE", self.world)):  # one host
@@ -164,28 +172,9 @@ class Trainer:
         self._window: dict[str, float] = {}
         self._eval_s = 0.0  # seconds of the periodic evals (inside the train time)
 
-    def _tower_groups(self) -> list[list[str]] | None:
-        """The towers of a towered config (``[towers]``): its groups, its balanced / random
-        partition, or the learned partition after a warm-up of the flat model on the first train
-        batches (rank 0 decides and every rank gets its answer)."""
-        from neorec.modules.towers import learned_groups, tower_groups
-
-        tw = self.cfg.towers
-        if not tw.enabled:
-            return None
-        groups = tower_groups(self.cfg)
-        if groups is None:  # learned
-            box: list[Any] = [None]
-            if self.rank == 0:
-                box[0] = learned_groups(self.cfg, self.source.train_batches(0))
-            if self.world > 1:
-                dist.broadcast_object_list(box, src=0)
-            groups = box[0]
-        self.tower_groups = groups
-        return groups
-
     def _build_model(self) -> RecModel:
-        groups = self._tower_groups()
+        groups = resolve_tower_groups(self.cfg, self.source, self.rank, self.world)
+        self.tower_groups = groups
         if self.world == 1:
             model = build_dlrm(self.cfg, groups=groups) if groups else build_dlrm(self.cfg)
             if self.cfg.train.dense_blocks > 1:
@@ -199,8 +188,14 @@ class Trainer:
         )
 
         check_same_everywhere("configs", self.cfg.to_dict())
+        dc = self.cfg.distill
+        if dc.enabled and (dc.aux_head or dc.adapter):
+            raise ConfigError(
+                "distill.aux_head / distill.adapter run in one process for now; drop --nproc or "
+                "use plain distillation (distill.weight)"
+            )
         if groups:
-            return self._towered_model(groups)
+            return towered_model(self.cfg, groups)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         plan = resolve_plan(self.cfg, self.world, local)
         check_same_everywhere("sharding plans", plan.to_dict())
@@ -208,22 +203,6 @@ class Trainer:
             print(plan.format_table(), file=self.out, flush=True)
         self.plan = plan
         return DistributedModel(self.cfg, plan)
-
-    def _towered_model(self, groups: list[list[str]]) -> RecModel:
-        """SPTT: tower t's tables on host t (``world / towers`` consecutive ranks)."""
-        from neorec.distributed.towers import DistributedTowerModel, tower_features
-        from neorec.modules.towers import build_tower_dense
-
-        cfg = self.cfg
-        feats = tower_features(cfg.embedding.tables, groups)
-        dim = cfg.embedding.tables[0].dim
-
-        def build_dense() -> tuple[nn.ModuleList, nn.Module]:
-            return build_tower_dense(
-                cfg.model, [len(f) for f in feats], dim, cfg.towers.module, cfg.towers.out_vectors
-            )
-
-        return DistributedTowerModel(cfg, groups, build_dense)
 
     def _local(self, batch: Batch) -> Batch:
         if self.world == 1 or getattr(self.source, "yields_local", False):
@@ -343,7 +322,10 @@ class Trainer:
         from neorec.lowp.hooks import TrainerLowp
 
         self.lowp = TrainerLowp.create(self)
-        step_fn = train_step if self.lowp is None else self.lowp.wrap(train_step)
+        step_fn: Any = train_step
+        if cfg.distill.enabled:  # an ExFM student: the FM's logits come with the batches
+            step_fn = functools.partial(train_step, distill=cfg.distill)
+        step_fn = step_fn if self.lowp is None else self.lowp.wrap(step_fn)
         pipe = make_pipeline(
             cfg.train.pipeline,
             self.model,

@@ -1,0 +1,474 @@
+"""Streaming synthetic data (windows of a drifting teacher) and DAS: FM logits attached to it.
+
+The stream is ``neorec.data.synthetic``'s generator, made non-stationary over windows ("days")
+w = 0, 1, ... (``data.window`` of ``data.windows``):
+
+- **Id churn.** Each table's *active* ids are a contiguous range of ``A = ceil(rows / 2)`` ids on a
+  ring of ``rows`` ids, starting at ``s_w = round(w * data.id_churn * A)``. A lookup draws a slot
+  r in [0, A) from the usual distribution (uniform / zipf / locality, over A), and the id is the
+  one id v of [s_w, s_w + A) with v = r (mod A), taken mod rows. So per window the
+  ``id_churn`` share of the range's oldest ids retire and as many new ids appear; a new id
+  inherits the popularity of the slot it takes over, and the teacher's vector of an id is keyed
+  by v (a new entity, even where v mod rows reuses a row retired long ago).
+- **Teacher drift.** The teacher's dense, per-feature and dense x sparse weights (and the
+  within-group pair weights) move per window: ``w_t = sqrt(1 - r^2) w_(t-1) + r fresh_t`` with
+  r = ``data.drift`` and ``fresh_t`` drawn like the initial weights (seeded by (seed, t)), so
+  their scale stays put. Per-row vectors do not drift (entities change through churn). The bias
+  is solved per window for a CTR of about 0.25 on a window-independent calibration batch.
+- **Splits.** Each window has its own train split (``data.window_samples``) and eval split
+  (``data.eval_samples``), from seeds of (seed, window, split, batch index, batch size). With
+  drift 0 and churn 0 every window has bitwise the same teacher (only the samples differ).
+
+DAS (data augmentation system, ExFM): ``write_fm_logits`` runs a saved FM over a window's split, in
+data order, and writes its float32 logits as a side file ``fm_w{window}_{split}.npy`` with a JSON
+sidecar (window, split, samples, batch size, the FM's window and step, a fingerprint of the
+stream's config and the array's SHA-256). ``read_fm_logits`` is the reader the stream source uses
+for ``data.fm_logits`` / ``data.fm_staleness``: the logits of window w must come from the FM of
+window w - k, and anything else is refused with a one-line ``DataError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from neorec.config import Config, ConfigError, DataConfig, TableConfig
+from neorec.data.ids import (
+    LOCALITY_REF_BATCH,
+    locality_ids,
+    locality_rank_prob,
+    uniform_ids,
+    uniform_rank_prob,
+    unscatter_ranks,
+    zipf_ids,
+    zipf_rank_prob,
+)
+from neorec.data.synthetic import (
+    _SCALE_CACHE_ROWS,
+    _SPLITS,
+    TEACHER_DIM,
+    SyntheticClickData,
+    _mix_int,
+)
+from neorec.errors import DataError
+from neorec.train.metrics import binary_metrics
+
+__all__ = [
+    "DriftingClickData",
+    "active_rows",
+    "teacher_metrics_by_window",
+    "stream_fingerprint",
+    "fm_paths",
+    "write_fm_logits",
+    "read_fm_logits",
+    "FM_FORMAT",
+]
+
+FM_FORMAT = "neorec.fm_logits"
+FM_FORMAT_VERSION = 1
+_STREAM_SALT = 0x57AE4D
+_DRIFT_SALT = 0xD21F7
+_MASK63 = (1 << 63) - 1
+_SPLIT_NAMES = ("train", "eval")
+
+
+def active_rows(rows: int) -> int:
+    """Ids of a table active in one window: ceil(rows / 2) (the rest hold retired / future ids)."""
+    return max(1, (rows + 1) // 2)
+
+
+class DriftingClickData(SyntheticClickData):
+    """Window ``window`` (default ``data.window``) of the drifting stream: random access by
+    (split, batch index, batch size), like ``SyntheticClickData``."""
+
+    def __init__(
+        self,
+        data: DataConfig,
+        tables: list[TableConfig],
+        num_dense: int,
+        window: int | None = None,
+        locality_ref_batch: int = LOCALITY_REF_BATCH,
+        teacher_groups: int | None = None,
+    ) -> None:
+        w = data.window if window is None else window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"data.window must be an integer >= 0, got {w!r}")
+        self.window = w
+        self._ready = False  # the base class solves the bias before the weights drifted: skip it
+        self._active = [active_rows(t.rows) for t in tables]
+        self._starts = [int(round(w * data.id_churn * a)) for a in self._active]
+        super().__init__(data, tables, num_dense, locality_ref_batch, teacher_groups)
+        self._drift(w)
+        self._ready = True
+        self.bias = 0.0
+        self.bias = self._solve_bias()
+
+    # ---- sizes ------------------------------------------------------------------------------
+    def num_samples(self, split: str) -> int:
+        """Samples in a split of this window (data.window_samples / data.eval_samples)."""
+        self._split_code(split)
+        return self.data.window_samples if split == "train" else self.data.eval_samples
+
+    def active_range(self, table: int) -> tuple[int, int]:
+        """``(first, count)``: table ``table``'s active ids are ``(first + i) % rows``, i < count."""
+        return self._starts[table] % self.tables[table].rows, self._active[table]
+
+    # ---- the drifting teacher -----------------------------------------------------------------
+    def _drift(self, window: int) -> None:
+        r = float(self.data.drift)
+        keep = math.sqrt(max(0.0, 1.0 - r * r))
+        nf, nd, k = len(self.keys), self.num_dense, TEACHER_DIM
+        for t in range(1, window + 1):
+            seed = _mix_int(_mix_int(self.data.seed ^ _DRIFT_SALT) ^ t) & _MASK63
+            g = torch.Generator().manual_seed(seed)
+            dense = torch.randn(nd, generator=g) / math.sqrt(nd)
+            feat = torch.randn(nf, k, generator=g) / math.sqrt(nf * k)
+            cross = torch.randn(nf, nd, k, generator=g) / math.sqrt(nd * nf * k)
+            self._dense_w = keep * self._dense_w + r * dense
+            self._feat_w = keep * self._feat_w + r * feat
+            self._cross = keep * self._cross + r * cross
+            if self._pairs:
+                p = len(self._pairs)
+                sign = torch.randint(0, 2, (p,), generator=g).double() * 2 - 1
+                mag = 0.5 + torch.rand(p, generator=g, dtype=torch.float64)
+                fresh = sign * mag / math.sqrt(p * k)
+                self._pair_w = keep * self._pair_w + r * fresh
+
+    def _solve_bias(self) -> float:
+        return super()._solve_bias() if self._ready else 0.0
+
+    def teacher_metrics_under(
+        self, teacher: DriftingClickData, split: str = "eval", batch_size: int = 512
+    ) -> dict[str, float]:
+        """Metrics of ``teacher``'s probabilities (another window's teacher, same stream config)
+        on this window's samples and labels: how stale a teacher of another window is."""
+        code = self._split_code(split)
+        twin = copy.copy(self)
+        for name in ("_dense_w", "_feat_w", "_cross", "_pair_w", "bias"):
+            setattr(twin, name, getattr(teacher, name))
+        probs, labels = [], []
+        for i in range(self.num_batches(split, batch_size)):
+            _, logits, g = self._features(code, i, batch_size)
+            labels.append(torch.bernoulli(torch.sigmoid(logits), generator=g))
+            probs.append(torch.sigmoid(twin._features(code, i, batch_size)[1]))
+        if not probs:
+            raise ValueError(f"split '{split}' has fewer samples than one batch of {batch_size}")
+        return binary_metrics(torch.cat(probs).double(), torch.cat(labels).double())
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _generator(self, code: int, index: int, batch_size: int) -> torch.Generator:
+        h = _mix_int(self.data.seed ^ _STREAM_SALT)
+        # the bias's calibration batch is the same in every window (no drift: the same teacher)
+        parts: tuple[int, ...] = (code, index, batch_size)
+        if code != _SPLITS["calib"]:
+            parts = (code, index, batch_size, self.window)
+        for x in parts:
+            h = _mix_int(h ^ x)
+        return torch.Generator().manual_seed(h & _MASK63)
+
+    def _ids(self, f: int, n: int, g: torch.Generator) -> Tensor:
+        t = self._feature_table[f]
+        table, salt, a = self.tables[t], self._salts[t], self._active[t]
+        dist = self.data.id_distribution
+        if dist == "uniform":
+            slots = uniform_ids(a, n, g)
+        elif dist == "zipf":
+            slots = zipf_ids(a, n, self.data.zipf_alpha, g, salt)
+        else:
+            ref = max(table.pooling_factor, 1e-3) * self.locality_ref_batch
+            slots = locality_ids(a, n, ref, g, salt)
+        s = self._starts[t]
+        return torch.remainder(s + torch.remainder(slots - s, a), table.rows)
+
+    def _virtual(self, t: int, ids: Tensor) -> Tensor:
+        """The entity (unbounded id) of active ids ``ids`` of table ``t`` in this window."""
+        s = self._starts[t]
+        return s + torch.remainder(ids - s, self.tables[t].rows)
+
+    def _raw_logit(self, z: Tensor, lengths: Tensor, values: list[Tensor]) -> Tensor:
+        virt = [self._virtual(self._feature_table[f], ids) for f, ids in enumerate(values)]
+        return super()._raw_logit(z, lengths, virt)
+
+    def _row_scale(self, t: int, ids: Tensor) -> Tensor:
+        """Scales of entities ``ids`` (virtual): the popularity of their slot (ids mod A)."""
+        a = self._active[t]
+        slots = torch.remainder(ids, a)
+        if a <= _SCALE_CACHE_ROWS:
+            if t not in self._scale_cache:
+                self._scale_cache[t] = self._row_scale_uncached(t, torch.arange(a))
+            return self._scale_cache[t][slots]
+        return self._row_scale_uncached(t, slots)
+
+    def _row_prob(self, t: int, ids: Tensor) -> Tensor:
+        """Probability that a lookup of table ``t`` is each of slots ``ids`` (float64)."""
+        table, dist, a = self.tables[t], self.data.id_distribution, self._active[t]
+        if dist == "uniform":
+            return uniform_rank_prob(ids, a)
+        ranks = unscatter_ranks(ids, a, self._salts[t])
+        if dist == "zipf":
+            return zipf_rank_prob(ranks, a, self.data.zipf_alpha)
+        ref = max(table.pooling_factor, 1e-3) * self.locality_ref_batch
+        return locality_rank_prob(ranks, a, ref)
+
+
+def teacher_metrics_by_window(
+    cfg: Config, windows: int | None = None, split: str = "eval"
+) -> list[dict[str, float]]:
+    """The Bayes-optimal (teacher) metrics of ``split`` of windows 0 .. ``windows`` - 1
+    (default ``data.windows``), at ``data.batch_size``."""
+    n = cfg.data.windows if windows is None else windows
+    out = []
+    for w in range(n):
+        data = DriftingClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense, window=w)
+        out.append({"window": w, **data.teacher_metrics(split, cfg.data.batch_size)})
+    return out
+
+
+# ---- DAS: FM logits as side files -------------------------------------------------------------
+def stream_fingerprint(cfg: Config) -> str:
+    """16 hex digits naming what defines the stream's samples (seed, ids, teacher, drift, churn,
+    batch size, tables, dense features): side files of another stream are refused."""
+    d = cfg.data
+    desc = {
+        "seed": d.seed,
+        "id_distribution": d.id_distribution,
+        "zipf_alpha": d.zipf_alpha,
+        "fixed_pooling": d.fixed_pooling,
+        "teacher_scale": d.teacher_scale,
+        "teacher_groups": d.teacher_groups,
+        "drift": d.drift,
+        "id_churn": d.id_churn,
+        "batch_size": d.batch_size,
+        "num_dense": cfg.model.num_dense,
+        "tables": [
+            [t.name, t.rows, float(t.pooling_factor), list(t.features)]
+            for t in cfg.embedding.tables
+        ],
+    }
+    text = json.dumps(desc, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fm_paths(out_dir: str | Path, window: int, split: str) -> tuple[Path, Path]:
+    """(``fm_w{window}_{split}.npy``, its ``.json`` sidecar) in ``out_dir``."""
+    base = Path(out_dir) / f"fm_w{window}_{split}"
+    return base.with_suffix(".npy"), base.with_suffix(".json")
+
+
+def _check_split(split: str) -> None:
+    if split not in _SPLIT_NAMES:
+        raise ConfigError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+def _split_samples(cfg: Config, split: str) -> int:
+    """Samples of a window's split that full batches cover (the source's data order)."""
+    d = cfg.data
+    n = d.window_samples if split == "train" else d.eval_samples
+    return (n // d.batch_size) * d.batch_size
+
+
+def _sha256(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr, dtype="<f4").tobytes()).hexdigest()
+
+
+def _check_fm_model(fm_cfg: Config, cfg: Config, model_dir: Path, fm_window: int) -> None:
+    """The FM reads the stream's batches (same features, rows, dense) and is of ``fm_window``."""
+    if fm_cfg.data.source != "stream":
+        raise DataError(
+            f"{model_dir}: the FM was trained on data.source = '{fm_cfg.data.source}', not on a "
+            "stream window; train it with --set data.source=stream --set data.window=W"
+        )
+    if fm_cfg.data.window != fm_window:
+        raise DataError(
+            f"{model_dir}: the FM was trained on window {fm_cfg.data.window}, not fm_window "
+            f"{fm_window}; pass the FM of window {fm_window}"
+        )
+    mine = [(t.name, t.rows, list(t.features)) for t in cfg.embedding.tables]
+    theirs = [(t.name, t.rows, list(t.features)) for t in fm_cfg.embedding.tables]
+    if mine != theirs or fm_cfg.model.num_dense != cfg.model.num_dense:
+        raise DataError(
+            f"{model_dir}: the FM's tables / dense features ({len(theirs)} tables, "
+            f"{fm_cfg.model.num_dense} dense) differ from the stream's ({len(mine)} tables, "
+            f"{cfg.model.num_dense} dense); FM and students must read the same stream"
+        )
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"{path}: cannot write the FM logits ({e.strerror or e})") from None
+
+
+@torch.no_grad()
+def write_fm_logits(
+    model_dir: str | Path,
+    cfg: Config,
+    window: int,
+    split: str,
+    out_dir: str | Path,
+    fm_window: int,
+) -> Path:
+    """Run the saved FM ``model_dir`` (trained on window ``fm_window``) over window ``window``'s
+    ``split`` of the stream ``cfg`` describes, in data order (``data.batch_size`` batches), and
+    write its float32 logits to ``out_dir/fm_w{window}_{split}.npy`` plus the ``.json`` sidecar
+    (written last). Returns the ``.npy`` path."""
+    from neorec.serve.model import find_model_dir, load_model, read_model_info
+
+    _check_split(split)
+    for name, v in (("window", window), ("fm_window", fm_window)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+    if fm_window > window:
+        raise ConfigError(
+            f"fm_window {fm_window} is after window {window}: an FM labels the data of its own "
+            "window or later ones (staleness k = window - fm_window >= 0)"
+        )
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: is not a directory (the FM logits' out_dir)")
+    data_cfg = dataclasses.replace(
+        cfg.data, window=window, windows=max(cfg.data.windows, window + 1)
+    )
+    cfg = dataclasses.replace(cfg, data=data_cfg)
+    bs = data_cfg.batch_size
+    n = _split_samples(cfg, split)
+    if n == 0:
+        raise ConfigError(
+            f"window {window}'s {split} split has fewer samples than one batch of {bs}; raise "
+            f"data.{'window_samples' if split == 'train' else 'eval_samples'}"
+        )
+    src = find_model_dir(model_dir)
+    info = read_model_info(src)
+    model, fm_cfg = load_model(src)
+    _check_fm_model(fm_cfg, cfg, src, fm_window)
+    data = DriftingClickData(data_cfg, cfg.embedding.tables, cfg.model.num_dense)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if fm_cfg.train.bf16_dense else nullcontext()
+    model.train(False)
+    parts = []
+    for i in range(n // bs):
+        b = data.batch(split, i, bs)
+        with ctx:
+            logits = model(b.dense, b.sparse)
+        parts.append(logits.detach().float().cpu())
+    arr = torch.cat(parts).numpy().astype(np.float32, copy=False)
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+        raise DataError(
+            f"{src}: the FM's logit of sample {bad} of window {window} {split} is not finite; "
+            "the FM diverged, retrain it"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    npy, side = fm_paths(out, window, split)
+    meta = {
+        "format": FM_FORMAT,
+        "version": FM_FORMAT_VERSION,
+        "window": window,
+        "split": split,
+        "samples": int(arr.shape[0]),
+        "batch_size": bs,
+        "dtype": "float32",
+        "fm_window": fm_window,
+        "fm_step": int(info.get("step", 0)),
+        "fm_model": str(src),
+        "stream": stream_fingerprint(cfg),
+        "sha256": _sha256(arr),
+    }
+    side.unlink(missing_ok=True)  # a reader never pairs the new array with an old sidecar
+    _atomic_write(npy, lambda fh: np.save(fh, arr, allow_pickle=False))
+    text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
+    _atomic_write(side, lambda fh: fh.write(text.encode()))
+    return npy
+
+
+def read_fm_logits(cfg: Config, split: str, required: bool = True) -> np.ndarray | None:
+    """The FM logits ``data.fm_logits`` holds for window ``data.window``'s ``split``, checked:
+    produced by the FM of window ``data.window - data.fm_staleness``, for this stream, one per
+    sample of the split (in data order), and intact. Missing files are a ``DataError`` when
+    ``required``, else None (but one of the pair without the other is always refused)."""
+    _check_split(split)
+    d = cfg.data
+    w, k = d.window, d.fm_staleness
+    if k > w:
+        raise ConfigError(
+            f"data.fm_staleness {k} is more than data.window {w}: there is no FM of window "
+            f"{w - k}; lower data.fm_staleness or train a later window"
+        )
+    root = Path(d.fm_logits)
+    if not root.is_dir():
+        raise DataError(f"{root}: no such directory (data.fm_logits); check the path")
+    npy, side = fm_paths(root, w, split)
+    have = (npy.is_file(), side.is_file())
+    if not all(have):
+        if not required and not any(have):
+            return None  # (optional split: neither file, nothing attached)
+        missing = npy if not have[0] else side
+        raise DataError(
+            f"{missing}: missing (data.fm_logits, window {w} {split}); write it with "
+            f"write_fm_logits(<FM of window {w - k}>, cfg, {w}, '{split}', '{root}', {w - k})"
+        )
+    try:
+        meta = json.loads(side.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"{side}: unreadable DAS sidecar ({e}); write the FM logits again"
+        ) from None
+    if meta.get("format") != FM_FORMAT or meta.get("version") != FM_FORMAT_VERSION:
+        raise DataError(
+            f"{side}: not a {FM_FORMAT} v{FM_FORMAT_VERSION} sidecar (format "
+            f"{meta.get('format')!r}, version {meta.get('version')!r}); write the FM logits again"
+        )
+    if meta.get("window") != w or meta.get("split") != split:
+        raise DataError(
+            f"{side}: holds window {meta.get('window')!r} {meta.get('split')!r}, not window {w} "
+            f"{split}; the file was renamed or copied: write it again"
+        )
+    if meta.get("fm_window") != w - k:
+        raise DataError(
+            f"{side}: logits of the FM of window {meta.get('fm_window')!r}, but data.window {w} "
+            f"with data.fm_staleness {k} wants the FM of window {w - k}; write that FM's logits "
+            "or set data.fm_staleness to match"
+        )
+    if meta.get("stream") != stream_fingerprint(cfg):
+        raise DataError(
+            f"{side}: written for another stream (seed, drift, churn, batch size or tables "
+            f"differ: fingerprint {meta.get('stream')!r} vs {stream_fingerprint(cfg)!r}); write "
+            "the FM logits for this config"
+        )
+    want = _split_samples(cfg, split)
+    if meta.get("samples") != want:
+        raise DataError(
+            f"{side}: {meta.get('samples')!r} samples, but window {w}'s {split} split has {want:,} "
+            f"(data.{'window_samples' if split == 'train' else 'eval_samples'}); write it again"
+        )
+    try:
+        arr = np.load(npy, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{npy}: corrupt FM logits ({e}); write them again") from None
+    if arr.dtype != np.float32 or arr.shape != (want,):
+        raise DataError(
+            f"{npy}: {arr.dtype} {tuple(arr.shape)}, expected float32 ({want},); write it again"
+        )
+    if _sha256(arr) != meta.get("sha256"):
+        raise DataError(
+            f"{npy}: checksum mismatch (the array does not match {side.name}'s sha256): the "
+            "file is corrupt; write the FM logits again"
+        )
+    return arr

@@ -1,0 +1,424 @@
+"""Id -> slot map of a dynamic embedding table: raw 64-bit ids to ``capacity`` slots, no collisions.
+
+``IdMap.map(ids)`` maps one batch of one table in a fixed order of decisions (expiry, lookups,
+admission, eviction, assignment; see ``neorec/ops/csrc/id_map.c``, whose comment is the
+specification). The compiled version (built into the cpu TBE kernel library) keeps an
+open-addressing hash table next to the per-slot state; the NumPy version here (no C compiler, or
+``NEOREC_IDMAP_NATIVE=0``) looks ids up in the sorted live ids instead and takes bitwise the same
+decisions (tests compare the two on random streams). Both are deterministic for a seed.
+
+Threshold admission counts the sightings of ids without a slot in a count-min sketch of
+``SKETCH_DEPTH`` rows x ``sketch_width(capacity)`` int32 counters (saturating): a batch adds each
+missing id's occurrences to its counters, then admits the ids whose smallest counter reaches the
+threshold. While the sketch's count of sightings is at least ``SKETCH_PERIOD_FACTOR`` x width,
+every counter (and that count) is halved, so old sightings fade. Collisions in the sketch can only over-count:
+an id may be admitted early, never late.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from neorec.errors import ConfigError
+
+__all__ = [
+    "IdMap",
+    "MapResult",
+    "native_lib",
+    "mix64",
+    "sketch_width",
+    "SKETCH_DEPTH",
+    "SKETCH_PERIOD_FACTOR",
+    "ADMISSIONS",
+    "EVICTIONS",
+]
+
+ADMISSIONS = ("always", "threshold", "probability")
+EVICTIONS = ("lru", "lfu", "ttl")
+SKETCH_DEPTH = 4
+"""Rows (hash functions) of the threshold admission's count-min sketch."""
+SKETCH_PERIOD_FACTOR = 10
+"""The sketch halves its counters after this many sightings per counter of a row."""
+_M64 = (1 << 64) - 1
+_I32_MAX = 2**31 - 1
+_N_COUNTS = 6  # IM_ADMITTED, IM_EVICTED, IM_UNADMITTED, IM_NEW, IM_EV, IM_HITS
+_LOCK = threading.Lock()
+_LIB: dict[str, Any] = {}
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finalizer of a 64-bit integer (the map's hash; same as ``im_mix64``)."""
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """``mix64`` of a uint64 array (wrapping arithmetic, logical shifts)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def sketch_width(capacity: int) -> int:
+    """Counters per sketch row: the power of two >= 2 x capacity, within [1024, 2**22]."""
+    return min(1 << 22, max(1024, 1 << (2 * capacity - 1).bit_length()))
+
+
+class _State(ctypes.Structure):
+    _fields_ = [
+        ("cap", ctypes.c_int64),
+        ("hmask", ctypes.c_int64),
+        ("hkey", ctypes.c_void_p),
+        ("hval", ctypes.c_void_p),
+        ("id_of", ctypes.c_void_p),
+        ("last", ctypes.c_void_p),
+        ("hits", ctypes.c_void_p),
+        ("free_stack", ctypes.c_void_p),
+        ("live", ctypes.c_void_p),
+        ("sketch", ctypes.c_void_p),
+        ("sk_salt", ctypes.c_void_p),
+        ("sk_depth", ctypes.c_int64),
+        ("sk_wmask", ctypes.c_int64),
+        ("sk_period", ctypes.c_int64),
+        ("policy", ctypes.c_int64),
+        ("ttl", ctypes.c_int64),
+        ("admission", ctypes.c_int64),
+        ("threshold", ctypes.c_int64),
+        ("prob_salt", ctypes.c_uint64),
+        ("prob_limit", ctypes.c_uint64),
+        ("n_free", ctypes.c_int64),
+        ("sk_total", ctypes.c_int64),
+    ]
+
+
+def native_lib() -> Any:
+    """The compiled library with the id map's functions declared, or None (no C compiler, or
+    ``NEOREC_IDMAP_NATIVE=0``)."""
+    if os.environ.get("NEOREC_IDMAP_NATIVE", "1") == "0":
+        return None
+    with _LOCK:
+        if "lib" not in _LIB:
+            try:
+                from neorec.ops.cpu import load_kernel
+
+                lib = load_kernel()
+            except (RuntimeError, OSError):
+                lib = None
+            if lib is not None:
+                vp, i64 = ctypes.c_void_p, ctypes.c_int64
+                lib.im_map_batch.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp, i64, vp, vp, vp]
+                lib.im_map_batch.argtypes += [vp, vp, vp, vp, vp]
+                lib.im_map_batch.restype = None
+                lib.im_lookup.argtypes = [vp, vp, i64, vp]
+                lib.im_lookup.restype = None
+                lib.im_rebuild.argtypes = [vp]
+                lib.im_rebuild.restype = None
+            _LIB["lib"] = lib
+        return _LIB["lib"]
+
+
+@dataclass
+class MapResult:
+    """What ``IdMap.map`` decided for one batch."""
+
+    slots: Tensor
+    """[n] int64: each id's slot, -1 = unadmitted (no slot in this batch)."""
+    new_slots: Tensor
+    """Slots assigned in this batch (their rows and optimizer state must be reset)."""
+    new_ids: Tensor
+    """The raw ids now in ``new_slots``."""
+    evicted_slots: Tensor
+    """Slots whose ids were evicted in this batch (a slot may also be in ``new_slots``)."""
+    evicted_ids: Tensor
+    """The raw ids evicted from ``evicted_slots``."""
+    admitted: int
+    """Ids admitted (= new slots)."""
+    evicted: int
+    """Ids evicted (ttl expiry and eviction for room)."""
+    unadmitted: int
+    """Lookups (occurrences) that got no slot."""
+
+
+class IdMap:
+    """Raw int64 ids -> slots ``[0, capacity)`` with admission and eviction (see the module doc).
+
+    ``map(ids, pins)`` mutates (one step per call); ``lookup(ids)`` does not. ``pins``: an int32
+    [capacity] tensor, > 0 where a slot must not be evicted (rows awaiting their update).
+    ``sketch_cols``: counters per sketch row (a power of two; 0 = ``sketch_width(capacity)``;
+    small values test collisions and decay). ``native``: None = compiled when available.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        admission: str = "always",
+        threshold: int = 1,
+        probability: float = 1.0,
+        eviction: str = "lru",
+        ttl_steps: int = 0,
+        seed: int = 0,
+        native: bool | None = None,
+        sketch_cols: int = 0,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"IdMap: capacity must be an integer >= 1, got {capacity!r}")
+        if admission not in ADMISSIONS:
+            raise ConfigError(f"IdMap: admission must be one of {ADMISSIONS}, got {admission!r}")
+        if eviction not in EVICTIONS:
+            raise ConfigError(f"IdMap: eviction must be one of {EVICTIONS}, got {eviction!r}")
+        if not (isinstance(threshold, int) and 1 <= threshold <= _I32_MAX):
+            raise ConfigError(f"IdMap: threshold must be an integer >= 1, got {threshold!r}")
+        if not (0.0 <= float(probability) <= 1.0):
+            raise ConfigError(f"IdMap: probability must be in [0, 1], got {probability!r}")
+        if eviction == "ttl" and ttl_steps < 1:
+            raise ConfigError(f"IdMap: eviction 'ttl' needs ttl_steps >= 1, got {ttl_steps!r}")
+        self.capacity = capacity
+        self.admission, self.eviction = admission, eviction
+        self.threshold, self.probability, self.ttl_steps = threshold, float(probability), ttl_steps
+        self.seed = int(seed)
+        s = self.seed & _M64
+        self._sk_salt = [mix64(((s * 8 + d + 1) & _M64) ^ 0xA0761D6478BD642F) for d in range(4)]
+        self._prob_salt = mix64(s ^ 0xD1B54A32D192ED03)
+        self._prob_limit = min(1 << 53, int(self.probability * 2.0**53))
+        if sketch_cols and (sketch_cols < 1 or sketch_cols & (sketch_cols - 1)):
+            raise ConfigError(f"IdMap: sketch_cols must be a power of two, got {sketch_cols}")
+        self.width = (sketch_cols or sketch_width(capacity)) if admission == "threshold" else 1
+        self.period = SKETCH_PERIOD_FACTOR * self.width
+        self._lib = native_lib() if native is None or native else None
+        if native and self._lib is None:
+            raise RuntimeError("IdMap: the compiled id map is unavailable (no C compiler?)")
+        cap = capacity
+        self.id_of = torch.zeros(cap, dtype=torch.int64)
+        self.live = torch.zeros(cap, dtype=torch.uint8)
+        self.last = torch.zeros(cap, dtype=torch.int64)
+        self.hits = torch.zeros(cap, dtype=torch.int64)
+        self.free = torch.arange(cap - 1, -1, -1, dtype=torch.int64)  # top of stack: slot 0
+        self.sketch = torch.zeros(SKETCH_DEPTH * self.width, dtype=torch.int32)
+        self.n_free = cap
+        self.sk_total = 0
+        self.steps = 0
+        self.totals = {"admitted": 0, "evicted": 0, "unadmitted": 0, "lookups": 0}
+        hsize = 1 << max(4, (2 * cap - 1).bit_length())  # load factor <= 1/2
+        self._hkey = torch.zeros(hsize if self._lib else 0, dtype=torch.int64)
+        self._hval = torch.full((hsize if self._lib else 0,), -1, dtype=torch.int64)
+        self._keys = torch.empty(0, dtype=torch.int64)
+        self._salt_t = torch.tensor(
+            [x - (1 << 64) if x >= 1 << 63 else x for x in self._sk_salt], dtype=torch.int64
+        )
+
+    # ---- inspection --------------------------------------------------------------------------
+    @property
+    def native(self) -> bool:
+        """Whether the compiled version runs."""
+        return self._lib is not None
+
+    @property
+    def occupancy(self) -> int:
+        """Live ids (slots in use)."""
+        return self.capacity - self.n_free
+
+    def live_items(self) -> tuple[Tensor, Tensor]:
+        """(slots, raw ids) of the live entries, in slot order."""
+        slots = torch.nonzero(self.live).flatten()
+        return slots, self.id_of[slots]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The map's whole state as tensors (the hash table is rebuilt from it)."""
+        scal = [self.n_free, self.sk_total, self.steps, *self.totals.values()]
+        return {
+            "id_of": self.id_of.clone(),
+            "live": self.live.clone(),
+            "last": self.last.clone(),
+            "hits": self.hits.clone(),
+            "free": self.free.clone(),
+            "sketch": self.sketch.clone(),
+            "scalars": torch.tensor(scal, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, st: dict[str, Tensor]) -> None:
+        """Restore ``state_dict()`` output of a map with the same settings."""
+        for k in ("id_of", "live", "last", "hits", "free", "sketch"):
+            getattr(self, k).copy_(st[k])
+        scal = [int(x) for x in st["scalars"]]
+        self.n_free, self.sk_total, self.steps = scal[:3]
+        self.totals = dict(zip(self.totals, scal[3:], strict=True))
+        if self._lib is not None:
+            self._lib.im_rebuild(ctypes.byref(self._cstate()))
+
+    # ---- the C version -----------------------------------------------------------------------
+    def _cstate(self) -> _State:
+        pol = EVICTIONS.index(self.eviction)
+        adm = ADMISSIONS.index(self.admission)
+        return _State(
+            self.capacity, self._hkey.numel() - 1, self._hkey.data_ptr(), self._hval.data_ptr(),
+            self.id_of.data_ptr(), self.last.data_ptr(), self.hits.data_ptr(),
+            self.free.data_ptr(), self.live.data_ptr(), self.sketch.data_ptr(),
+            self._salt_t.data_ptr(), SKETCH_DEPTH, self.width - 1, self.period, pol,
+            self.ttl_steps, adm, self.threshold, self._prob_salt, self._prob_limit, self.n_free,
+            self.sk_total,
+        )  # fmt: skip
+
+    def _map_native(self, ids: Tensor, step: int, pins: Tensor | None) -> tuple[Tensor, ...]:
+        lib, n, cap = self._lib, ids.numel(), self.capacity
+        assert lib is not None
+        st = self._cstate()
+        mark = torch.zeros(cap, dtype=torch.uint8)
+        msize = 1 << max(4, (2 * max(n, 1) - 1).bit_length())
+        mkey = torch.empty(msize, dtype=torch.int64)
+        mcnt = torch.empty(msize, dtype=torch.int64)
+        miss = torch.empty(max(n, 1), dtype=torch.int64)
+        if self._keys.numel() != 3 * cap:  # victim-selection scratch, kept between calls
+            self._keys = torch.empty(3 * cap, dtype=torch.int64)
+        keys = self._keys
+        out = torch.empty(max(n, 1), dtype=torch.int64)
+        new_s = torch.empty(max(n, 1), dtype=torch.int64)
+        new_i = torch.empty(max(n, 1), dtype=torch.int64)
+        ev_s = torch.empty(cap, dtype=torch.int64)
+        ev_i = torch.empty(cap, dtype=torch.int64)
+        counts = torch.zeros(_N_COUNTS, dtype=torch.int64)
+        p = None if pins is None else pins.data_ptr()
+        lib.im_map_batch(
+            ctypes.byref(st), ids.data_ptr(), n, step, p, mark.data_ptr(), mkey.data_ptr(),
+            mcnt.data_ptr(), msize, miss.data_ptr(), keys.data_ptr(), out.data_ptr(),
+            new_s.data_ptr(), new_i.data_ptr(), ev_s.data_ptr(), ev_i.data_ptr(),
+            counts.data_ptr(),
+        )  # fmt: skip
+        self.n_free, self.sk_total = int(st.n_free), int(st.sk_total)
+        c = counts.tolist()
+        k, e = c[3], c[4]
+        return out[:n], new_s[:k], new_i[:k], ev_s[:e], ev_i[:e], *(torch.tensor(c[:3]),)
+
+    # ---- the NumPy version -------------------------------------------------------------------
+    def _find_np(self, ids: np.ndarray) -> np.ndarray:
+        live = np.nonzero(self.live.numpy())[0]
+        keys = self.id_of.numpy()[live]
+        order = np.argsort(keys, kind="stable")
+        skeys, sslots = keys[order], live[order]
+        if skeys.size == 0:
+            return np.full(ids.shape, -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(skeys, ids), skeys.size - 1)
+        return np.where(skeys[pos] == ids, sslots[pos], -1).astype(np.int64)
+
+    def _sketch_idx(self, ids: np.ndarray) -> list[np.ndarray]:
+        u = ids.view(np.uint64)
+        mask = np.uint64(self.width - 1)
+        return [
+            (_mix64_np(u ^ np.uint64(s)) & mask).astype(np.int64) + d * self.width
+            for d, s in enumerate(self._sk_salt)
+        ]
+
+    def _map_numpy(self, ids: Tensor, step: int, pins: Tensor | None) -> tuple[Tensor, ...]:
+        x = ids.numpy()
+        live, last, hits = self.live.numpy(), self.last.numpy(), self.hits.numpy()
+        id_of, free = self.id_of.numpy(), self.free.numpy()
+        pinned = (pins.numpy() > 0) if pins is not None else np.zeros(self.capacity, dtype=bool)
+        ev_s: list[np.ndarray] = []
+        n_ev = 0
+        if self.eviction == "ttl":  # 1. expiry
+            exp = np.nonzero((live > 0) & ~pinned & (step - last > self.ttl_steps))[0]
+            live[exp] = 0
+            free[self.n_free : self.n_free + exp.size] = exp
+            self.n_free += exp.size
+            ev_s.append(exp)
+        # 2. lookups
+        slot = self._find_np(x)
+        hit = slot >= 0
+        hs = slot[hit]
+        np.add.at(hits, hs, 1)
+        last[hs] = step
+        mark = np.zeros(self.capacity, dtype=bool)
+        mark[hs] = True
+        miss, cnt = np.unique(x[~hit], return_counts=True)
+        cnt = cnt.astype(np.int64)
+        # 3. admission
+        if self.admission == "threshold" and miss.size:
+            sk = self.sketch.numpy()
+            idx = self._sketch_idx(miss)
+            wide = sk.astype(np.int64)
+            for ix in idx:
+                np.add.at(wide, ix, cnt)
+            sk[:] = np.minimum(wide, _I32_MAX).astype(np.int32)
+            self.sk_total += int(cnt.sum())
+            est = np.min(np.stack([sk[ix] for ix in idx]), axis=0)
+            keep = est >= self.threshold
+            miss, cnt = miss[keep], cnt[keep]
+            while self.sk_total >= self.period:
+                sk >>= 1
+                self.sk_total >>= 1
+        elif self.admission == "probability" and miss.size:
+            h = _mix64_np(miss.view(np.uint64) ^ np.uint64(self._prob_salt)) >> np.uint64(11)
+            keep = h < np.uint64(self._prob_limit)
+            miss, cnt = miss[keep], cnt[keep]
+        k = miss.size
+        # 4. victims
+        if k > self.n_free:
+            need = k - self.n_free
+            cand = np.nonzero((live > 0) & ~mark & ~pinned)[0]
+            if self.eviction == "lfu":
+                order = np.lexsort((cand, last[cand], hits[cand]))
+            else:
+                order = np.lexsort((cand, last[cand]))
+            victims = np.sort(cand[order[:need]])
+            live[victims] = 0
+            free[self.n_free : self.n_free + victims.size] = victims
+            self.n_free += victims.size
+            ev_s.append(victims)
+            k = min(k, self.n_free)
+        evs = np.concatenate(ev_s) if ev_s else np.zeros(0, dtype=np.int64)
+        evi = id_of[evs].copy()
+        n_ev = evs.size
+        # 5. assignment
+        base = self.n_free - k
+        new_s = free[base : self.n_free].copy()
+        id_of[new_s] = miss[:k]
+        live[new_s] = 1
+        last[new_s] = step
+        hits[new_s] = cnt[:k]
+        self.n_free = base
+        # 6. slots
+        out = self._find_np(x)
+        unadm = int((out < 0).sum())
+        t = torch.from_numpy
+        return (
+            t(out), t(new_s), t(miss[:k].copy()), t(evs.astype(np.int64)), t(evi),
+            torch.tensor([k, n_ev, unadm]),
+        )  # fmt: skip
+
+    # ---- public ------------------------------------------------------------------------------
+    def map(self, ids: Tensor, pins: Tensor | None = None) -> MapResult:
+        """Map one batch (advances the map's step); see the module doc for the decisions."""
+        ids = ids.to(torch.int64).contiguous()
+        if pins is not None:
+            pins = pins.to(torch.int32).contiguous()
+        self.steps += 1
+        fn = self._map_native if self._lib is not None else self._map_numpy
+        out, new_s, new_i, ev_s, ev_i, c = fn(ids, self.steps, pins)
+        adm, ev, un = (int(v) for v in c)
+        self.totals["admitted"] += adm
+        self.totals["evicted"] += ev
+        self.totals["unadmitted"] += un
+        self.totals["lookups"] += ids.numel()
+        return MapResult(out, new_s, new_i, ev_s, ev_i, adm, ev, un)
+
+    def lookup(self, ids: Tensor) -> Tensor:
+        """Each id's slot or -1, changing nothing."""
+        ids = ids.to(torch.int64).contiguous()
+        if self._lib is not None:
+            out = torch.empty(ids.numel(), dtype=torch.int64)
+            self._lib.im_lookup(
+                ctypes.byref(self._cstate()), ids.data_ptr(), ids.numel(), out.data_ptr()
+            )
+            return out
+        return torch.from_numpy(self._find_np(ids.numpy()))

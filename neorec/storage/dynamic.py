@@ -1,0 +1,447 @@
+"""DynamicEmbeddingBagCollection: tables of raw 64-bit ids (any value) mapped to a fixed number
+of slots by an id map with admission and eviction (``neorec.ops.id_map``), then looked up and
+trained by the normal TBE on a slot buffer.
+
+Per table (``kind = "dynamic"``) the buffer holds ``capacity`` slot rows (``capacity`` 0 =
+``rows``), plus one shared default row when ``unadmitted = "default_row"``. A forward maps each
+table's ids (features in order, then positions) through its ``IdMap``; a slot assigned in this
+batch gets its row initialised from (seed, table, raw id) and its optimizer state zeroed, so a
+re-admitted id starts fresh and deterministically; a slot evicted and not reassigned is zeroed.
+Unadmitted ids read the default row (which trains like any row) or, with ``zeros``, are dropped
+from their bags before the TBE (no contribution, no update; a mean bag averages the rest).
+
+Training (grad enabled) maps with admission and eviction and pins the batch's slots until its
+backward has updated them (a pipelined next batch cannot evict them); without grad (eval) the
+maps are only read: ids without a slot are unadmitted and nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from neorec.config import TableConfig
+from neorec.errors import ConfigError
+from neorec.modules.embedding import (
+    UpdateHook,
+    as_device,
+    check_collection_args,
+    check_memory,
+    checked_batch,
+    register_table_buffers,
+)
+from neorec.ops.id_map import IdMap, _mix64_np, mix64
+from neorec.ops.row_optim import RowOptimizer
+from neorec.ops.tbe import (
+    PoolingMode,
+    TBEBackend,
+    TBELayout,
+    check_finite_weights,
+    check_grad_output,
+    get_backend,
+    tbe_lookup,
+)
+from neorec.sparse import SparseFeatures
+
+__all__ = [
+    "DynamicEmbeddingBagCollection",
+    "MixedEmbeddingBagCollection",
+    "dynamic_collection",
+    "dynamic_init_rows",
+    "table_capacity",
+]
+
+_M64 = (1 << 64) - 1
+
+
+def table_capacity(spec: TableConfig) -> int:
+    """Slots of a dynamic table: ``capacity``, or ``rows`` when it is 0."""
+    return int(getattr(spec, "capacity", 0) or spec.rows)
+
+
+def dynamic_init_rows(
+    spec: TableConfig, seed: int, ids: Tensor, init_scale: float = 0.0, default: bool = False
+) -> Tensor:
+    """Initial rows [len(ids), dim] of raw ``ids`` of a dynamic table (``default``: its shared
+    default row, ``ids`` ignored but for their count).
+
+    Element (id, c) is uniform in +-bound (``init_scale``, else sqrt(1/capacity)) from 24 bits
+    of ``mix64(mix64(id ^ salt) + c)``, salt from (seed, table name): the same row for the same
+    id whenever and wherever it is admitted.
+    """
+    bound = init_scale or math.sqrt(1.0 / table_capacity(spec))
+    salt = mix64(((int(seed) & _M64) * 0x100000001B3 ^ zlib.crc32(spec.name.encode())) & _M64)
+    if default:
+        salt = mix64(salt ^ 0xDEFA017DEFA017)
+    u = ids.to(torch.int64).contiguous().numpy().view(np.uint64)
+    h = _mix64_np(u ^ np.uint64(salt))
+    cols = np.arange(spec.dim, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = _mix64_np(h[:, None] + cols[None, :])
+    vals = torch.from_numpy((x >> np.uint64(40)).astype(np.float32)).mul_(2.0**-24)
+    return vals.mul_(2 * bound).sub_(bound)
+
+
+class DynamicEmbeddingBagCollection(nn.Module):
+    """EmbeddingBagCollection over ``kind = "dynamic"`` tables: raw ids -> slots -> TBE.
+
+    Same interface as ``EmbeddingBagCollection`` for forward / backward (the fused update),
+    ``add_update_hook`` (hooks receive the slot layout and slot indices), ``optimizer_state``,
+    ``table_weight`` (the slot rows); plus ``id_maps``, ``slots_of``, ``stats``.
+    """
+
+    weights: Tensor
+    step: Tensor
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: RowOptimizer | None = None,
+        pooling: str = "sum",
+        backend: str = "auto",
+        device: torch.device | str = "cpu",
+        init_scale: float = 0.0,
+        seed: int = 0,
+        native: bool | None = None,
+    ) -> None:
+        super().__init__()
+        who = type(self).__name__
+        check_collection_args(tables, optimizer, pooling, init_scale, seed, True, who)
+        for t in tables:
+            where = f"{who}: table '{t.name}'"
+            if getattr(t, "kind", "fixed") != "dynamic":
+                raise ConfigError(f"{where} has kind {getattr(t, 'kind', 'fixed')!r}, not dynamic")
+            if (t.precision or "fp32") != "fp32" or t.storage != "memory":
+                raise ConfigError(
+                    f"{where}: dynamic tables are fp32 in memory, got precision "
+                    f"{t.precision!r}, storage {t.storage!r}"
+                )
+        self.tables = list(tables)
+        self.optimizer = optimizer or RowOptimizer()
+        self.pooling = PoolingMode(pooling)
+        self.validate_ids = False  # raw ids: any int64
+        self.feature_names = [f for t in self.tables for f in t.features]
+        feature_table = tuple(i for i, t in enumerate(self.tables) for _ in t.features)
+        self.capacities = [table_capacity(t) for t in self.tables]
+        self.default_rows = [t.unadmitted == "default_row" for t in self.tables]
+        self.layout = TBELayout(
+            rows=tuple(c + int(d) for c, d in zip(self.capacities, self.default_rows)),
+            dims=tuple(t.dim for t in self.tables),
+            feature_table=feature_table,
+        )
+        device = as_device(device)
+        self.backend: TBEBackend = get_backend(backend, device)
+        check_memory(self.tables, self.layout, self.optimizer.kind, device)
+        register_table_buffers(
+            self,
+            self.layout,
+            self.optimizer.kind,
+            device,
+            weights=torch.zeros(self.layout.total_elems, device=device),
+        )
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self._rows_by_feature = {f: table_capacity(t) for t in self.tables for f in t.features}
+        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._hooks: list[UpdateHook] = []
+        self._seed, self._init_scale = seed, init_scale
+        self.id_maps = [
+            IdMap(
+                c, t.admission, t.admit_threshold, t.admit_probability, t.eviction,
+                t.ttl_steps, seed=seed * 1_000_003 + zlib.crc32(t.name.encode()), native=native,
+            )
+            for c, t in zip(self.capacities, self.tables)
+        ]  # fmt: skip
+        self._pins = [torch.zeros(c, dtype=torch.int32) for c in self.capacities]
+        self._last: list[dict[str, int]] = [self._zero_counts() for _ in self.tables]
+        for i, spec in enumerate(self.tables):
+            if self.default_rows[i]:
+                row = dynamic_init_rows(spec, seed, torch.zeros(1), init_scale, default=True)
+                self._table(i)[self.capacities[i]] = row[0].to(device)
+
+    # ---- inspection ----------------------------------------------------------------------------
+    @staticmethod
+    def _zero_counts() -> dict[str, int]:
+        return {"admitted": 0, "evicted": 0, "unadmitted": 0, "lookups": 0}
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the optimizer state buffers."""
+        return [k for k in ("momentum1", "exp_avg", "exp_avg_sq") if hasattr(self, k)]
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """The fused optimizer's state tensors (flat, slot layout)."""
+        return {k: getattr(self, k) for k in self.state_names}
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output."""
+        return self.layout.total_dim
+
+    def add_update_hook(self, hook: UpdateHook) -> None:
+        """Call ``hook(layout, slot_indices, offsets)`` after every fused update (slot layout;
+        dropped unadmitted ids are not in it)."""
+        self._hooks.append(hook)
+
+    def _table_index(self, name: str) -> int:
+        for i, t in enumerate(self.tables):
+            if t.name == name:
+                return i
+        raise KeyError(f"no table '{name}' (tables: {[t.name for t in self.tables]})")
+
+    def _table(self, i: int) -> Tensor:
+        return self.layout.table(self.weights, i)
+
+    def table_weight(self, name: str) -> Tensor:
+        """One table's slot rows [capacity (+1 default row), dim] (a view)."""
+        return self._table(self._table_index(name))
+
+    def id_map(self, name: str) -> IdMap:
+        """The id map of table ``name``."""
+        return self.id_maps[self._table_index(name)]
+
+    def slots_of(self, name: str, ids: Tensor) -> Tensor:
+        """The slot of each raw id of table ``name`` (-1 = none), changing nothing."""
+        return self.id_map(name).lookup(ids)
+
+    def stats(self) -> dict[str, Any]:
+        """Per table: admitted / evicted / unadmitted lookups / lookups in the last training
+        step and in total, occupancy and capacity."""
+        out: dict[str, Any] = {}
+        for i, t in enumerate(self.tables):
+            m = self.id_maps[i]
+            out[t.name] = {
+                "step": dict(self._last[i]),
+                "total": dict(m.totals),
+                "occupancy": m.occupancy,
+                "capacity": m.capacity,
+            }
+        return out
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def _reset_rows(self, i: int, slots: Tensor, ids: Tensor | None) -> None:
+        """Rows ``slots`` of table ``i``: initial rows of ``ids`` (zeros when None); zero state."""
+        if slots.numel() == 0:
+            return
+        dev = self.weights.device
+        s = slots.to(dev)
+        spec = self.tables[i]
+        if ids is None:
+            self._table(i)[s] = 0.0
+        else:
+            self._table(i)[s] = dynamic_init_rows(spec, self._seed, ids, self._init_scale).to(dev)
+        for k, st in self.optimizer_state().items():
+            if k == "momentum1":
+                st[self.layout.row_offsets[i] + s] = 0.0
+            else:
+                self.layout.table(st, i)[s] = 0.0
+
+    def _map_table(self, i: int, ids: Tensor, training: bool) -> Tensor:
+        m = self.id_maps[i]
+        if not training:
+            return m.lookup(ids)
+        r = m.map(ids, self._pins[i])
+        freed = r.evicted_slots[~torch.isin(r.evicted_slots, r.new_slots)]
+        self._reset_rows(i, freed, None)
+        self._reset_rows(i, r.new_slots, r.new_ids)
+        self._last[i] = {
+            "admitted": r.admitted,
+            "evicted": r.evicted,
+            "unadmitted": r.unadmitted,
+            "lookups": ids.numel(),
+        }
+        return r.slots
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order.
+
+        The batch must be well formed (lengths, per-id weights); ids are any int64. A batch
+        refused here changes nothing.
+        """
+        sparse = checked_batch(self, sparse)
+        dev = self.weights.device
+        raw = sparse.values.to(torch.int64)
+        offsets = sparse.offsets()
+        psw = sparse.weights
+        samples = sparse.batch_size
+        nf = len(self.feature_names)
+        b = samples
+        training = torch.is_grad_enabled() and self._anchor.requires_grad
+        cuts = offsets[:: max(b, 1)].tolist() if b else [0] * (nf + 1)
+        slots = torch.empty_like(raw)
+        used: list[Tensor] = []  # distinct map slots per table (pinned until the update)
+        for i in range(len(self.tables)):
+            feats = [f for f in range(nf) if self.layout.feature_table[f] == i]
+            ids = torch.cat([raw[cuts[f] : cuts[f + 1]] for f in feats]) if feats else raw[:0]
+            got = self._map_table(i, ids, training)
+            used.append(torch.unique(got[got >= 0]))
+            if self.default_rows[i]:
+                got = torch.where(got >= 0, got, self.capacities[i])
+            pos = 0
+            for f in feats:
+                n = cuts[f + 1] - cuts[f]
+                slots[cuts[f] : cuts[f + 1]] = got[pos : pos + n]
+                pos += n
+        keep = slots >= 0
+        if not bool(keep.all()):  # zeros: drop unadmitted ids, keep the bags
+            bag = torch.repeat_interleave(
+                torch.arange(sparse.lengths.numel()), sparse.lengths.to(torch.int64)
+            )
+            lengths = torch.bincount(bag[keep], minlength=sparse.lengths.numel())
+            slots = slots[keep]
+            psw = psw[keep] if psw is not None else None
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+        indices, offsets = slots.to(dev), offsets.to(dev)
+        psw = psw.to(dev) if psw is not None else None
+        if training:
+            for i, u in enumerate(used):
+                self._pins[i][u] += 1
+
+        def release() -> None:
+            for i, u in enumerate(used):
+                self._pins[i][u] -= 1
+
+        def update(grad_output: Tensor) -> None:
+            try:
+                if samples == 0:
+                    return
+                check_grad_output(grad_output, self.layout)
+                check_finite_weights(psw)
+                step = int(self.step) + 1
+                self.backend.backward_update(
+                    self.layout,
+                    self.weights,
+                    self.optimizer_state(),
+                    indices,
+                    offsets,
+                    psw,
+                    self.pooling,
+                    grad_output,
+                    self.optimizer,
+                    step,
+                )
+                self.step.fill_(step)
+            finally:
+                release()
+            for hook in self._hooks:
+                hook(self.layout, indices, offsets)
+
+        try:
+            return tbe_lookup(
+                self._anchor,
+                self.backend,
+                self.layout,
+                self.weights,
+                indices,
+                offsets,
+                psw,
+                self.pooling,
+                update,
+            )
+        except BaseException:
+            if training:
+                release()
+            raise
+
+
+class MixedEmbeddingBagCollection(nn.Module):
+    """Fixed tables in one collection (any kind: in memory, low precision, row cache) and dynamic
+    tables in a ``DynamicEmbeddingBagCollection``, with the interface of one collection: pooled
+    outputs in ``tables``' feature order."""
+
+    _perm: Tensor
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        fixed: nn.Module,
+        dynamic: DynamicEmbeddingBagCollection,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.fixed, self.dynamic = fixed, dynamic
+        self.optimizer = dynamic.optimizer
+        self.pooling = dynamic.pooling
+        self.validate_ids = False
+        self.feature_names = [f for t in self.tables for f in t.features]
+        self._parts: list[Any] = [fixed, dynamic]
+        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
+        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        dims = {f: t.dim for t in self.tables for f in t.features}
+        start, cols = 0, {}
+        for g in self._parts:
+            for f in g.feature_names:
+                cols[f] = torch.arange(start, start + dims[f])
+                start += dims[f]
+        if sorted(cols) != sorted(self.feature_names):
+            raise ConfigError(
+                f"{type(self).__name__}: the parts' features {sorted(cols)} are not the tables' "
+                f"{sorted(self.feature_names)}"
+            )
+        self.register_buffer(
+            "_perm", torch.cat([cols[f] for f in self.feature_names]), persistent=False
+        )
+        self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
+
+    @property
+    def step(self) -> Tensor:
+        """The fused updates applied so far (both parts count each batch)."""
+        return self.dynamic.step
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output."""
+        return int(sum(g.output_dim for g in self._parts))
+
+    def add_update_hook(self, hook: UpdateHook) -> None:
+        """Call ``hook(layout, indices, offsets)`` after each part's fused update (each with its
+        own layout)."""
+        for g in self._parts:
+            g.add_update_hook(hook)
+
+    def table_weight(self, name: str) -> Tensor:
+        """One table's rows (a dynamic table's slot rows)."""
+        part: Any = self.dynamic if name in {t.name for t in self.dynamic.tables} else self.fixed
+        out: Tensor = part.table_weight(name)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """The dynamic tables' ``stats()``."""
+        return self.dynamic.stats()
+
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
+        sparse = checked_batch(self, sparse)
+        outs = [g(sparse.select(g.feature_names)) for g in self._parts]
+        return torch.cat(outs, dim=1).index_select(1, self._perm)
+
+
+def dynamic_collection(
+    cfg: Any, fixed: nn.Module | None = None, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """The collection of a config with ``kind = "dynamic"`` tables: a
+    ``DynamicEmbeddingBagCollection`` of them, combined with ``fixed`` (the caller's collection
+    of the config's other tables, built as usual) when there are any."""
+    emb = cfg.embedding
+    dyn_tables = [t for t in emb.tables if getattr(t, "kind", "fixed") == "dynamic"]
+    dyn = DynamicEmbeddingBagCollection(
+        dyn_tables,
+        RowOptimizer.from_config(emb),
+        emb.pooling,
+        emb.backend,
+        device,
+        init_scale=emb.init_scale,
+        seed=cfg.train.seed,
+    )
+    if len(dyn_tables) == len(emb.tables):
+        return dyn
+    if fixed is None:
+        raise ConfigError("dynamic_collection: the config has fixed tables; pass their collection")
+    return MixedEmbeddingBagCollection(emb.tables, fixed, dyn)

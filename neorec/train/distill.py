@@ -1,0 +1,174 @@
+"""ExFM students: the losses of a step that learns from a foundation model's logits.
+
+The FM's logits come with the batch (``Batch.fm_logits`` [b] float32, attached by the data:
+DAS, ``data.fm_logits``); nothing here runs the FM. ``distill_loss`` is what ``train_step`` calls
+when ``[distill]`` is on:
+
+- serving: ``BCE(logit, label)`` (what is evaluated, predicted and exported);
+- plain distillation (no aux head, weight w): the serving head's loss is
+  ``(1 - w) BCE(logit, label) + w T^2 BCE(logit / T, sigmoid(fm / T))``;
+- aux head: ``aux_weight T^2 BCE(aux / T, sigmoid(target / T))`` with ``aux`` the aux head on
+  the top MLP's penultimate layer, ``target`` the FM logit, or with the adapter its correction
+  (detached: the adapter does not learn from the aux head, nor the FM's errors from the student);
+- adapter: ``BCE(adapter(fm, logit.detach(), dense), label)``: it learns, on the true labels, to undo
+  the FM's staleness and the FM / student distribution gap.
+
+The serving and plain-distillation losses are the mean of the dense blocks' means (``per_block``),
+as the plain step's loss (world-size invariant); the aux head's and the adapter's (one process
+only) are plain batch means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from neorec.config import ConfigError, DistillConfig
+from neorec.data.batch import Batch
+from neorec.distributed.dense_blocks import blocks_of, per_block
+from neorec.errors import DataError
+from neorec.modules.dlrm import DenseArch
+
+__all__ = [
+    "DistillLoss",
+    "distill_arch",
+    "fm_logits_of",
+    "distill_loss",
+    "soft_bce",
+    "aux_predictions",
+]
+
+
+@dataclass
+class DistillLoss:
+    """The losses of one step: ``total`` is backpropagated, ``serving`` (the true-label BCE of
+    the serving head) is the step's reported loss; the parts are detached."""
+
+    total: Tensor
+    serving: Tensor
+    soft: Tensor | None = None
+    aux: Tensor | None = None
+    adapter: Tensor | None = None
+
+
+def _mean(fn: Callable[..., Tensor], blocks: int, *inputs: Tensor) -> Tensor:
+    """The mean of ``fn`` over the batch, as the mean of the dense blocks' means."""
+    parts = per_block(fn, blocks, *inputs)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).mean()
+
+
+def soft_bce(logits: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+    """``T^2 BCE(logits / T, sigmoid(teacher / T))`` (mean over the samples)."""
+    t = temperature
+    if t == 1.0:  # the same numbers, fewer ops
+        return F.binary_cross_entropy_with_logits(logits, torch.sigmoid(teacher))
+    return (t * t) * F.binary_cross_entropy_with_logits(logits / t, torch.sigmoid(teacher / t))
+
+
+def distill_arch(model: object) -> DenseArch | None:
+    """The model's ``DenseArch`` (unwrapped from DDP), or None (a towered distributed model)."""
+    arch = getattr(model, "dense_arch", None)
+    arch = getattr(arch, "module", arch)
+    return arch if isinstance(arch, DenseArch) else None
+
+
+def fm_logits_of(batch: Batch) -> Tensor:
+    """The batch's FM logits, checked: [b] float32 and finite (``DataError`` otherwise)."""
+    fm = getattr(batch, "fm_logits", None)
+    b = batch.size
+    if fm is None:
+        raise DataError(
+            "distill is on but the batch has no FM logits; set data.fm_logits = DIR (the DAS side "
+            "files of neorec.data.stream.write_fm_logits) or turn distill.enabled off"
+        )
+    if not isinstance(fm, Tensor) or tuple(fm.shape) != (b,) or fm.dtype != torch.float32:
+        shape = tuple(fm.shape) if isinstance(fm, Tensor) else type(fm).__name__
+        dtype = getattr(fm, "dtype", "")
+        raise DataError(f"batch fm_logits must be float32 [{b}], got {dtype} {shape}")
+    if not bool(torch.isfinite(fm).all()):
+        bad = int((~torch.isfinite(fm)).sum())
+        raise DataError(
+            f"batch fm_logits hold {bad} non-finite value(s) (NaN/inf); rewrite the DAS side "
+            "files from a trained FM"
+        )
+    return fm
+
+
+def distill_loss(
+    model: Any,
+    batch: Batch,
+    logits: Tensor,
+    hidden: Tensor | None,
+    cfg: DistillConfig,
+) -> DistillLoss:
+    """The step's losses for an ExFM student (see the module docstring). ``logits`` [b] are the
+    serving head's (float32), ``hidden`` [b, H] the top MLP's penultimate layer (needed when
+    ``cfg.aux_head``). Raises before any update: ``DataError`` for missing / bad FM logits,
+    ``ConfigError`` for a model without the aux head / adapter the config asks for."""
+    blocks = blocks_of(model)
+    labels = batch.labels
+    fm = fm_logits_of(batch)
+    serving = _mean(F.binary_cross_entropy_with_logits, blocks, logits, labels)
+    t = cfg.temperature
+    if not cfg.aux_head:
+        w = cfg.weight
+        soft = _mean(lambda x, f: soft_bce(x, f, t), blocks, logits, fm)
+        total = (1.0 - w) * serving + w * soft
+        return DistillLoss(total, serving.detach(), soft=soft.detach())
+    arch = distill_arch(model)
+    if arch is None or arch.aux_head is None or (cfg.adapter and arch.adapter is None):
+        raise ConfigError(
+            "distill.aux_head / distill.adapter need the one-process model built from this "
+            "config (build_dlrm); distributed and towered students take plain distillation "
+            "(distill.weight) for now"
+        )
+    if hidden is None:
+        raise ConfigError("distill.aux_head needs the penultimate layer: call with hidden")
+    target = fm
+    total = serving
+    adapter_loss = None
+    if cfg.adapter:
+        assert arch.adapter is not None
+        corrected = arch.adapter(fm, logits.detach(), batch.dense)
+        # The aux head and the adapter run in one process only: their losses need no blocks.
+        adapter_loss = F.binary_cross_entropy_with_logits(corrected, labels)
+        total = total + adapter_loss
+        target = corrected.detach()
+    aux_logits = arch.aux_head(hidden.float()).squeeze(1)
+    aux = soft_bce(aux_logits, target, t)
+    total = total + cfg.aux_weight * aux
+    return DistillLoss(
+        total,
+        serving.detach(),
+        aux=aux.detach(),
+        adapter=None if adapter_loss is None else adapter_loss.detach(),
+    )
+
+
+@torch.no_grad()
+def aux_predictions(model: Any, batch: Batch) -> tuple[Tensor, Tensor | None]:
+    """``(aux head logits, adapter output or None)`` of a batch (eval mode; for analysis and the
+    bench: the serving head is what ``predict`` uses)."""
+    from neorec.modules.dlrm import emit_hidden
+
+    arch = distill_arch(model)
+    if arch is None or arch.aux_head is None:
+        raise ConfigError("the model has no aux head (distill.aux_head was off when built)")
+    was = arch.training
+    model.train(False)
+    try:
+        with emit_hidden(arch):
+            out = model(batch.dense, batch.sparse).float()
+        logits, hidden = out[:, 0].contiguous(), out[:, 1:]
+        aux = arch.aux_head(hidden).squeeze(1)
+        adapted = None
+        if arch.adapter is not None:
+            adapted = arch.adapter(fm_logits_of(batch), logits, batch.dense)
+    finally:
+        model.train(was)
+    return aux, adapted
