@@ -54,6 +54,10 @@ def sets(tmp: Path, name: str, *extra: str) -> list[str]:
     return out
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A ``neorec train`` process in its own session, its output in files."""
 
@@ -67,6 +71,10 @@ class Run:
                 stderr=err,
                 env=env,
                 start_new_session=True,
+                # As a shell starts a foreground job: SIGINT at its default even when this test
+                # runs in the background (where a non-interactive shell ignores it, and an
+                # ignored SIGINT would be inherited: Python then never raises KeyboardInterrupt).
+                preexec_fn=_default_sigint,
             )
         self.workers: list[int] = []
 
