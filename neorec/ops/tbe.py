@@ -39,6 +39,7 @@ from neorec.ops.tbe_checks import (
     TBEInputError,
     check_finite_weights,
     check_grad_output,
+    check_grad_shape,
     check_ids,
     check_offsets,
     check_per_sample_weights,
@@ -292,11 +293,7 @@ class ReferenceBackend:
     ) -> None:
         """Sum each distinct row's gradients, then apply the optimizer to those rows."""
         self._check(layout, weights, indices, offsets, per_sample_weights)
-        b = (offsets.numel() - 1) // layout.num_features
-        if tuple(grad_output.shape) != (b, layout.total_dim):
-            raise TBEInputError(
-                f"grad_output shape {tuple(grad_output.shape)}, expected {(b, layout.total_dim)}"
-            )
+        check_grad_shape(grad_output, layout, offsets)
         grads = self.row_grads(layout, indices, offsets, per_sample_weights, pooling, grad_output)
         for t, uniq, g in grads:
             update_table_rows(layout, weights, state, t, uniq, g, opt, step)

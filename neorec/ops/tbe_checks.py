@@ -89,6 +89,15 @@ def check_ids(layout: TBELayout, indices: Tensor, offsets: Tensor, b: int) -> No
         )
 
 
+def check_grad_shape(grad_output: Tensor, layout: TBELayout, offsets: Tensor) -> None:
+    """Raise ``TBEInputError`` unless ``grad_output`` is [B, total_dim] for ``offsets``' B."""
+    b = (offsets.numel() - 1) // max(layout.num_features, 1)
+    if tuple(grad_output.shape) != (b, layout.total_dim):
+        raise TBEInputError(
+            f"grad_output shape {tuple(grad_output.shape)}, expected {(b, layout.total_dim)}"
+        )
+
+
 def check_grad_output(grad_output: Tensor, layout: TBELayout) -> None:
     """Raise ``NonFiniteGradientError`` naming the first NaN/inf of the pooled output's gradient.
 

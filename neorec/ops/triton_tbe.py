@@ -35,6 +35,7 @@ from torch import Tensor
 
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBEInputError, TBELayout
+from neorec.ops.tbe_checks import check_grad_shape
 
 __all__ = ["TritonBackend", "INTERPRET"]
 
@@ -362,11 +363,7 @@ class TritonBackend:
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
         self._check(layout, weights, indices, offsets, per_sample_weights)
-        b = (offsets.numel() - 1) // layout.num_features
-        if tuple(grad_output.shape) != (b, layout.total_dim):
-            raise TBEInputError(
-                f"grad_output shape {tuple(grad_output.shape)}, expected {(b, layout.total_dim)}"
-            )
+        check_grad_shape(grad_output, layout, offsets)
         if grad_output.dtype != torch.float32:
             raise TBEInputError(f"grad_output must be float32, got {grad_output.dtype}")
         for k in state_shapes(opt.kind, layout.total_rows, layout.total_elems):
