@@ -1,5 +1,5 @@
-"""Command line: ``neorec train | runs | report | eval | predict | export | plan | bench | data |
-ckpt``."""
+"""Command line: ``neorec train | runs | report | eval | predict | export | exfm | plan | bench |
+data | ckpt``."""
 
 from __future__ import annotations
 
@@ -52,12 +52,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
     cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
-    dynamic = [t.name for t in cfg.embedding.tables if t.kind == "dynamic"]
-    if dynamic:
-        raise ConfigError(
-            f"tables {dynamic} are dynamic: neorec train cannot checkpoint or save dynamic tables "
-            "yet (train them through neorec.storage.dynamic in Python for now)"
-        )
     from neorec.train.runs import resolve_run
 
     run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)
@@ -117,15 +111,12 @@ def _train_distributed(cfg: Any) -> int:
     right away, once its error has been handed on (so that a peer whose collective breaks first
     can tell it was not the cause).
     """
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
 
+    from neorec.launch import init_rank_group
     from neorec.train.trainer import train
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    init_rank_group(cfg.train.device, cfg.train.collective_timeout_s)  # nccl on cuda, else gloo
     train(cfg)
     dist.destroy_process_group()
     return 0
@@ -201,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     from neorec.train.report import add_parser as add_report  # neorec report RUN
 
     add_report(sub)
+    from neorec.train.exfm import add_parser as add_exfm  # neorec exfm (the ExFM chain)
+
+    add_exfm(sub)
 
     pl = sub.add_parser("plan", help="plan how tables are sharded over ranks")
     try:

@@ -49,6 +49,7 @@ __all__ = [
     "interrupted_line",
     "resume_command",
     "step_of",
+    "init_rank_group",
 ]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -356,6 +357,26 @@ def launch(
 
 
 # ---- Ctrl-C and the resume command ---------------------------------------------------------
+def init_rank_group(device: str, timeout_s: float) -> str:
+    """One torchrun worker's default process group for ``train.device``: NCCL on cuda (this rank
+    on GPU ``LOCAL_RANK``), gloo on cpu; returns the backend. ``cuda`` without a CUDA device is a
+    ``ConfigError`` before any group is made."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from neorec.config.run import TrainConfig
+    from neorec.distributed.comm import process_group_backend, rank_device
+
+    TrainConfig(device=device).check_device()
+    backend = process_group_backend(device)
+    if backend == "nccl":
+        torch.cuda.set_device(rank_device(device))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return backend
+
+
 def resume_command(config: str | None, sets: list[str], nproc: int, name: str | None = None) -> str:
     """The ``neorec train`` command that continues a run from its latest checkpoint (``name``:
     the run folder's name, so that the command continues this run even after newer ones)."""

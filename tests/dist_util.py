@@ -1,4 +1,5 @@
-"""Spawn gloo process groups for tests (CPU, small tables)."""
+"""Spawn process groups for tests (small tables): gloo on the CPU, the default; NCCL when
+``NEOREC_TEST_DEVICE=cuda`` (a GPU host: the backend follows the device, as in a run)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from neorec.distributed.comm import process_group_backend
+
+DEVICE = os.environ.get("NEOREC_TEST_DEVICE", "cpu")
+"""``train.device`` of the distributed tests' process groups."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,7 +30,10 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    backend = process_group_backend(DEVICE)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)
         # Every rank done (its collectives and their threads finished) before any group goes.
@@ -38,5 +47,5 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; raise if any rank fails."""
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; raise if any rank fails."""
     mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)

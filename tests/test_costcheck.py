@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from neorec.bench.calibrate import measure_row_split, measure_tbe, measure_unfused
 from neorec.bench.costcheck import main
 from neorec.sharding.topology import Topology
@@ -16,7 +18,8 @@ def test_costcheck_small(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     small = ["--tables", "3", "--rows", "500", "--dim", "8", "--batch", "32", "--pooling", "2"]
     args = ["--topology", str(topo), "--plans", "table_wise,mixed,planner", "--json-out", str(out)]
-    rc = main([*args, *small, "--iters", "2", "--warmup", "1", "--repeats", "2"])
+    rand = ["--random-plans", "1", "--random-seed", "46"]  # a small mix: 2 tables, 35k weights
+    rc = main([*args, *small, *rand, "--iters", "2", "--warmup", "1", "--repeats", "2"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert [r["plan"] for r in data["results"]] == ["table_wise", "mixed", "planner"]
@@ -27,6 +30,13 @@ def test_costcheck_small(tmp_path: Path) -> None:
         assert r["measured_min_ms"] <= r["measured_ms"] <= r["measured_max_ms"]
     assert data["repeats"] == 2
     assert data["max_abs_error"] >= data["mean_abs_error"] >= 0
+    # one held-out random plan (a random table mix), counted in the errors
+    (r,) = data["random_results"]
+    assert r["predicted_ms"] > 0 and r["measured_ms"] > 0
+    errs = [abs(x["error"]) for x in data["results"] + data["random_results"]]
+    assert data["max_abs_error"] == pytest.approx(max(errs), abs=1e-3)
+    assert data["random_max_abs_error"] == pytest.approx(abs(r["error"]), abs=1e-3)
+    assert data["cost_model"]["kind"] == "analytical"  # this topology has no learned model
 
 
 def test_measure_tbe_small() -> None:

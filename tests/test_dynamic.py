@@ -369,22 +369,3 @@ def test_state_round_trip(native: bool) -> None:
         ra, rb = a.map(ids, pins), b.map(ids, pins)
         assert torch.equal(ra.slots, rb.slots) and torch.equal(ra.evicted_ids, rb.evicted_ids)
     assert a.totals == b.totals
-
-
-def test_neorec_train_refuses_dynamic_tables_with_one_line(tmp_path):
-    from faults import run_cli
-
-    r = run_cli(
-        [
-            "train",
-            "--set",
-            'embedding.tables=[{name="a",rows=10,dim=16,kind="dynamic"}]',
-            "--set",
-            f"train.runs_dir='{tmp_path}'",
-        ],  # fmt: skip
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "dynamic" in lines[0], r.stderr
-    assert not any(tmp_path.iterdir())  # refused before any run folder

@@ -42,6 +42,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from neorec.bench.calibrate_learned import (
+    DEFAULT_BUDGET_S,
+    _print_model,
+    _refit,
+    calibrate_learned,
+)
 from neorec.sharding.topology import GB, Topology
 
 __all__ = [
@@ -517,20 +523,64 @@ def calibrate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure, print a table and a JSON line, write the topology JSON."""
+    """Measure, print a table and a JSON line, write the topology JSON; with ``--budget-s`` > 0
+    also measure random placements until the budget is spent and fit the learned cost model
+    (stored in the topology; the samples in ``--samples-out``)."""
     ap = argparse.ArgumentParser(prog="python -m neorec.bench.calibrate", description=__doc__)
     ap.add_argument("--out", default="topology.json")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=0)
     ap.add_argument("--inter-host-bw-gbs", type=float, default=0.0, help="assumed, not measured")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="wall-clock budget of the whole calibration, placements included (0: constants only, "
+        "no learned model)",
+    )
+    ap.add_argument(
+        "--samples-out", default="", help="calibration samples (default: next to --out)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random placements")
+    ap.add_argument(
+        "--refit",
+        default="",
+        metavar="SAMPLES",
+        help="no measurement: fit the learned model of the --out topology again on these samples",
+    )
     args = ap.parse_args(argv)
+    t0 = time.time()
+    if args.budget_s < 0:
+        print(f"neorec: error: --budget-s must be >= 0, got {args.budget_s}", file=sys.stderr)
+        return 2
+    if args.refit:
+        return _refit(args.out, args.refit)
     topo, m = calibrate(args.world_size, args.ranks_per_host, args.inter_host_bw_gbs)
-    topo.save(args.out)
     print(f"{'measurement':<20} {'value':>10}")
     for k, v in m.items():
         print(f"{k:<20} {v:>10.3f}")
-    print(f"topology for {topo.world_size} ranks written to {args.out}")
-    print(json.dumps({"bench": "calibrate", **m, "topology": topo.to_dict()}))
+    error = ""
+    if args.budget_s > 0:
+        from neorec.sharding.learned_cost import LearnedModelError
+        from neorec.sharding.learned_placements import samples_path
+
+        samples_out = args.samples_out or samples_path(args.out)
+        try:
+            model, _ = calibrate_learned(topo, t0 + args.budget_s, args.seed, True, samples_out)
+            topo.learned_cost = model.to_dict()
+            _print_model(model)
+        except LearnedModelError as e:
+            error = str(e)
+    topo.save(args.out)
+    print(f"topology for {topo.world_size} ranks written to {args.out} ({time.time() - t0:.0f} s)")
+    from neorec.sharding.learned_cost import model_summary
+
+    summary = {**topo.to_dict(), "learned_cost": model_summary(topo.learned_cost)}
+    print(json.dumps({"bench": "calibrate", **m, "topology": summary}))
+    if error:
+        print(f"neorec: error: {error} (the topology was written without a learned model)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 

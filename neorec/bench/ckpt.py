@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         step = s + 1
         if step % args.interval:
             continue
-        masks = mgrs["full/32"].tracker.masks["mp"]
+        tracker = mgrs["full/32"].tracker
+        assert tracker is not None  # fixed tables only in this bench
+        masks = tracker.masks["mp"]
         dirty.append(float(masks.float().mean()))
         for n, m in mgrs.items():
             pauses[n].append(m.save(step))

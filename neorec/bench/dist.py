@@ -272,3 +272,100 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ---- measured placements of mixed tables (calibration of the learned cost model) -------------
+def job_config(job: dict):
+    """The config of one measured placement: its own tables (rows, dim, pooling of each),
+    global batch and fused optimizer (``neorec.bench.calibrate`` makes these jobs)."""
+    import dataclasses
+
+    from neorec.config import TableConfig
+
+    cfg = load_config(
+        overrides=[
+            f"data.batch_size={int(job['batch'])}",
+            f"embedding.optimizer='{job['optimizer']}'",
+            "train.dense_optimizer='sgd'",
+        ]
+    )
+    tables = [
+        TableConfig(
+            name=t["name"],
+            rows=int(t["rows"]),
+            dim=int(t["dim"]),
+            pooling_factor=float(t["pooling_factor"]),
+        )
+        for t in job["tables"]
+    ]
+    cfg.embedding = dataclasses.replace(cfg.embedding, tables=tables)
+    return cfg
+
+
+def _jobs_rank(
+    rank: int, world: int, port: int, jobs: list, deadline: float, opts: dict, q
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    a = argparse.Namespace(warmup=opts["warmup"], iters=opts["iters"])
+    rows = []
+    t_start = time.time()
+    for i, job in enumerate(jobs):
+        # Rank 0 decides (one clock): no placement starts after the deadline.
+        started = time.time()
+        go = torch.tensor([1 if started < deadline else 0])
+        dist.broadcast(go, 0)
+        if not int(go):
+            break
+        cfg = job_config(job)
+        a.batch = cfg.data.batch_size
+        batches = make_batches(cfg, 2, float(job["alpha"]), seed=i)
+        plan = ShardingPlan.from_dict(job["plan"])
+        row = measure_embedding(cfg, plan, batches, rank, world, a)
+        rows.append({"job": i, "started": started, **row})
+        if rank == 0 and opts.get("progress"):
+            left = max(0.0, deadline - time.time())
+            print(
+                f"  placement {i + 1}/{len(jobs)}: {len(job['tables'])} tables, "
+                f"{row['ms_per_step']:.1f} ms/step ({time.time() - t_start:.0f} s, "
+                f"{left:.0f} s of the budget left)",
+                flush=True,
+            )
+    if rank == 0:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def run_jobs(
+    jobs: list[dict],
+    nproc: int,
+    deadline: float,
+    iters: int = 10,
+    warmup: int = 2,
+    progress: bool = True,
+) -> list[dict]:
+    """Measure placements of mixed tables on ``nproc`` gloo ranks, in order, until ``deadline``
+    (``time.time()``): no placement starts after it (one may run past it). Each job: ``tables``
+    (name, rows, dim, pooling_factor), ``batch``, ``optimizer``, ``alpha`` (Zipf ids) and
+    ``plan`` (a plan dict). Returns one row per measured job (``job`` index, ``started`` (rank 0's
+    ``time.time()`` when it began: before ``deadline``), ``ms_per_step``,
+    ``fwd_ms``, ``bwd_ms``, ``comm_wait_ms``; the slowest rank's medians)."""
+    if not jobs or time.time() >= deadline:
+        return []
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    opts = {"iters": iters, "warmup": warmup, "progress": progress}
+    args = (nproc, _free_port(), jobs, deadline, opts, q)
+    procs = mp.spawn(_jobs_rank, args=args, nprocs=nproc, join=False)
+    # Read before joining: rank 0's rows can exceed a pipe's buffer, and its put would then wait
+    # for this read while this process waited for it to exit (a deadlock with join=True).
+    rows: list[dict] | None = None
+    while rows is None:
+        if not q.empty():
+            rows = q.get()
+        elif procs.join(timeout=0.5):  # every rank exited (a rank's failure raises here)
+            rows = q.get() if not q.empty() else []
+    while not procs.join():
+        pass
+    return rows

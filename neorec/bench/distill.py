@@ -15,8 +15,12 @@ The recipe is two configs (``configs/exfm_stream.toml``: the stream and the stud
    After each window the serving head is evaluated on the window's eval split (NE).
 
 Reported: per-window eval NE (mean over seeds), the mean over the distilled windows (w >= k) with
-its spread over seeds, the fresh FM's NE (the FM of window w on window w) and the stale FM
-logits' own NE, ``gap_closed = (NE_alone - NE_full) / (NE_alone - NE_FM)`` (fresh FM), and the
+its spread over seeds, the fresh FM's NE (the FM of window w on window w's eval split of the
+student's vertical), the same after the best constant shift of its logit (``recalibrated``: the FM
+at its best on a vertical that clicks differently from the traffic it learned from) and the stale
+FM logits' own NE, ``gap_closed = (NE_alone - NE_full) / (NE_alone - NE_FM)`` with the
+recalibrated fresh FM (``gap_closed_vs_raw_fm``: the raw one; larger when the vertical's gap
+makes the raw FM worse, so not the headline), and the
 student's training throughput with distillation relative to ``alone`` (``time_students``: the
 setups' train steps interleaved round by round on the last window's batches, data excluded).
 """
@@ -24,7 +28,6 @@ setups' train steps interleaved round by round on the last window's batches, dat
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -36,6 +39,14 @@ from typing import Any
 import torch
 
 from neorec.config import Config, ConfigError
+from neorec.train.exfm import (
+    check_pair,
+    replace_section,
+    student_model,
+    train_fm,
+    train_student,
+    window_cfg,
+)
 
 __all__ = ["main", "SETUPS"]
 
@@ -63,11 +74,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _replace(cfg: Config, section: str, **kw: Any) -> Config:
-    """``cfg`` with fields of one section replaced (checked again)."""
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
-
-
 def _student_setup(cfg: Config, setup: str, plain_weight: float) -> Config:
     """The student config of a setup (the recipe's [distill] gives aux_weight, adapter size, T)."""
     d = cfg.distill
@@ -82,96 +88,7 @@ def _student_setup(cfg: Config, setup: str, plain_weight: float) -> Config:
         kw = dict(enabled=True, aux_head=True, aux_weight=aux_w, adapter=False, weight=0.0)
     else:
         kw = dict(enabled=True, aux_head=True, aux_weight=aux_w, adapter=True, weight=0.0)
-    return _replace(cfg, "distill", **common, **kw)
-
-
-def _model(cfg: Config) -> Any:
-    """The unsharded model as the trainer builds it (dense blocks) and its dense optimizer."""
-    from neorec.distributed.dense_blocks import block_dense
-    from neorec.modules.dlrm import build_dlrm
-    from neorec.train.steps import make_dense_optimizer
-
-    model = build_dlrm(cfg)
-    if cfg.train.dense_blocks > 1:
-        block_dense(model.dense_arch, cfg.train.dense_blocks)
-    return model, make_dense_optimizer(cfg, model.dense_parameters())
-
-
-def _window(cfg: Config, w: int, **data: Any) -> Config:
-    return _replace(cfg, "data", window=w, **data)
-
-
-def train_fm(
-    fm_cfg: Config, student: Config, windows: int, ks: list[int], work: Path
-) -> list[dict[str, float]]:
-    """Train the FM window by window; write its DAS logits (``work/k{k}``); per window the FM's
-    eval metrics on that window (fresh) and the seconds it took."""
-    from neorec.data.stream import write_fm_logits
-    from neorec.serve import save_model
-    from neorec.train.sources import StreamSource
-    from neorec.train.steps import evaluate, train_step
-
-    model, opt = _model(_window(fm_cfg, 0))
-    out, step = [], 0
-    for w in range(windows):
-        cfg_w = _window(fm_cfg, w)
-        src = StreamSource(cfg_w)
-        t0 = time.perf_counter()
-        for batch in src.train_batches():
-            step += 1
-            train_step(model, opt, batch, step)
-        secs = time.perf_counter() - t0
-        # the student's eval split (the FM's is the same samples when eval_samples agree)
-        ev = evaluate(model, StreamSource(_window(student, w)).eval_batches())
-        out.append({"window": w, "ne": ev["ne"], "auc": ev["auc"], "train_s": secs})
-        targets = [w + k for k in ks if w + k < windows]
-        if not targets:
-            continue
-        mdir = save_model(model, cfg_w, work / f"fm_w{w}", step=step)
-        for k in ks:
-            if w + k < windows:
-                for split in ("train", "eval"):
-                    write_fm_logits(mdir, student, w + k, split, work / f"k{k}", w)
-        model.train(True)
-    return out
-
-
-def train_student(
-    cfg: Config, windows: int, k: int, das: Path | None
-) -> tuple[list[float], list[float]]:
-    """One student over the windows: per-window eval NE (serving head) and per-window NE of the
-    stale FM logits it read (NaN where none)."""
-    from neorec.data.stream import read_fm_logits
-    from neorec.train.metrics import binary_metrics
-    from neorec.train.sources import StreamSource
-    from neorec.train.steps import evaluate, train_step
-
-    model, opt = _model(cfg)
-    nes, fm_nes, step = [], [], 0
-    for w in range(windows):
-        distilled = cfg.distill.enabled and w >= k
-        data: dict[str, Any] = {"fm_staleness": k if distilled else 0, "fm_logits": ""}
-        if distilled:
-            assert das is not None
-            data["fm_logits"] = str(das)
-        cfg_w = _window(cfg, w, **data)
-        src = StreamSource(cfg_w)
-        batches = list(src.train_batches())  # generated before the clock starts
-        distill = cfg.distill if distilled else None
-        for batch in batches:
-            step += 1
-            train_step(model, opt, batch, step, distill=distill)
-        nes.append(evaluate(model, src.eval_batches())["ne"])
-        fm_ne = float("nan")
-        if distilled:
-            arr = read_fm_logits(cfg_w, "eval")
-            assert arr is not None
-            labels = torch.cat([b.labels for b in src.eval_batches()]).double()
-            fm = torch.sigmoid(torch.from_numpy(arr).double())
-            fm_ne = binary_metrics(fm, labels)["ne"]
-        fm_nes.append(fm_ne)
-        model.train(True)
-    return nes, fm_nes
+    return replace_section(cfg, "distill", **common, **kw)
 
 
 def time_students(
@@ -189,8 +106,8 @@ def time_students(
     for name, cfg in cfgs.items():
         on = cfg.distill.enabled
         data = {"fm_logits": str(das), "fm_staleness": k} if on else {}
-        batches = list(StreamSource(_window(cfg, window, **data)).train_batches())[:steps]
-        model, opt = _model(cfg)
+        batches = list(StreamSource(window_cfg(cfg, window, **data)).train_batches())[:steps]
+        model, opt = student_model(cfg)
         state[name] = (model, opt, batches, cfg.distill if on else None, [])
     for r in range(rounds + 1):  # round 0 warms up (allocations, first-call costs)
         for model, opt, batches, distill, meds in state.values():
@@ -210,23 +127,10 @@ def _stats(xs: list[float]) -> tuple[float, float]:
 
 def _load(a: argparse.Namespace) -> tuple[Config, Config, int, list[int]]:
     from neorec.config import load_config
-    from neorec.data.stream import stream_fingerprint
 
     student = load_config(a.config, a.set)
     fm = load_config(a.fm_config, a.fm_set)
-    for name, c in (("--config", student), ("--fm-config", fm)):
-        if c.data.source != "stream":
-            raise ConfigError(f"{name}: data.source must be 'stream', got '{c.data.source}'")
-    if stream_fingerprint(student) != stream_fingerprint(fm):
-        raise ConfigError(
-            f"{a.config} and {a.fm_config} describe different streams (seed, drift, churn, batch "
-            "size or tables differ); the FM and the student must read the same stream"
-        )
-    if student.data.eval_samples != fm.data.eval_samples:
-        raise ConfigError(
-            f"data.eval_samples differ ({student.data.eval_samples} vs {fm.data.eval_samples}); "
-            "the FM and the student are compared on the same eval samples"
-        )
+    check_pair(student, fm, a.config, a.fm_config)
     windows = a.windows or student.data.windows
     try:
         ks = sorted({int(x) for x in a.staleness.split(",") if x.strip()})
@@ -236,8 +140,8 @@ def _load(a: argparse.Namespace) -> tuple[Config, Config, int, list[int]]:
         raise ConfigError(f"--staleness values must be in [1, {windows - 1}], got {a.staleness}")
     if a.seeds < 1 or not 0 < a.plain_weight <= 1 or a.threads < 0:
         raise ConfigError("--seeds must be >= 1, --plain-weight in (0, 1], --threads >= 0")
-    student = _replace(student, "data", windows=max(student.data.windows, windows))
-    fm = _replace(fm, "data", windows=max(fm.data.windows, windows))
+    student = replace_section(student, "data", windows=max(student.data.windows, windows))
+    fm = replace_section(fm, "data", windows=max(fm.data.windows, windows))
     return student, fm, windows, ks
 
 
@@ -249,15 +153,19 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     ne: dict[str, list[list[float]]] = {}  # "k/setup" -> per seed, per window
     stale_fm: dict[int, list[list[float]]] = {k: [] for k in ks}
     fm_ne: list[list[float]] = []
+    fm_recal: list[list[float]] = []
+    fm_own: list[list[float]] = []
     speed: dict[str, list[float]] = {}
     fm_s = 0.0
     for seed in range(a.seeds):
-        fm_seed = _replace(fm_cfg, "train", seed=seed)
+        fm_seed = replace_section(fm_cfg, "train", seed=seed)
         sdir = work / f"seed{seed}"
-        fm_rows = train_fm(fm_seed, _replace(student, "train", seed=seed), windows, ks, sdir)
+        fm_rows = train_fm(fm_seed, replace_section(student, "train", seed=seed), windows, ks, sdir)
         fm_ne.append([r["ne"] for r in fm_rows])
+        fm_recal.append([r["recal_ne"] for r in fm_rows])
+        fm_own.append([r["own_ne"] for r in fm_rows])
         fm_s += sum(r["train_s"] for r in fm_rows)
-        base = _replace(student, "train", seed=seed)
+        base = replace_section(student, "train", seed=seed)
         alone: tuple[list[float], list[float]] | None = None
         for k in ks:
             for setup in SETUPS:
@@ -265,7 +173,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if setup == "alone" and alone is not None:
                     res = alone  # no FM in the loop: the same run for every k
                 else:
-                    res = train_student(cfg, windows, k, sdir / f"k{k}")
+                    res = train_student(cfg, windows, k, sdir / f"k{k}")[1:]
                     if setup == "alone":
                         alone = res
                 nes, fms = res
@@ -276,7 +184,11 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             for s, rate in time_students(cfgs, windows - 1, k, sdir / f"k{k}").items():
                 speed.setdefault(f"{k}/{s}", []).append(rate)
     teacher = [m["ne"] for m in teacher_metrics_by_window(student, windows)]
-    return _summarize(a, windows, ks, ne, stale_fm, fm_ne, speed, teacher, fm_s)
+    out = _summarize(a, windows, ks, ne, stale_fm, fm_ne, speed, teacher, fm_s, fm_recal)
+    out["fm_own_traffic_ne"] = [
+        round(statistics.fmean(s[w] for s in fm_own), 5) for w in range(windows)
+    ]
+    return out
 
 
 def _summarize(
@@ -289,6 +201,7 @@ def _summarize(
     speed: dict[str, list[float]],
     teacher: list[float],
     fm_s: float,
+    fm_recal: list[list[float]] | None = None,
 ) -> dict[str, Any]:
     per_window_fm = [statistics.fmean(s[w] for s in fm_ne) for w in range(windows)]
     out: dict[str, Any] = {
@@ -322,11 +235,14 @@ def _summarize(
                 "ne": _round(_stats(means[setup])),
                 "samples_per_s": round(statistics.fmean(speed[f"{k}/{setup}"]), 1),
             }
-        gaps = [
-            (al - full) / (al - f) if al != f else float("nan")
-            for al, full, f in zip(means["alone"], means["aux+adapter"], fm_mean)
-        ]
-        row["gap_closed"] = _round(_stats(gaps))
+        rc = [statistics.fmean(s[w] for w in ws) for s in fm_recal] if fm_recal else fm_mean
+        row["fm_recalibrated_ne"] = _round(_stats(rc))
+        for key, ref in (("gap_closed", rc), ("gap_closed_vs_raw_fm", fm_mean)):
+            gaps = [
+                (al - full) / (al - f) if al != f else float("nan")
+                for al, full, f in zip(means["alone"], means["aux+adapter"], ref)
+            ]
+            row[key] = _round(_stats(gaps))
         base_speed = row["alone"]["samples_per_s"]
         for setup in SETUPS[1:]:
             row[setup]["throughput_vs_alone"] = round(row[setup]["samples_per_s"] / base_speed, 3)
@@ -359,11 +275,13 @@ def _print(r: dict[str, Any]) -> None:
                 + "".join(f"{x:8.4f}" for x in s["ne_per_window"])
                 + f"{s['ne'][0]:10.4f}{s['ne'][1]:8.4f}{s['samples_per_s']:11,.0f}{vs:9.2f}"
             )
-        g = row["gap_closed"]
+        g, gr = row["gap_closed"], row["gap_closed_vs_raw_fm"]
         print(
-            f"gap_closed (aux+adapter vs alone, of the gap to the fresh FM {row['fm_fresh_ne'][0]:.4f}): "
-            f"{g[0]:.3f} +- {g[1]:.3f}; aux+adapter better than plain: {row['full_better_than_plain']}"
+            f"gap_closed (aux+adapter vs alone, of the gap to the fresh FM recalibrated to this "
+            f"vertical, {row['fm_recalibrated_ne'][0]:.4f}): {g[0]:.3f} +- {g[1]:.3f}; to the raw "
+            f"FM ({row['fm_fresh_ne'][0]:.4f}): {gr[0]:.3f} +- {gr[1]:.3f}"
         )
+        print(f"aux+adapter better than plain: {row['full_better_than_plain']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ evaluated on each window's eval split; the table reports the mean eval NE over w
 - ``hashed``: a plain table of M rows indexed by ``id % M`` (distinct ids collide),
 - ``dynamic``: a dynamic table holding the ids themselves (LRU eviction, unadmitted ids read a
   shared default row) with as many slots as fit in the same memory as the hashed table's M rows
-  (its id map costs ``MAP_BYTES_PER_SLOT`` per slot),
+  (its id map costs ``neorec.ops.id_map.map_bytes_per_slot`` per slot, ~90-120 bytes),
 
 at two memory budgets M, over ``--seeds`` seeds. It also reports the dynamic table's training
 throughput against the hashed table's (same batches) and the id map's operations per second.
@@ -28,10 +28,17 @@ import torch.nn.functional as F
 from neorec.config import Config, load_config
 from neorec.sparse import SparseFeatures
 
-__all__ = ["main", "MAP_BYTES_PER_SLOT"]
+__all__ = ["main", "dynamic_slots"]
 
-MAP_BYTES_PER_SLOT = 56
-"""Bytes of id-map state per slot (hash entries, last use, uses, slot->id; neorec/ops/id_map.py)."""
+
+def dynamic_slots(memory: int, row_bytes: int) -> int:
+    """Slots of an lru dynamic table that fit in ``memory`` bytes with their rows and map."""
+    from neorec.ops.id_map import map_bytes_per_slot
+
+    cap = max(1, memory // row_bytes)
+    for _ in range(4):  # the map's bytes a slot depend (a little) on the capacity
+        cap = max(1, int(memory // (row_bytes + map_bytes_per_slot(cap))))
+    return cap
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for frac in budgets:
         m = max(1, int(a.rows * frac))
-        cap = max(1, m * row_bytes // (row_bytes + MAP_BYTES_PER_SLOT))
+        cap = dynamic_slots(m * row_bytes, row_bytes)
         res: dict[str, list[dict[str, Any]]] = {"hashed": [], "dynamic": []}
         for seed in range(a.seeds):
             cfg = _cfg(a, seed)

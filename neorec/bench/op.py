@@ -1,10 +1,15 @@
 """``neorec bench op``: time one TBE training step (pooled forward + fused backward-update).
 
-Each implementation (ours, and FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU when
-installed) runs in its own subprocess, so peak RSS is per implementation, on the same ids: every
-worker regenerates them from the seed. Prints a table, then one JSON line.
+Each implementation (ours, and FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` when
+installed) runs in its own subprocess, so peak memory is per implementation, on the same ids:
+every worker regenerates them from the seed. Prints a table, then one JSON line.
 
     neorec bench op --tables 8 --rows 1000000 --dim 64 --batch 2048 --pooling 100 --alpha 1.05
+
+``--device cuda`` times the GPU path: our backend ``auto`` (triton when installed, else cuda) on
+CUDA tensors next to FBGEMM GPU's CUDA TBE (``pip install fbgemm-gpu``, the CUDA wheel matching
+torch), each step timed between ``torch.cuda.synchronize()`` calls; peak HBM is reported. Without a
+CUDA device, or without fbgemm_gpu (unless ``--compare none``), it stops with a one-line error.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import torch
 from torch import Tensor
 
 from neorec.data.ids import zipf_ids
+from neorec.errors import ConfigError
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer, state_shapes, zeros_state
 from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "check_gpu_bench", "fbgemm_tbe"]
 
 _MB = 1024 * 1024
 
@@ -47,7 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batches", type=int, default=3, help="distinct pre-generated batches")
-    p.add_argument("--backend", default="cpu", help="neorec TBE backend to time")
+    p.add_argument(
+        "--backend", default=None, help="neorec TBE backend to time (default: cpu; auto on cuda)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tables live")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -68,7 +77,68 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time this peer implementation (default: fbgemm when installed)",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.backend is None:
+        a.backend = "auto" if a.device == "cuda" else "cpu"
+    if a.device == "cuda" and "--compare" not in (argv or []):
+        a.compare = "fbgemm"  # the point of a GPU run: the peer side by side
+    return a
+
+
+def check_gpu_bench(bench: str, device: str, compare: str) -> None:
+    """Refuse ``--device cuda`` in one line (``ConfigError``) without a CUDA device, or without
+    fbgemm_gpu when it is to be compared."""
+    if device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"bench {bench} --device cuda: torch {torch.__version__} sees no CUDA device here; "
+            "run it on a GPU host with a CUDA build of torch, or use --device cpu"
+        )
+    if compare == "fbgemm" and importlib.util.find_spec("fbgemm_gpu") is None:
+        raise ConfigError(
+            f"bench {bench} --device cuda: fbgemm_gpu is not installed; pip install fbgemm-gpu "
+            f"(the CUDA wheel matching torch {torch.__version__}), or pass --compare none"
+        )
+
+
+def fbgemm_tbe(
+    rows: list[int], dim: int, optimizer: str, lr: float, eps: float, device: str
+) -> torch.nn.Module:
+    """FBGEMM's TBE over ``rows`` tables of ``dim`` (one feature each), trained by its fused
+    optimizer; on ``device`` (HBM on cuda, host on cpu). Imported here only."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        PoolingMode as FPooling,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    kinds = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "adam": EmbOptimType.ADAM,
+    }
+    cuda = device == "cuda"
+    where = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if cuda else (
+        EmbeddingLocation.HOST, ComputeDevice.CPU
+    )  # fmt: skip
+    emb: torch.nn.Module = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, dim, *where) for r in rows],
+        optimizer=kinds[optimizer],
+        learning_rate=lr,
+        eps=eps,
+        pooling_mode=FPooling.SUM,
+        weights_precision=SparseType.FP32,
+        output_dtype=SparseType.FP32,
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu",
+    )
+    return emb
 
 
 def make_batches(a: argparse.Namespace) -> list[tuple[Tensor, Tensor]]:
@@ -96,11 +166,12 @@ def _ours(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
         rows=(a.rows,) * a.tables, dims=(a.dim,) * a.tables, feature_table=tuple(range(a.tables))
     )
     gen = torch.Generator().manual_seed(a.seed + 1)
-    weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=gen)
-    state = zeros_state(a.optimizer, layout.total_rows, layout.total_elems, torch.device("cpu"))
-    backend = get_backend(a.backend)
+    dev = torch.device(a.device)
+    weights = table_empty(layout.total_elems).uniform_(-0.01, 0.01, generator=gen).to(dev)
+    state = zeros_state(a.optimizer, layout.total_rows, layout.total_elems, dev)
+    backend = get_backend(a.backend, dev)
     opt = RowOptimizer(kind=a.optimizer, lr=a.lr, eps=a.eps)
-    anchor = torch.empty(0, requires_grad=True)
+    anchor = torch.empty(0, requires_grad=True, device=dev)
     step = [0]
 
     def run(indices: Tensor, offsets: Tensor, grad: Tensor) -> None:
@@ -121,34 +192,7 @@ def _ours(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
 
 def _fbgemm(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
     # The peer is imported here only: neorec itself never depends on fbgemm.
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        EmbeddingLocation,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        PoolingMode as FPooling,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    kinds = {
-        "sgd": EmbOptimType.EXACT_SGD,
-        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        "adam": EmbOptimType.ADAM,
-    }
-    spec = (a.rows, a.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
-    emb = SplitTableBatchedEmbeddingBagsCodegen(
-        [spec] * a.tables,
-        optimizer=kinds[a.optimizer],
-        learning_rate=a.lr,
-        eps=a.eps,
-        pooling_mode=FPooling.SUM,
-        weights_precision=SparseType.FP32,
-        output_dtype=SparseType.FP32,
-        device="cpu",
-    )
+    emb = fbgemm_tbe([a.rows] * a.tables, a.dim, a.optimizer, a.lr, a.eps, a.device)
 
     def run(indices: Tensor, offsets: Tensor, grad: Tensor) -> None:
         emb(indices, offsets).backward(grad)
@@ -167,17 +211,25 @@ def budget_mb(a: argparse.Namespace, n_ids: int) -> float:
 def worker(a: argparse.Namespace) -> dict:
     """Time one implementation in this process; returns its figures."""
     torch.set_num_threads(a.threads)
-    batches = make_batches(a)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    batches = [(i.to(dev), o.to(dev)) for i, o in make_batches(a)]
     grad = torch.randn(a.batch, a.tables * a.dim, generator=torch.Generator().manual_seed(a.seed))
+    grad = grad.to(dev)
     run = _fbgemm(a) if a.worker == "fbgemm" else _ours(a)
     times = []
     for i in range(a.warmup + a.iters):
         indices, offsets = batches[i % len(batches)]
+        sync()
         t0 = time.perf_counter()
         run(indices, offsets, grad)
+        sync()  # a GPU step is timed to its end, not to its launch
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
+    hbm = {"peak_hbm_mb": torch.cuda.max_memory_allocated() / _MB} if cuda else {}
     return {
+        **hbm,
         "impl": a.worker,
         "ms_per_step": 1e3 * statistics.median(times),
         "ms_mean": 1e3 * statistics.fmean(times),
@@ -203,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         print(json.dumps(worker(a)))
         return 0
+    check_gpu_bench("op", a.device, a.compare)
     impls = [a.backend] + (["fbgemm"] if a.compare == "fbgemm" else [])
     res: dict[str, dict] = {}
     for _ in range(max(a.repeats, 1)):
@@ -230,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     line = {
         "bench": "op",
         "backend": a.backend,
+        "device": a.device,
+        "peak_hbm_mb": ours.get("peak_hbm_mb"),
+        "fbgemm_peak_hbm_mb": res.get("fbgemm", {}).get("peak_hbm_mb"),
         "ms_per_step": round(ours["ms_per_step"], 3),
         "peak_rss_mb": round(ours["peak_rss_mb"], 1),
         "rss_budget_mb": round(budget, 1),
@@ -244,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         line["fbgemm_peak_rss_mb"] = round(fb["peak_rss_mb"], 1)
         line["speedup_vs_fbgemm"] = round(fb["ms_per_step"] / ours["ms_per_step"], 2)
     print(f"budget: peak RSS <= {budget:.0f} MB (1.5 x weights + state + batch)")
-    config = {k: v for k, v in vars(a).items() if k not in ("worker", "backend", "compare")}
+    skip = ("worker", "backend", "compare", "device")
+    config = {k: v for k, v in vars(a).items() if k not in skip}
     config["fixed_pooling"] = config.pop("fixed")
     print(json.dumps({**line, **config, "pooling_mode": "sum"}))
     return 0

@@ -7,6 +7,11 @@ tables (table-wise), sorted by their key, each onto the rank with the smallest s
 among those it fits on: random, size, dim, lookup (dim x pooling), size-lookup
 (dim x pooling x log10 rows). Every method is scored by the same ``CostModel``; the figure is the
 slowest rank's predicted time. A benchmark, not a test: it prints a table and a JSON line.
+
+``--measure`` instead measures (not predicts): a few small random table mixes on 2 gloo ranks
+here, the planner's plan (scored by the ``--topology`` file's learned cost model when it was
+fitted on this machine) and every greedy baseline's plan, each run for real with the sharded
+runtime (``bench dist --embedding-only``'s step, medians over ``--repeats`` rounds).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner, PlanningError
@@ -256,10 +262,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--write-paper-scale", metavar="CSV", help="write the paper-scale table list and exit"
     )
+    ap.add_argument(
+        "--measure",
+        action="store_true",
+        help="instead: MEASURE the planner's plan and every greedy baseline's plan of a few small "
+        "tasks on 2 gloo ranks here (bench dist --embedding-only), ms/step",
+    )
+    ap.add_argument("--measure-tasks", type=int, default=4, help="tasks with --measure")
+    ap.add_argument(
+        "--topology", default="", help="--measure: topology JSON (calibrated; its learned model)"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="--measure: rounds (median)")
     args = ap.parse_args(argv)
     if args.write_paper_scale:
         write_tables_csv(paper_scale_tables(), args.write_paper_scale)
         return 0
+    if args.measure:
+        return measure_tasks(args.measure_tasks, args.topology, args.repeats, args.seed)
     pool = make_pool(seed=args.seed)
     summaries = []
     for ranks in args.ranks:
@@ -290,6 +309,95 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(s["gain_vs_best_baseline_mean"] >= 0.15 for s in summaries)
     print(f"target (mean gain >= 15% on each task set): {'met' if ok else 'NOT met'}")
     print(json.dumps({"bench": "planner", "batch_size": args.batch_size, "sets": summaries}))
+    return 0
+
+
+def measure_tasks(n_tasks: int, topology: str = "", repeats: int = 3, seed: int = 0) -> int:
+    """``--measure``: ``n_tasks`` small random table mixes (4-8 tables) on 2 gloo ranks here; the
+    planner's plan (scored by the topology's learned model when it has one fitted here) and
+    every greedy baseline's plan, each measured for real (``bench dist --embedding-only``'s
+    sharded step, medians over ``repeats`` rounds); prints ms/step and one JSON line."""
+    from neorec.bench.dist import run_jobs
+    from neorec.sharding.learned_cost import specs_dicts
+    from neorec.sharding.learned_placements import random_mix
+
+    world = 2
+    topo = Topology.load(topology).with_world(world) if topology else Topology.local_cpu(world)
+    rng = random.Random(5000 + seed)
+    tasks: list[dict[str, Any]] = []
+    jobs: list[dict[str, Any]] = []
+    for ti in range(n_tasks):
+        tables, batch, _ = random_mix(rng, f"task{ti}")
+        while len(tables) < 4:
+            tables, batch, _ = random_mix(rng, f"task{ti}")
+        opt = "rowwise_adagrad"
+        cm = CostModel(topo, batch, opt)
+        res = Planner(topo, batch, opt, allow_host=False).plan(tables)
+        plans: dict[str, ShardingPlan] = {"planner": res.plan}
+        for name in BASELINES:
+            plan = greedy_baseline(name, tables, cm, seed=ti)
+            if plan is not None:
+                plans[name] = plan
+        tasks.append({"task": ti, "tables": len(tables), "batch": batch, "scoring": res.scoring})
+        for label, plan in plans.items():
+            jobs.append(
+                {
+                    "task": ti,
+                    "label": label,
+                    "tables": specs_dicts(tables),
+                    "batch": batch,
+                    "optimizer": opt,
+                    "alpha": tables[0].zipf_alpha,
+                    "plan": plan.to_dict(),
+                    "predicted_ms": 1000 * cm.evaluate(plan, tables).max_time_s,
+                }
+            )
+    rows: list[dict[str, Any]] = []
+    for rnd in range(max(1, repeats)):
+        # Each round starts at another plan (reversed every other round), so no plan is always
+        # measured first (or right after the same neighbour) on a host whose load drifts.
+        order = list(range(len(jobs)))
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]
+        if rnd % 2:
+            order.reverse()
+        got = run_jobs([jobs[i] for i in order], world, float("inf"), 30, 3, progress=False)
+        rows.extend({**r, "job": order[r["job"]]} for r in got)
+    out: list[dict[str, Any]] = []
+    print(f"MEASURED: {n_tasks} tasks on {world} gloo ranks here; topology: {topo.name}")
+    print(
+        f"{'task':>4} {'tables':>6} {'planner ms':>11} {'best baseline':>20} {'ms':>8} {'gain':>7}"
+    )
+    for t in tasks:
+        ms: dict[str, float] = {}
+        for i, j in enumerate(jobs):
+            if j["task"] == t["task"]:
+                vals = [r["ms_per_step"] for r in rows if r["job"] == i]
+                ms[j["label"]] = statistics.median(vals)
+        base = {k: v for k, v in ms.items() if k != "planner"}
+        best = min(base, key=lambda k: (base[k], k))
+        gain = 1 - ms["planner"] / base[best]
+        print(
+            f"{t['task']:>4} {t['tables']:>6} {ms['planner']:>11.2f} {best:>20} "
+            f"{base[best]:>8.2f} {gain:>7.1%}"
+        )
+        out.append(
+            {
+                "task": t["task"],
+                "tables": t["tables"],
+                "batch": t["batch"],
+                "cost_model": t["scoring"].to_dict() if t["scoring"] else {},
+                "planner_ms": ms["planner"],
+                "best_baseline": best,
+                "best_baseline_ms": base[best],
+                "baselines_ms": base,
+                "gain": gain,
+            }
+        )
+    wins = sum(o["gain"] > 0 for o in out)
+    print(f"planner faster than the best (measured) baseline on {wins}/{len(out)} tasks")
+    print(
+        json.dumps({"bench": "planner_measure", "world": world, "repeats": repeats, "tasks": out})
+    )
     return 0
 
 

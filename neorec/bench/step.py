@@ -1,4 +1,10 @@
-"""``neorec bench step``: one full DLRM training step (embeddings + dense + optimizers)."""
+"""``neorec bench step``: one full DLRM training step (embeddings + dense + optimizers).
+
+``--device cuda`` runs the step on the GPU (tables in HBM, backend ``auto``: triton when
+installed, else cuda; the NaN guard read once at the end, as the trainer does) next to the same
+DLRM whose embeddings are FBGEMM GPU's CUDA TBE (``--compare fbgemm``, the default there; one
+FBGEMM table per feature). Without a CUDA device or fbgemm_gpu it stops with a one-line error.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,15 @@ from pathlib import Path
 
 import torch
 
+from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.config import load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
 from neorec.data.ids import zipf_ids
-from neorec.modules.dlrm import build_dlrm
+from neorec.modules.dlrm import DLRM, build_dlrm
+from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
+from neorec.train.steps import LossGuard
 from neorec.train.trainer import make_dense_optimizer, train_step
 
 __all__ = ["main"]
@@ -60,6 +69,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bf16", action="store_true", help="dense MLPs under bf16 autocast (AMX)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    p.add_argument(
+        "--compare",
+        choices=("fbgemm", "none"),
+        default=None,
+        help="also time the DLRM with FBGEMM's TBE as its embeddings (default: fbgemm on cuda)",
+    )
     p.add_argument(
         "--lowp",
         default="",
@@ -81,14 +97,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 class _Mode:
     """A fresh model (same seed) trained in one lowp mode (or plain: mode '')."""
 
-    def __init__(self, cfg, a: argparse.Namespace, mode: str, precision: str = "") -> None:
+    def __init__(
+        self, cfg, a: argparse.Namespace, mode: str, precision: str = "", peer: bool = False
+    ) -> None:
         from neorec.lowp.dispatch import Dispatcher
 
         if precision:
             cfg = copy.deepcopy(cfg)
             for t in cfg.embedding.tables:
                 t.precision = precision
-        self.model = build_dlrm(cfg)
+        self.device = torch.device(a.device)
+        self.model = _fbgemm_dlrm(cfg, a.device) if peer else build_dlrm(cfg, self.device)
+        self.guard = LossGuard()
         self.table_mb = (
             sum(
                 b.untyped_storage().nbytes()
@@ -109,16 +129,20 @@ class _Mode:
         self.times: list[float] = []
 
     def step(self, i: int, batch: Batch, timed: bool) -> None:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         if self.disp is not None:
             self.disp.before_step(i)
-        train_step(self.model, self.opt, batch, i + 1, bf16=self.bf16)
+        train_step(self.model, self.opt, batch, i + 1, bf16=self.bf16, guard=self.guard)
         if self.disp is not None:
             self.disp.after_step(i)
+        sync()  # a GPU step is timed to its end
         if timed:
             self.times.append(time.perf_counter() - t0)
 
     def result(self) -> dict:
+        self.guard.check()  # the NaN guard, once (no host sync inside the timed steps)
         out = {
             "ms": 1000 * statistics.median(self.times),
             "ms_mean": 1000 * statistics.mean(self.times),
@@ -132,9 +156,40 @@ class _Mode:
         return out
 
 
+class _FbgemmCollection(torch.nn.Module):
+    """The embeddings of a config as FBGEMM's TBE (one table per feature, fused optimizer)."""
+
+    def __init__(self, cfg, device: str) -> None:
+        super().__init__()
+        emb = cfg.embedding
+        opt = RowOptimizer.from_config(emb)
+        rows = [t.rows for t in emb.tables for _ in t.features]
+        self.names = list(emb.feature_names)
+        self.tbe = fbgemm_tbe(rows, emb.tables[0].dim, opt.kind, opt.lr, opt.eps, device)
+
+    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
+        """Pooled [B, F * D], features in config order (FBGEMM's table-major offsets)."""
+        sp = sparse.reorder(self.names)
+        out: torch.Tensor = self.tbe(sp.values, sp.offsets())
+        return out
+
+
+def _fbgemm_dlrm(cfg, device: str) -> DLRM:
+    """The config's DLRM with FBGEMM's TBE as its embedding collection (the peer)."""
+    return DLRM(
+        cfg.model,
+        cfg.embedding.tables,
+        device=device,
+        seed=cfg.train.seed,
+        ebc=_FbgemmCollection(cfg, device),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and a JSON line."""
     a = parse(argv)
+    a.compare = a.compare or ("fbgemm" if a.device == "cuda" else "none")
+    check_gpu_bench("step", a.device, a.compare)
     path = a.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists() else None)
     sets = []
     for flag, key in [
@@ -168,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"neorec bench step: --precision {bad[0]!r}: one of {', '.join(PRECISIONS)}"
         )
-    batches = make_batches(cfg, 4, a.alpha)
+    batches = [b.to(a.device) for b in make_batches(cfg, 4, a.alpha)]
     # Every variant's model steps in turn (interleaved), so load on the machine hits them alike.
     trainers = {
         "/".join(x for x in (m, p) if x): _Mode(cfg, a, m, p) for m in modes for p in precisions
     }
     modes = list(trainers)
+    if a.compare == "fbgemm":
+        trainers["fbgemm"] = _Mode(cfg, a, "", "", peer=True)
     for i in range(a.warmup + a.iters):
         for tr in trainers.values():
             tr.step(i, batches[i % len(batches)], timed=i >= a.warmup)
@@ -199,12 +256,22 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_step_mean": round(first["ms_mean"], 2),
         "samples_per_s": round(cfg.data.batch_size / (ms / 1000), 1),
         "peak_rss_mb": round(rss_mb, 1),
+        "device": a.device,
     }
+    if a.device == "cuda":
+        result["peak_hbm_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if "fbgemm" in runs:
+        fb = runs.pop("fbgemm")["ms"]
+        result["fbgemm_ms_per_step"] = round(fb, 2)
+        result["speedup_vs_fbgemm"] = round(fb / ms, 3)
     print(f"{'metric':<22}{'value':>14}")
     for k in ("tables", "rows", "dim", "batch", "pooling", "alpha", "optimizer", "backend"):
         print(f"{k:<22}{result[k]!s:>14}")
     for k in ("bf16_dense", "ms_per_step", "ms_per_step_mean", "samples_per_s", "peak_rss_mb"):
         print(f"{k:<22}{result[k]!s:>14}")
+    for k in ("device", "peak_hbm_mb", "fbgemm_ms_per_step", "speedup_vs_fbgemm"):
+        if k in result:
+            print(f"{k:<22}{result[k]!s:>14}")
     if a.precision:
         result["precision"] = {
             m: {"ms_per_step": round(r["ms"], 2), "speedup_vs_first": round(ms / r["ms"], 3),

@@ -263,7 +263,7 @@ def verify_checkpoint(storage: FsspecStorage, name: str) -> dict[str, int]:
     """Read every file of the chain of ``name`` and check its size and checksum."""
     files = nbytes = 0
     for m in load_chain(storage, name):
-        for entry in [*m["pieces"], m["dense"]]:
+        for entry in [*m["pieces"], *(m.get("dynamic") or []), m["dense"]]:
             nbytes += len(read_verified(storage, m["name"], entry))
             files += 1
     return {"files": files, "bytes": nbytes}

@@ -161,6 +161,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "uint8": torch.uint8,
     "int32": torch.int32,
+    "int64": torch.int64,  # raw ids of dynamic tables
 }
 
 

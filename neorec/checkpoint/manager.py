@@ -46,6 +46,13 @@ from neorec.checkpoint.catalog import (
     split_path,
     verify_checkpoint,
 )
+from neorec.checkpoint.dynamic import (
+    DynamicCheckpoints,
+    dynamic_part,
+    fixed_part,
+    restore_dynamic,
+    set_steps,
+)
 from neorec.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -107,10 +114,21 @@ class _Snapshot:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def _host(t: Any, fresh: bool = False) -> Tensor:
+    """A host copy of ``t`` (device -> host staging before the background write); ``fresh``:
+    ``t`` is already a new tensor (an index result), not copied again on the host. Low-precision
+    rows (``DecodedRows``) decode to a new float32 tensor first."""
+    if not isinstance(t, Tensor):
+        t = t if fresh else t.clone()
+        fresh = True
+    t = t.detach()
+    return t.cpu() if fresh or t.device.type != "cpu" else t.clone()
+
+
 def _clone(obj: Any) -> Any:
-    """A deep copy with tensors detached and cloned (a point-in-time snapshot)."""
+    """A deep copy with tensors detached and cloned to the host (a point-in-time snapshot)."""
     if isinstance(obj, Tensor):
-        return obj.detach().clone()
+        return _host(obj)
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -136,9 +154,12 @@ class CheckpointManager:
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self.blocks = local_blocks(self.ebc, self.rank)
-        self.tracker = DirtyRowTracker(self.ebc)
-        self._since = self.tracker.take()  # rows changed since the end of the prefix
+        fixed, dyn = fixed_part(self.ebc), dynamic_part(self.ebc)
+        self.blocks = local_blocks(fixed, self.rank) if fixed is not None else []
+        self.tracker = DirtyRowTracker(fixed) if fixed is not None else None
+        self.dyn = DynamicCheckpoints(dyn, self.rank) if dyn is not None else None
+        """Dynamic tables: their pieces by raw id (``neorec.checkpoint.dynamic``)."""
+        self._since = self._take()  # rows changed since the end of the prefix
         self._prefix: list[str] = []  # chain the next increment extends ([] = next is a baseline)
         self._prefix_cost = 0.0  # estimated bytes of the increments in the prefix
         self._since_baseline = 0
@@ -165,6 +186,10 @@ class CheckpointManager:
         self._base_cost = self._all_reduce_sum([self._block_bytes(None)])[0]
 
     # ---- helpers -------------------------------------------------------------------------
+    def _take(self) -> dict[str, Tensor]:
+        """The fixed tables' dirty-row masks since the last take (none without fixed tables)."""
+        return self.tracker.take() if self.tracker is not None else {}
+
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
         if self.distributed:
@@ -196,6 +221,12 @@ class CheckpointManager:
             else:
                 n = int(masks[b.space][b.space_offset : b.space_offset + b.rows].sum())
                 total += (per + 4) * n
+        if self.dyn is not None:
+            bits, opt_bits = self.cfg.bits, self.cfg.opt_bits
+            if masks is None:
+                total += self.dyn.base_bytes(bits, opt_bits)
+            else:
+                total += self.dyn.est_bytes(False, bits, opt_bits)
         return total
 
     def _remove_incomplete(self) -> None:
@@ -245,7 +276,9 @@ class CheckpointManager:
             if self.rank == 0:
                 self._remove_incomplete()
             self._cleaned = True
-        new = self.tracker.take()
+        new = self._take()
+        if self.dyn is not None:
+            self.dyn.collect()
         if DP in new and self.distributed:
             # replicas: a row touched on any rank changed everywhere
             m = new[DP].to(torch.uint8)
@@ -259,6 +292,8 @@ class CheckpointManager:
         chain = [name] if kind == "baseline" else [*self._prefix, name]
         cost = est if kind != "baseline" else 0.0
         snap = _Snapshot(name, step, kind, chain, self._snap_blocks(kind), None, cost, 0.0)
+        if self.dyn is not None:
+            snap.meta["dynamic"] = self.dyn.snapshot(kind == "baseline")
         if self.rank == 0:
             snap.dense = self._snap_dense(extra or {})
         self._advance(kind, name, chain, est)
@@ -280,6 +315,8 @@ class CheckpointManager:
         self._since_baseline += kind != "baseline"
         if kind == "baseline" or self.cfg.policy != "one_shot":
             self._since = {k: torch.zeros_like(v) for k, v in self._since.items()}
+        if self.dyn is not None:
+            self.dyn.advance(kind == "baseline" or self.cfg.policy != "one_shot")
 
     def _snap_blocks(self, kind: str) -> list[_BlockSnap]:
         out = []
@@ -289,12 +326,15 @@ class CheckpointManager:
             keys = self._state_keys(b)
             if kind == "baseline":
                 out.append(
-                    _BlockSnap(b, None, b.weight.clone(), {k: b.state[k].clone() for k in keys})
+                    _BlockSnap(b, None, _host(b.weight), {k: _host(b.state[k]) for k in keys})
                 )
                 continue
             ids = self._since[b.space][b.space_offset : b.space_offset + b.rows].nonzero()
             ids = ids.squeeze(1)
-            out.append(_BlockSnap(b, ids, b.weight[ids], {k: b.state[k][ids] for k in keys}))
+            w = b.weight  # (low-precision rows: their packed buffer's device)
+            on = ids.to(w.device if isinstance(w, Tensor) else w.weights.device)
+            state = {k: _host(b.state[k][on], fresh=True) for k in keys}
+            out.append(_BlockSnap(b, ids.cpu(), _host(b.weight[on], fresh=True), state))
         return out
 
     def _snap_dense(self, extra: dict[str, Any]) -> dict[str, Any]:
@@ -354,6 +394,8 @@ class CheckpointManager:
         error, pieces = "", []
         try:
             pieces = self._pieces(snap)
+            if self.dyn is not None:
+                pieces += self.dyn.pieces(snap.name, snap.meta["dynamic"], self.storage, self.cfg)
             dense_entry = None
             if snap.dense is not None:
                 buf = io.BytesIO()
@@ -375,10 +417,14 @@ class CheckpointManager:
         errors = [e for _, e in parts if e]
         if errors:
             raise CheckpointError("; ".join(errors))
-        all_pieces = [p for ps, _ in parts for p in ps]
+        all_pieces = [p for ps, _ in parts for p in ps if "full" not in p]
+        dyn_pieces = [p for ps, _ in parts for p in ps if "full" in p]
         entries = scan(self.storage)
         seq = 1 + max((int(e.manifest["seq"]) for e in entries if e.manifest), default=0)
         manifest = self._manifest(snap, all_pieces, dense_entry, time.perf_counter() - t0, seq)
+        if self.dyn is not None:
+            manifest["dynamic"] = dyn_pieces
+            manifest["bytes"] += sum(p["bytes"] for p in dyn_pieces)
         self.storage.write_atomic(f"{snap.name}/{MANIFEST}", seal_manifest(manifest))
         self.history.append(manifest)
         self.last_committed = snap.name
@@ -465,14 +511,16 @@ class CheckpointManager:
         last, cfg = chain[-1], self.cfg
         check_model(storage.path(name), last["model"], describe_model(self.model, self.opt))
         dense = load_dense(storage, name, last["dense"])
+        dynamic = restore_dynamic(storage, chain, self.ebc)  # read and checked, not applied
         restore_embeddings(storage, chain, self.blocks)
         apply_dense(storage.path(name), dense, self.model, self.opt)
-        for g in getattr(self.ebc, "groups", {"": self.ebc}).values():
-            g.step.fill_(dense["emb_step"])  # each precision group counts the same steps
-        if hasattr(self.ebc, "dp_step"):
-            self.ebc.dp_step.fill_(dense["emb_step"])
-        self.tracker.take()
+        for apply in dynamic:
+            apply()
+        set_steps(self.ebc, int(dense["emb_step"]))  # every part counts the same steps
+        self._take()
         self._since = {k: torch.zeros_like(v) for k, v in self._since.items()}
+        if self.dyn is not None:
+            self.dyn.reset()
         self.lineage = str(last["lineage"])
         same = (last["bits"], last["opt_bits"]) == (cfg.bits, cfg.opt_bits)
         # an increment must extend a chain stored the same way and in this root

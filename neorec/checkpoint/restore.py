@@ -116,17 +116,23 @@ def _apply(piece_meta: dict[str, Any], dec: Any, b: LocalBlock) -> None:
     c0, c1 = piece_meta["cols"]
     g = torch.arange(r0, r1) if dec.ids is None else dec.ids + r0
     sel = (g >= b.row_start) & (g < b.row_end)
-    rows = g[sel] - b.row_start
+    # host -> device: the decoded rows go where the block lives (low-precision rows: their
+    # packed buffer's device)
+    w = b.weight
+    dev = w.device if isinstance(w, torch.Tensor) else w.weights.device
+    rows = (g[sel] - b.row_start).to(dev)
     a, z = max(c0, b.col_start), min(c1, b.col_end)
     if a < z:
-        b.weight[rows, a - b.col_start : z - b.col_start] = dec.weight[sel][:, a - c0 : z - c0]
+        b.weight[rows, a - b.col_start : z - b.col_start] = dec.weight[sel][:, a - c0 : z - c0].to(
+            dev
+        )
     for k, v in dec.state.items():
         if k not in b.state:
             continue
         if v.dim() == 1:
-            b.state[k][rows] = v[sel]
+            b.state[k][rows] = v[sel].to(dev)
         elif a < z:
-            b.state[k][rows, a - b.col_start : z - b.col_start] = v[sel][:, a - c0 : z - c0]
+            b.state[k][rows, a - b.col_start : z - b.col_start] = v[sel][:, a - c0 : z - c0].to(dev)
 
 
 def _overlaps(p: dict[str, Any], b: LocalBlock) -> bool:

@@ -146,17 +146,25 @@ class DirtyRowTracker:
         dp = getattr(ebc, "dp", None)
         if dp is not None:
             self.layouts[DP] = dp.layout
+        # The masks live where the tables do: the per-step hook marks rows without a host read
+        # (a row cache's tables live in its host stores: masks of all their rows stay on the host).
+        w = getattr(ebc, "weights", None)
+        cached = callable(getattr(ebc, "stores", None))
+        self.device = w.device if isinstance(w, Tensor) and not cached else torch.device("cpu")
         self._base = {
             k: torch.tensor(lay.row_offsets[:-1], dtype=torch.int64)[
                 torch.tensor(lay.feature_table, dtype=torch.int64)
-            ]
+            ].to(self.device)
             for k, lay in self.layouts.items()
         }
         self.masks = self._empty()
         ebc.add_update_hook(self._hook)
 
     def _empty(self) -> dict[str, Tensor]:
-        return {k: torch.zeros(lay.total_rows, dtype=torch.bool) for k, lay in self.layouts.items()}
+        return {
+            k: torch.zeros(lay.total_rows, dtype=torch.bool, device=self.device)
+            for k, lay in self.layouts.items()
+        }
 
     def _hook(self, layout: TBELayout, indices: Tensor, offsets: Tensor) -> None:
         key = next((k for k, lay in self.layouts.items() if lay is layout), MP)
@@ -164,9 +172,10 @@ class DirtyRowTracker:
         if nf == 0 or indices.numel() == 0:
             return
         b = (offsets.numel() - 1) // nf
-        counts = torch.diff(offsets[::b].cpu())  # ids per feature
-        rows = indices.cpu() + torch.repeat_interleave(self._base[key], counts)
-        self.masks[key][rows] = True
+        dev = self.device
+        counts = torch.diff(offsets[::b].to(dev))  # ids per feature
+        base = torch.repeat_interleave(self._base[key], counts, output_size=indices.numel())
+        self.masks[key][indices.to(dev) + base] = True
 
     def take(self) -> dict[str, Tensor]:
         """The masks of rows modified since the last ``take`` (and start new ones)."""

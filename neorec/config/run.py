@@ -101,6 +101,12 @@ class DataConfig:
     neorec.data.stream.write_fm_logits) whose FM logits are attached to the batches; "" = none."""
     fm_staleness: int = field(default=0, metadata=rule(0, _MAX_WINDOWS - 1))
     """Stream: k, the FM logits of window w come from the FM trained on window w - k."""
+    vertical_bias: float = field(default=0.0, metadata=rule(-10, 10))
+    """Stream: this run's vertical (a VM's traffic) clicks with its logit offset by this much from
+    the stream the FM learns from (the FM / VM distribution gap); features are the same."""
+    vertical_shift: float = field(default=0.0, metadata=rule(0, 1))
+    """Stream: this vertical's teacher dense weights are ``sqrt(1 - s^2) w + s u`` with u a fixed
+    seeded direction (a feature-dependent FM / VM gap); 0 = the stream's own teacher."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
@@ -168,10 +174,25 @@ class TrainConfig:
     pipeline: str = field(default="overlapped", metadata=rule(choices=("overlapped", "sequential")))
     """``overlapped``: batch i+1 is loaded, copied and its input distribution started while batch
     i computes; ``sequential``: one batch at a time (the reference; same results, bitwise)."""
+    device: str = field(default="cpu", metadata=rule(choices=("cpu", "cuda")))
+    """Where the model, the tables, the communication buffers and the row cache live: ``cpu``
+    (process groups on gloo) or ``cuda`` (this rank's GPU, ``LOCAL_RANK``; NCCL). Both run the
+    same device-generic step; ``cuda`` without a CUDA device is refused before any work."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train")
         check_run_name(self.name)
+
+    def check_device(self) -> None:
+        """Refuse ``device = "cuda"`` on a machine where torch sees no CUDA device."""
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "train.device = 'cuda' but torch sees no CUDA device here (a CPU-only torch "
+                    f"{torch.__version__}, or no GPU); set train.device = 'cpu' or run on a GPU host"
+                )
 
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")

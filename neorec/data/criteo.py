@@ -12,6 +12,9 @@ Transforms, as the public DLRM pipeline (facebookresearch/dlrm ``data_utils``) a
 - categorical: with ``hash_categories``, row = int(hex, 16) % table rows; an empty category maps to
   row 0 (the reference pipeline reads it as the value 0). Without hashing, the hex value must be
   < table rows (pre-indexed data), else it is an error.
+- raw ids: a ``kind = "dynamic"`` table (or every table with ``raw_ids=True``) gets the hex
+  value itself as a 64-bit id (< 2**60; empty -> 0), no modulo and no bound: its id map assigns
+  rows (``neorec.storage.dynamic``). ``hash_categories`` applies to the other tables only.
 - label: must be ``0`` or ``1``.
 
 Lines end at ``\n`` only (one ``\r`` before it is dropped: ``\r\n`` files read as usual); a ``\r``
@@ -127,19 +130,20 @@ def _show(s: str) -> str:
 
 
 def parse_line(
-    line: str, rows: Sequence[int], hash_categories: bool = True
+    line: str, rows: Sequence[int], hash_categories: bool = True, raw: Sequence[bool] = ()
 ) -> tuple[int, list[float], list[int]]:
     """(label, 13 dense values after log(x+1), 26 row ids) of one line; raises ValueError naming
-    the field (the caller adds file:line). One trailing ``\n`` and then one ``\r`` are dropped."""
+    the field (the caller adds file:line). One trailing ``\n`` and then one ``\r`` are dropped.
+    ``raw[j]``: feature j keeps its raw value (a dynamic table's id)."""
     if line.endswith("\n"):
         line = line[:-1]
     if line.endswith("\r"):
         line = line[:-1]
-    return parse_text(line, rows, hash_categories)
+    return parse_text(line, rows, hash_categories, raw)
 
 
 def parse_text(
-    text: str, rows: Sequence[int], hash_categories: bool = True
+    text: str, rows: Sequence[int], hash_categories: bool = True, raw: Sequence[bool] = ()
 ) -> tuple[int, list[float], list[int]]:
     """:func:`parse_line` of a line's text (its ``\n`` and ``\r`` already dropped: any other
     ``\r`` is part of a field)."""
@@ -174,7 +178,9 @@ def parse_text(
         if len(s) > MAX_HEX_DIGITS:
             raise ValueError(f"field {name}: {_show(s)} has more than {MAX_HEX_DIGITS} hex digits")
         v = int(s, 16)
-        if hash_categories:
+        if raw and raw[j]:
+            pass  # a raw id: no modulo, no bound
+        elif hash_categories:
             v %= rows[j]
         elif v >= rows[j]:
             raise ValueError(
@@ -261,7 +267,11 @@ class CriteoTSVDataset:
         batch_size: int,
         bad_lines: str = "fail",
         hash_categories: bool = True,
+        raw_ids: bool | None = None,
     ) -> None:
+        """``raw_ids``: True = every feature's raw hex value as its id (no modulo, no bound);
+        None = only for ``kind = "dynamic"`` tables; False = never (a dynamic table then reads
+        hashed or checked rows like the others)."""
         if isinstance(paths, (str, Path)):
             self.paths = criteo_files(paths)
         else:
@@ -281,6 +291,11 @@ class CriteoTSVDataset:
         self.batch_size = batch_size
         self.bad_lines = bad_lines
         self.hash_categories = hash_categories
+        self.raw = [
+            bool(raw_ids) if raw_ids is not None else getattr(t, "kind", "fixed") == "dynamic"
+            for t in tables
+        ]
+        """Per feature: ids are raw values (dynamic tables), not rows."""
         self.stats = CriteoStats()
 
     def __iter__(self) -> Iterator[Batch]:
@@ -351,7 +366,10 @@ class CriteoTSVDataset:
         ids = torch.from_numpy(_decode_hex("".join(cats), len(cats)))  # [B, 26]
         for i, raw in slow.items():
             ids[i] = torch.tensor(raw, dtype=torch.int64)
-        table_rows = torch.tensor(self.rows, dtype=torch.int64)
+        # raw-id features: a modulus / bound no id reaches (values < 2**60)
+        table_rows = torch.tensor(
+            [1 << 62 if r else n for r, n in zip(self.raw, self.rows)], dtype=torch.int64
+        )
         if self.hash_categories:
             ids = ids % table_rows
         else:

@@ -504,7 +504,21 @@ def _check_tables(data: ShardSet, tables: Sequence[Any]) -> None:
             "config with one table per feature (e.g. configs/criteo_kaggle.toml)"
         )
     hashed = m.get("options", {}).get("mode", "hash") == "hash"
-    for f, r, t in zip(m["features"], rows, tables):
+    raw = m.get("options", {}).get("raw") or [False] * len(rows)
+    raw = raw * len(rows) if len(raw) == 1 else raw
+    for f, is_raw, t in zip(m["features"], raw, tables):
+        dynamic = getattr(t, "kind", "fixed") == "dynamic"
+        if bool(is_raw) != dynamic:
+            what = "raw ids" if is_raw else "ids hashed into rows"
+            want = "a dynamic" if is_raw else "a fixed"
+            raise ConfigError(
+                f"feature {f} of {data.path} holds {what}, table '{t.name}' is "
+                f"{'dynamic' if dynamic else 'fixed'} ({what} need {want} table); preprocess "
+                "with --config of this model"
+            )
+    for f, r, t, is_raw in zip(m["features"], rows, tables, raw):
+        if is_raw:
+            continue  # a dynamic table's raw ids: any 64-bit value, mapped by its id map
         if r > t.rows or (hashed and r != t.rows):
             what = f"was hashed modulo {r}" if hashed else f"has ids up to {r - 1}"
             raise ConfigError(

@@ -16,6 +16,9 @@ definition of the transform*, not as error handling; a dense field that is not a
 input. Categories: ``hash`` mode maps raw hex value v to ``v % rows[j]`` (empty -> row 0);
 ``vocab`` mode counts every value over all input files and maps values seen at least ``threshold``
 times to rows 2.. (ascending raw value), empty to row 0 and rarer/unseen values to row 1.
+Raw features (``--raw``, or the features of ``kind = "dynamic"`` tables of ``--config``; hash mode,
+one-hot) keep the raw hex value as their 64-bit id (< 2**60, empty -> 0, no modulo), as
+``CriteoTSVDataset`` gives a dynamic table; their shards are int64.
 
 Multi-hot (MLPerf DLRMv2): feature j with bag size s_j > 1 keeps its row r as the first id and adds
 s_j - 1 ids drawn uniformly from [0, rows[j]) and fixed per (feature, r), as MLPerf's
@@ -353,7 +356,8 @@ def _write_manifest(
     os.replace(tmp, outp / MANIFEST)
 
 
-def _rows_from_config(path: str) -> list[int]:
+def _rows_from_config(path: str) -> tuple[list[int], list[bool]]:
+    """(rows, raw) per feature: the tables' rows, and which tables are dynamic (raw ids)."""
     from neorec.config import load_config
 
     tables = load_config(path).embedding.tables
@@ -361,7 +365,23 @@ def _rows_from_config(path: str) -> list[int]:
         raise ConfigError(
             f"{path}: Criteo needs {NUM_SPARSE} tables (C1..C26), the config has {len(tables)}"
         )
-    return [t.rows for t in tables]
+    return [t.rows for t in tables], [getattr(t, "kind", "fixed") == "dynamic" for t in tables]
+
+
+def _raw_flags(s: str) -> list[bool]:
+    """``--raw``: ``all``, ``none`` or comma-separated features (``C3,C7`` or ``3,7``)."""
+    s = s.strip()
+    if s in ("all", "none"):
+        return [s == "all"] * NUM_SPARSE
+    out = [False] * NUM_SPARSE
+    for x in (x.strip() for x in s.split(",") if x.strip()):
+        j = x[1:] if x[:1] in ("C", "c") else x
+        if not j.isdigit() or not 1 <= int(j) <= NUM_SPARSE:
+            raise argparse.ArgumentTypeError(
+                f"'{x}' is not a feature: want all, none or C1..C{NUM_SPARSE} (comma-separated)"
+            )
+        out[int(j) - 1] = True
+    return out
 
 
 def _ints(s: str) -> list[int]:
@@ -394,6 +414,13 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
         "--vocab-threshold", type=int, default=0, help="vocab mode: min count (0 = hash)"
     )
     p.add_argument("--multi-hot", type=_ints, default=[1], help="bag size per feature (1 or 26)")
+    p.add_argument(
+        "--raw",
+        type=_raw_flags,
+        default=None,
+        help="features that keep raw 64-bit ids (no modulo) for dynamic tables: all, none or "
+        "C1,C5,... (default: the dynamic tables of --config, else none)",
+    )
     p.add_argument("--multi-hot-seed", type=int, default=0)
     p.add_argument("--bad-lines", choices=["fail", "skip"], default="fail")
     p.add_argument("--shard-rows", type=int, default=1 << 20)
@@ -410,10 +437,11 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
     out = sys.stdout if out is None else out
     if a.config and a.rows:
         raise ConfigError("give --config or --rows, not both")
+    raw = [False]
     if a.vocab_threshold:
         rows = a.rows or [1 << 62]
     elif a.config:
-        rows = _rows_from_config(a.config)
+        rows, raw = _rows_from_config(a.config)
     elif a.rows:
         rows = a.rows
     else:
@@ -435,6 +463,7 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
         chunk_bytes=max(1, int(a.chunk_mb * (1 << 20))),
         workers=a.workers,
         eval_fraction=a.eval_fraction,
+        raw=raw if a.raw is None else a.raw,
     )
     preprocess(a.input, a.output, opts, out=out)
     return 0

@@ -65,6 +65,9 @@ class PreprocessOptions:
     """Held-out split: the last ``round(eval_fraction * samples)`` samples in input order (file
     order, then line order); 0 = none; None = the last input file if there are several, else
     the last 1/7 of the samples (Kaggle's train.txt is 7 days: about its last day)."""
+    raw: list[bool] = field(default_factory=lambda: [False] * NUM_SPARSE)
+    """Features whose categories stay raw ids (the hex value, < 2**60; empty -> 0; no modulo),
+    for ``kind = "dynamic"`` tables (1 or 26 flags; hash mode, one-hot)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("hash", "vocab"):
@@ -97,6 +100,26 @@ class PreprocessOptions:
         f = self.eval_fraction
         if f is not None and not (0.0 <= f < 1.0):  # (also refuses NaN)
             raise ConfigError(f"--eval-fraction must be in [0, 1), got {f}")
+        self._check_raw()
+
+    def _check_raw(self) -> None:
+        self.raw = [bool(x) for x in self.raw]
+        if len(self.raw) == 1:
+            self.raw = self.raw * NUM_SPARSE
+        if len(self.raw) != NUM_SPARSE:
+            raise ConfigError(f"--raw needs 1 or {NUM_SPARSE} flags, got {len(self.raw)}")
+        raw = [f"C{j + 1}" for j, r in enumerate(self.raw) if r]
+        if raw and self.mode != "hash":
+            raise ConfigError(
+                f"raw ids of {raw} are for hash mode; drop --vocab-threshold or --raw (and "
+                "dynamic tables from --config)"
+            )
+        multi = [f for j, f in enumerate(raw) if self.multi_hot[int(f[1:]) - 1] > 1]
+        if multi:
+            raise ConfigError(
+                f"features {multi} are raw ids and multi-hot: multi-hot draws extra rows of a "
+                "fixed table; give them --multi-hot 1 or make them hashed"
+            )
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -256,10 +279,13 @@ def _vocab(out_dir: str) -> list[np.ndarray]:
 def map_rows(
     cats: np.ndarray, opts: PreprocessOptions, vocab: list[np.ndarray] | None
 ) -> np.ndarray:
-    """[n, 26] raw values (-1 = empty) -> rows."""
+    """[n, 26] raw values (-1 = empty) -> rows (raw features: the values, empty -> 0)."""
     out = np.empty_like(cats)
     for j in range(NUM_SPARSE):
         v = cats[:, j]
+        if opts.raw[j]:  # a dynamic table's raw id (what CriteoTSVDataset(raw_ids=...) gives)
+            out[:, j] = np.where(v < 0, 0, v)
+            continue
         if vocab is None:
             out[:, j] = np.where(v < 0, _EMPTY_ROW, v % opts.rows[j])
             continue
@@ -290,7 +316,8 @@ def convert_unit(
     """Parse, transform and write the shards of one unit."""
     res = UnitResult(unit)
     vocab = _vocab(out_dir) if opts.mode == "vocab" else None
-    dtype = np.int32 if max(table_rows) <= np.iinfo(np.int32).max else np.int64
+    small = max(table_rows) <= np.iinfo(np.int32).max and not any(opts.raw)
+    dtype = np.int32 if small else np.int64
     pending: list[ParsedBlock] = []
     have = 0
     for block in _parsed(unit, res, opts.bad_lines == "fail"):

@@ -79,6 +79,7 @@ FM_FORMAT = "neorec.fm_logits"
 FM_FORMAT_VERSION = 1
 _STREAM_SALT = 0x57AE4D
 _DRIFT_SALT = 0xD21F7
+_VERTICAL_SALT = 0x7E47C
 _MASK63 = (1 << 63) - 1
 _SPLIT_NAMES = ("train", "eval")
 
@@ -110,9 +111,10 @@ class DriftingClickData(SyntheticClickData):
         self._starts = [int(round(w * data.id_churn * a)) for a in self._active]
         super().__init__(data, tables, num_dense, locality_ref_batch, teacher_groups)
         self._drift(w)
+        self._vertical()
         self._ready = True
         self.bias = 0.0
-        self.bias = self._solve_bias()
+        self.bias = self._solve_bias() + float(data.vertical_bias)
 
     # ---- sizes ------------------------------------------------------------------------------
     def num_samples(self, split: str) -> int:
@@ -144,6 +146,16 @@ class DriftingClickData(SyntheticClickData):
                 mag = 0.5 + torch.rand(p, generator=g, dtype=torch.float64)
                 fresh = sign * mag / math.sqrt(p * k)
                 self._pair_w = keep * self._pair_w + r * fresh
+
+    def _vertical(self) -> None:
+        """This run's vertical: the dense weights moved by ``data.vertical_shift`` along a fixed
+        seeded direction (the same in every window); the click offset is added to the bias."""
+        s = float(self.data.vertical_shift)
+        if s == 0.0:
+            return
+        g = torch.Generator().manual_seed(_mix_int(self.data.seed ^ _VERTICAL_SALT) & _MASK63)
+        u = torch.randn(self.num_dense, generator=g) / math.sqrt(self.num_dense)
+        self._dense_w = math.sqrt(1.0 - s * s) * self._dense_w + s * u
 
     def _solve_bias(self) -> float:
         return super()._solve_bias() if self._ready else 0.0
@@ -256,6 +268,8 @@ def stream_fingerprint(cfg: Config) -> str:
             for t in cfg.embedding.tables
         ],
     }
+    if d.vertical_bias or d.vertical_shift:  # a vertical's labels (absent: fingerprints as before)
+        desc["vertical"] = [d.vertical_bias, d.vertical_shift]
     text = json.dumps(desc, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

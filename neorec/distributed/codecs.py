@@ -137,13 +137,13 @@ class FloatCodec(Codec):
         """(factor [n,1] or [1,1], exponents to send or None)."""
         if self.scaling in ("tensor", "row"):
             e = self._exponents(x)
-            return torch.ldexp(torch.ones(()), e.float()), e
-        return torch.full((1, 1), self.static), None
+            return torch.ldexp(torch.ones((), device=x.device), e.float()), e
+        return torch.full((1, 1), self.static, device=x.device), None
 
     def encode(self, x: Tensor, what: str = "") -> Tensor:
         """Scale, cast, append the exponents."""
         n, d = x.shape
-        out = torch.zeros(self.nbytes(n, d), dtype=torch.uint8)
+        out = torch.zeros(self.nbytes(n, d), dtype=torch.uint8, device=x.device)
         if n * d == 0:
             return out
         x = x.detach().float()
@@ -168,20 +168,22 @@ class FloatCodec(Codec):
     def decode(self, buf: Tensor, n: int, d: int) -> Tensor:
         """Cast back, undo the scale."""
         if n * d == 0:
-            return torch.zeros(n, d)
+            return torch.zeros(n, d, device=buf.device)
         size = n * d * self.bits // 8
         y = buf[:size].view(self.fmt.dtype).view(n, d).float()
         hdr = buf[size : size + self._header(n)].clone()
         if self.scaling == "tensor":
-            return y * torch.ldexp(torch.ones(()), -hdr.view(torch.int32).float())
+            return y * torch.ldexp(torch.ones((), device=y.device), -hdr.view(torch.int32).float())
         if self.scaling == "row":
-            return y * torch.ldexp(torch.ones(n, 1), -hdr.view(torch.int8).float().view(n, 1))
+            return y * torch.ldexp(
+                torch.ones(n, 1, device=y.device), -hdr.view(torch.int8).float().view(n, 1)
+            )
         return y / self.static
 
     def bound(self, x: Tensor) -> Tensor:
         """Half an ulp of the format at |x| (relative), or half its smallest subnormal (absolute)."""
         x = x.detach().float()
-        factor, _ = self._scale(x) if x.numel() else (torch.ones(1, 1), None)
+        factor, _ = self._scale(x) if x.numel() else (torch.ones(1, 1, device=x.device), None)
         # a static (non power-of-two) factor adds one float32 rounding on each side.
         rel = x.abs() * (2.0 ** -(self.fmt.mantissa + 1) + 2.0**-22)
         floor = 2.0 ** (self.fmt.emin - self.fmt.mantissa - 1) / factor
@@ -205,13 +207,15 @@ class Int8RowCodec(Codec):
     def encode(self, x: Tensor, what: str = "") -> Tensor:
         """Quantize with ``int_rowwise_quantize(x, 8)``; lay out units, scales, offsets, codes."""
         n, d = x.shape
-        out = torch.zeros(self.nbytes(n, d), dtype=torch.uint8)
+        out = torch.zeros(self.nbytes(n, d), dtype=torch.uint8, device=x.device)
         if n * d == 0:
             return out
         _check_finite(x.detach(), self.name, what)
         q = int_rowwise_quantize(x, 8)
         parts = [
-            _bytes(torch.tensor([q.scale_unit, q.offset_unit], dtype=torch.float32)),
+            _bytes(
+                torch.tensor([q.scale_unit, q.offset_unit], dtype=torch.float32, device=x.device)
+            ),
             _bytes(q.scale),
             _bytes(q.offset),
             q.packed.reshape(-1),
@@ -223,7 +227,7 @@ class Int8RowCodec(Codec):
     def decode(self, buf: Tensor, n: int, d: int) -> Tensor:
         """Inverse of ``encode``."""
         if n * d == 0:
-            return torch.zeros(n, d)
+            return torch.zeros(n, d, device=buf.device)
         units = buf[:8].clone().view(torch.float32)
         scale = buf[8 : 8 + 2 * n].clone().view(torch.float16)
         offset = buf[8 + 2 * n : 8 + 4 * n].clone().view(torch.float16)

@@ -32,6 +32,9 @@ __all__ = [
     "ScaleGrad",
     "tree_sum",
     "source_major_to_unit_major",
+    "unit_major_order",
+    "process_group_backend",
+    "rank_device",
 ]
 
 T = TypeVar("T")
@@ -156,9 +159,11 @@ def all_to_all(
     stats: CommStats | None = None,
     name: str = "all_to_all",
 ) -> Awaitable[Tensor]:
-    """Start an all-to-all of a 1-D tensor with per-rank element counts; returns an awaitable."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    """Start an all-to-all of a 1-D tensor with per-rank element counts; returns an awaitable.
+    (One process without a process group is a world of one.)"""
+    on = dist.is_initialized()
+    world = dist.get_world_size(group) if on else 1
+    rank = dist.get_rank(group) if on else 0
     recv = torch.empty(int(sum(recv_splits)), dtype=send.dtype, device=send.device)
     if stats is not None:
         stats.add(name, _off_rank_bytes(send, list(send_splits), rank))
@@ -206,7 +211,7 @@ def coded_all_to_all(
     enc = [codec.encode(c.view(s), name) for c, s in zip(chunks, shapes_out)]
     out_bytes = [codec.nbytes(*s) for s in shapes_out]
     in_bytes = [codec.nbytes(*s) for s in shapes_in]
-    buf = torch.cat(enc) if enc else torch.empty(0, dtype=torch.uint8)
+    buf = torch.cat(enc) if enc else torch.empty(0, dtype=torch.uint8, device=send.device)
     if stats is not None:
         stats.codec_s += time.perf_counter() - t0
     pending = all_to_all(buf, out_bytes, in_bytes, group, stats, name)
@@ -244,7 +249,7 @@ def coded_all_reduce(
         return t.clone()
     n = t.numel()
     per = -(-n // (world * row)) * row  # elements per rank's chunk, whole rows
-    flat = torch.zeros(world * per)
+    flat = torch.zeros(world * per, device=t.device)
     flat[:n] = t.reshape(-1)
     got = coded_all_to_all(
         flat, [per] * world, [per] * world, per // row, codec, group, stats, name
@@ -345,13 +350,26 @@ def reduce_scatter(
     return out
 
 
-def source_major_to_unit_major(
-    blocks: Tensor, values: Tensor, weights: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Reorder received bags from [source rank][unit][sample] to [unit][source rank][sample].
+def process_group_backend(device: str) -> str:
+    """The torch.distributed backend for ``train.device``: NCCL on cuda, gloo on cpu."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
-    Returns (indices, offsets, weights) of a feature-major batch with W*b samples per unit.
-    """
+
+def rank_device(device: str) -> torch.device:
+    """This process's device for ``train.device``: ``cuda:LOCAL_RANK`` on cuda (torchrun's local
+    rank; without one, the current CUDA device), else the CPU."""
+    if torch.device(device).type != "cuda":
+        return torch.device("cpu")
+    import os
+
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+
+
+def unit_major_order(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Bags received as [source rank][unit][sample] (``blocks``: their lengths [W, U, b], on the
+    host): the gather index that puts their ids in [unit][source rank][sample] order, and the
+    offsets of the bags in that order (a feature-major batch with W*b samples per unit)."""
     world, units, b = blocks.shape
     sizes = blocks.sum(2)  # [W, U] ids per (source, unit) block
     src_start = torch.zeros(world * units, dtype=torch.int64)
@@ -365,6 +383,18 @@ def source_major_to_unit_major(
     lengths = blocks.permute(1, 0, 2).reshape(-1)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
+    return gather, offsets
+
+
+def source_major_to_unit_major(
+    blocks: Tensor, values: Tensor, weights: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Reorder received bags from [source rank][unit][sample] to [unit][source rank][sample].
+
+    Returns (indices, offsets, weights) of a feature-major batch with W*b samples per unit.
+    """
+    gather, offsets = unit_major_order(blocks)
+    n = gather.numel()
     if values.numel() != n:
         raise SparseFeatureError(f"received {values.numel()} ids, lengths say {n}")
     w = weights[gather] if weights is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from neorec.config import Config, ConfigError
 from neorec.distributed.codecs import Codec, make_codec
-from neorec.distributed.comm import CommStats, coded_all_reduce
+from neorec.distributed.comm import CommStats, coded_all_reduce, rank_device
 from neorec.distributed.dense_blocks import block_dense, exact_world, local_blocks
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.modules.dlrm import DenseArch, check_dense_input
@@ -29,6 +30,7 @@ def sharded_ebc_from_config(
     plan: ShardingPlan,
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
+    device: torch.device | str = "cpu",
 ) -> ShardedEmbeddingBagCollection:
     """The sharded embedding collection of ``cfg`` under ``plan``: its tables, fused optimizer,
     pooling, backend, initialization and ``cfg.comm``'s codecs (forward / backward all-to-all; the
@@ -45,6 +47,7 @@ def sharded_ebc_from_config(
         group=group,
         stats=stats,
         rounding=emb.rounding,
+        device=device,
     )
     ebc.codecs = (
         make_codec(c.forward, c.fp8_scaling),
@@ -58,16 +61,29 @@ class DistributedModel(nn.Module):
     """Same forward/loss API as ``DLRM``; embeddings follow ``plan``, dense layers use DDP."""
 
     def __init__(
-        self, cfg: Config, plan: ShardingPlan, group: dist.ProcessGroup | None = None
+        self,
+        cfg: Config,
+        plan: ShardingPlan,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        # ``train.device``, unless given: cuda:LOCAL_RANK on cuda.
+        self.device = torch.device(device) if device is not None else rank_device(cfg.train.device)
         emb = cfg.embedding
         self.stats = CommStats()
         # Embedding collectives get their own group so their order never interleaves with DDP's.
         emb_group = dist.new_group(backend=dist.get_backend()) if dist.is_initialized() else None
         torch.manual_seed(cfg.train.seed)  # same dense init as the unsharded DLRM
-        self.ebc = sharded_ebc_from_config(
-            cfg, plan, group=emb_group if group is None else group, stats=self.stats
+        from neorec.distributed.dynamic_reshard import has_dynamic, sharded_dynamic_from_config
+
+        build = sharded_dynamic_from_config if has_dynamic(cfg) else sharded_ebc_from_config
+        self.ebc: Any = build(
+            cfg,
+            plan,
+            group=emb_group if group is None else group,
+            stats=self.stats,
+            device=self.device,
         )
         dims = {t.dim for t in emb.tables}
         dense = DenseArch(cfg.model, len(self.ebc.feature_names), dims.pop())
@@ -75,7 +91,11 @@ class DistributedModel(nn.Module):
         if cfg.train.dense_blocks > 1:
             # This rank's share of the dense blocks: gradients bitwise those of one process.
             block_dense(dense, local_blocks(cfg.train.dense_blocks, world))
-        self.dense_arch: nn.Module = DistributedDataParallel(dense) if world > 1 else dense
+        dense = dense.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.dense_arch: nn.Module = (
+            DistributedDataParallel(dense, device_ids=ids) if world > 1 else dense
+        )
         self._setup_comm(cfg, world)
 
     def _setup_comm(self, cfg: Config, world: int) -> None:
@@ -116,9 +136,13 @@ class DistributedModel(nn.Module):
             self.stats.add("allreduce_dense", self._ring_bytes)
         return self.dense_arch(dense, self.ebc(sparse))
 
-    def stage_input_dist(self, sparse: SparseFeatures) -> None:
-        """Start the input distribution of a later batch (the overlapped pipeline calls this)."""
-        self.ebc.stage_input_dist(sparse)
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """Prepare the input distribution of a later batch from ``host``, its copy before the
+        host-to-device copy (the pipelines call this before the step); a collection without
+        staging prepares its input at forward."""
+        stage = getattr(self.ebc, "stage_input_dist", None)
+        if callable(stage):
+            stage(sparse, host)
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters trained by the dense optimizer (replicated, DDP-averaged)."""

@@ -40,27 +40,34 @@ def gather_dp_grads(
     world: int,
     group: dist.ProcessGroup | None,
     stats: CommStats,
+    device: torch.device | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """Per DP table: (ids, grads) of every rank's touched rows, concatenated in rank order (the
-    gradient rows sent as float32, or as ``codec``'s bytes)."""
+    gradient rows sent as float32, or as ``codec``'s bytes). Buffers live on ``device`` (the
+    tables'); the counts are read on the host (data-parallel tables sync once per step)."""
+    dev = device if device is not None else torch.device("cpu")
     t_count = lay.num_tables
     mine = {t: (ids, g) for t, ids, g in grads}
-    counts = torch.zeros(t_count, dtype=torch.int64)
+    counts = torch.zeros(t_count, dtype=torch.int64, device=dev)
     for t, (ids, _) in mine.items():
         counts[t] = ids.numel()
     ids_flat = (
-        torch.cat([mine[t][0] for t in sorted(mine)]) if mine else torch.empty(0, dtype=torch.int64)
+        torch.cat([mine[t][0] for t in sorted(mine)])
+        if mine
+        else torch.empty(0, dtype=torch.int64, device=dev)
     )
     dims = lay.dims
     # Per table, its gradient rows as sent: float32 values, or the codec's bytes of the block
     # (tables without rows send nothing).
     sent = [t for t in sorted(mine) if mine[t][0].numel()]
     if codec is None:
-        vals_flat = torch.cat([mine[t][1].reshape(-1) for t in sent] or [torch.empty(0)])
+        vals_flat = torch.cat(
+            [mine[t][1].reshape(-1) for t in sent] or [torch.empty(0, device=dev)]
+        )
     else:
         vals_flat = torch.cat(
             [codec.encode(mine[t][1], "data-parallel row gradients") for t in sent]
-            or [torch.empty(0, dtype=torch.uint8)]
+            or [torch.empty(0, dtype=torch.uint8, device=dev)]
         )
 
     def block_sizes(c: Tensor) -> list[int]:
@@ -100,8 +107,8 @@ def gather_dp_grads(
 def all_gather_varlen(t: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> list[Tensor]:
     """All-gather 1-D tensors of different lengths (``sizes`` known on every rank)."""
     n = max(sizes) if sizes else 0
-    padded = torch.zeros(n, dtype=t.dtype)
+    padded = torch.zeros(n, dtype=t.dtype, device=t.device)
     padded[: t.numel()] = t
-    parts = [torch.empty(n, dtype=t.dtype) for _ in sizes]
+    parts = [torch.empty(n, dtype=t.dtype, device=t.device) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return [p[:k] for p, k in zip(parts, sizes)]

@@ -20,7 +20,7 @@ one process with W*b samples (up to float reassociation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,12 @@ from neorec.distributed.comm import (
     CommStats,
     Done,
     ScaleGrad,
-    all_to_all,
     ordered_all_reduce,
-    source_major_to_unit_major,
 )
+from neorec.distributed.input_dist import InputDist, LocalInput, _Unit
 from neorec.distributed.replicas import Replicas, gather_dp_grads
 from neorec.errors import ConfigError
-from neorec.modules.embedding import UpdateHook, checked_batch, init_rows, register_table_buffers
+from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
 from neorec.ops.cpu import CpuBackend
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
 from neorec.ops.row_optim import RowOptimizer
@@ -59,39 +58,11 @@ from neorec.sparse import SparseFeatures
 
 __all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
 
+
 _ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 
 
-@dataclass(frozen=True)
-class _Unit:
-    """One (feature, shard) lookup: the bags of ``feature`` restricted to ``shard``."""
-
-    feature: int  # index in the global feature order
-    table: int  # index in the table list
-    shard: Shard
-    out_col: int  # first output column of this unit's slice
-    row_split: bool  # ids are filtered to the shard's rows (RW, TWRW)
-
-    @property
-    def dim(self) -> int:
-        return self.shard.cols
-
-
-@dataclass
-class LocalInput:
-    """What input_dist delivers to this rank: bags of all W*b samples for its local units."""
-
-    indices: Tensor
-    offsets: Tensor
-    weights: Tensor | None
-    dp_indices: Tensor
-    dp_offsets: Tensor
-    dp_weights: Tensor | None
-    inv_lengths: Tensor | None  # [b, F] 1/len for mean pooling
-    batch_size: int  # local b
-
-
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(InputDist, nn.Module):
     """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates."""
 
     weights: Tensor
@@ -100,6 +71,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     dp_step: Tensor
     _out_cols: Tensor
     _dp_cols: Tensor
+    _feature_dims: Tensor
 
     def __init__(
         self,
@@ -114,8 +86,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         stats: CommStats | None = None,
         validate_ids: bool = True,
         rounding: str = "auto",
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
+        self.device = torch.device(device)
         self.tables = list(tables)
         self.rounding = rounding
         self.optimizer = optimizer or RowOptimizer()
@@ -129,7 +103,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.plan = plan
         self.stats = stats if stats is not None else CommStats()
         self.validate_ids = validate_ids
-        self.backend = get_backend(backend, "cpu")
+        self.backend = get_backend(backend, self.device)
         self.feature_names = [f for t in self.tables for f in t.features]
         self.feature_dims = [t.dim for t in self.tables for _ in t.features]
         self.total_dim = sum(self.feature_dims)
@@ -138,8 +112,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._build_units()
         self._build_local(seed, init_scale)
         self._build_cw_groups()
-        self._anchor = torch.empty(0, requires_grad=True)
-        self._dp_anchor = torch.empty(0, requires_grad=True)
+        # Input metadata (lengths) is exchanged on the host: over this group on a gloo group,
+        # over a gloo twin of it when the tables live on a GPU (NCCL groups carry device tensors).
+        self._host_group = group
+        if self.device.type != "cpu" and dist.is_initialized() and self.world > 1:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._host_group = dist.new_group(ranks=ranks, backend="gloo")
+        fdims = torch.tensor(self.feature_dims, dtype=torch.int64)
+        self.register_buffer("_feature_dims", fdims, persistent=False)
+        self.to(self.device)  # built on the host (seeded rows), then moved: one device copy
+        self._anchor = torch.empty(0, requires_grad=True, device=self.device)
+        self._dp_anchor = torch.empty(0, requires_grad=True, device=self.device)
+        self._host_steps: dict[str, tuple[int, int]] = {}
         self._hooks: list[UpdateHook] = []
         self.codecs: tuple[Codec | None, Codec | None] = (None, None)
         """Wire codecs of the pooled all-to-all: (forward values, backward gradients)."""
@@ -302,121 +286,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pending.advance()
         return self.output_dist(pooled, local).wait()
 
-    def stage_input_dist(self, sparse: SparseFeatures) -> None:
-        """Start ``input_dist(sparse)`` now; a later ``forward`` of this same object uses it."""
-        self._staged.append((sparse, self.input_dist(sparse)))
-
-    def _take_staged(self, sparse: SparseFeatures) -> Awaitable[LocalInput]:
-        for i, (staged, pending) in enumerate(self._staged):
-            if staged is sparse:
-                del self._staged[i]
-                return pending
-        return self.input_dist(sparse)
-
-    def input_dist(self, sparse: SparseFeatures) -> Chain[LocalInput]:
-        """Start sending this rank's bags to the shard owners (lengths now; ids on ``advance``)."""
-        sparse = checked_batch(self, sparse)
-        b = sparse.batch_size
-        per_unit = self._split_by_unit(sparse)
-        lengths, values, weights = [], [], []
-        for us in self.units_by_owner:
-            for u in us:
-                lens, vals, wts = per_unit[u]
-                lengths.append(lens)
-                values.append(vals)
-                if wts is not None:
-                    weights.append(wts)
-        # Lengths and shard-local ids travel as int32 when every shard fits (lossless, half the bytes).
-        send_len = (
-            torch.cat(lengths).to(torch.int32) if lengths else torch.empty(0, dtype=torch.int32)
-        )
-        len_splits = [len(us) * b for us in self.units_by_owner]
-        recv_len_splits = [len(self.local_units) * b] * self.world
-        a_len = all_to_all(send_len, len_splits, recv_len_splits, self.group, self.stats, "lengths")
-        val_counts = [0] * self.world
-        pos = 0
-        for q, n in enumerate(len_splits):
-            val_counts[q] = int(send_len[pos : pos + n].sum())
-            pos += n
-        send_val = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-        send_val = send_val.to(self._id_dtype)
-        send_w = torch.cat(weights) if weights else None
-        dp = self._dp_input(sparse)
-        inv = self._inv_lengths(sparse) if self.pooling == PoolingMode.MEAN else None
-
-        def ids_phase() -> Awaitable[LocalInput]:
-            recv_len = a_len.wait().to(torch.int64)
-            blocks = recv_len.view(self.world, len(self.local_units), b)
-            recv_counts = blocks.sum(dim=(1, 2)).tolist()
-            a_val = all_to_all(send_val, val_counts, recv_counts, self.group, self.stats, "ids")
-            a_w = None
-            if send_w is not None:
-                a_w = all_to_all(send_w, val_counts, recv_counts, self.group, self.stats, "weights")
-
-            def finish() -> LocalInput:
-                recv_val = a_val.wait().to(torch.int64)
-                recv_w = a_w.wait() if a_w is not None else None
-                idx, off, wts = source_major_to_unit_major(blocks, recv_val, recv_w)
-                return LocalInput(idx, off, wts, *dp, inv, b)
-
-            return Awaitable(finish)
-
-        return Chain(ids_phase)
-
-    def _split_by_unit(
-        self, sparse: SparseFeatures
-    ) -> dict[_Unit, tuple[Tensor, Tensor, Tensor | None]]:
-        """For each unit: (lengths [b], ids local to its shard, weights) of this rank's bags."""
-        b = sparse.batch_size
-        offs = sparse.offsets()
-        out: dict[_Unit, tuple[Tensor, Tensor, Tensor | None]] = {}
-        by_feature: dict[int, list[_Unit]] = {}
-        for us in self.units_by_owner:
-            for u in us:
-                by_feature.setdefault(u.feature, []).append(u)
-        for f, units in by_feature.items():
-            lo, hi = int(offs[f * b]), int(offs[(f + 1) * b])
-            vals = sparse.values[lo:hi].to(torch.int64)
-            lens = sparse.lengths[f * b : (f + 1) * b].to(torch.int64)
-            wts = sparse.weights[lo:hi] if sparse.weights is not None else None
-            if not units[0].row_split:
-                for u in units:
-                    out[u] = (lens, vals, wts)
-                continue
-            starts = torch.tensor([u.shard.row_start for u in units])
-            order = torch.argsort(starts)
-            sorted_starts = starts[order]
-            bucket = torch.bucketize(vals, sorted_starts[1:], right=True)
-            bag = torch.repeat_interleave(torch.arange(b), lens)
-            counts = torch.bincount(bucket * b + bag, minlength=len(units) * b).view(len(units), b)
-            perm = torch.argsort(bucket, stable=True)
-            sizes = counts.sum(1).tolist()
-            pieces = torch.split(vals[perm], sizes)
-            wpieces = torch.split(wts[perm], sizes) if wts is not None else None
-            for k, j in enumerate(order.tolist()):
-                u = units[j]
-                w = wpieces[k] if wpieces is not None else None
-                out[u] = (counts[k], pieces[k] - u.shard.row_start, w)
-        return out
-
-    def _dp_input(self, sparse: SparseFeatures) -> tuple[Tensor, Tensor, Tensor | None]:
-        if self.dp is None:
-            e = torch.empty(0, dtype=torch.int64)
-            return e, torch.zeros(1, dtype=torch.int64), None
-        sub = sparse.select([self.feature_names[f] for f in self.dp.features])
-        return sub.values.to(torch.int64), sub.offsets(), sub.weights
-
-    def _inv_lengths(self, sparse: SparseFeatures) -> Tensor:
-        lens = sparse.lengths.view(len(self.feature_names), -1).t().to(torch.float32)  # [b, F]
-        return torch.where(lens > 0, 1.0 / lens.clamp(min=1), torch.zeros_like(lens))
-
     def compute(self, local: LocalInput) -> Tensor:
         """One fused TBE call over all local model-parallel shards -> [W*b, D_local]."""
 
         def update(grad: Tensor) -> None:
             if local.batch_size == 0:  # every rank's slice is empty: nothing moves, not the step
                 return
-            step = int(self.step) + 1
+            step = self._next_step("step")
             if self._cw_groups:
                 self._update_with_cw_rowwise(local, grad, step)
             else:
@@ -432,13 +308,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     self.optimizer,
                     step,
                 )
-            self.step.fill_(step)  # counted once the update went through
+            self._set_step("step", step)  # counted once the update went through
             for hook in self._hooks:
                 hook(self.layout, local.indices, local.offsets)
 
         if self.layout.num_features == 0:
             # Still in the autograd graph: every rank must join the backward all-to-all.
-            empty = torch.zeros(local.batch_size * self.world, 0)
+            empty = torch.zeros(local.batch_size * self.world, 0, device=self.device)
             return empty + self._anchor.sum() if torch.is_grad_enabled() else empty
         return tbe_lookup(
             self._anchor,
@@ -461,7 +337,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         recv = AllToAllPooled.apply(
             pooled, send_splits, recv_splits, self.group, self.stats, self.codecs, b
         )
-        out = torch.zeros(b, self.total_dim)
+        out = torch.zeros(b, self.total_dim, device=self.device)
         blocks = [
             blk.view(b, d) for blk, d in zip(torch.split(recv, recv_splits), self.dims_by_owner)
         ]
@@ -471,7 +347,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             dp = self._dp_lookup(local)
             out = out.index_add(1, self._dp_cols, ScaleGrad.apply(dp, 1.0 / self.world))
         if local.inv_lengths is not None:
-            scale = local.inv_lengths.repeat_interleave(torch.tensor(self.feature_dims), dim=1)
+            scale = local.inv_lengths.repeat_interleave(
+                self._feature_dims, dim=1, output_size=self.total_dim
+            )
             out = out * scale
         return Done(out)
 
@@ -517,7 +395,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for ti in self._cw_groups:
             mine = [lt for lt, (t, _) in enumerate(self.local_tables) if t == ti and lt in eff]
             part = sum((eff[lt][1] ** 2).sum(1) for lt in mine)
-            parts[ti] = part if isinstance(part, Tensor) else torch.zeros(0)
+            parts[ti] = part if isinstance(part, Tensor) else torch.zeros(0, device=self.device)
         mean_sq: dict[int, Tensor] = {}
         by_ranks: dict[tuple[int, ...], list[int]] = {}
         for ti in self._cw_groups:
@@ -540,6 +418,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:  # weight decay is already in g
                 no_wd = replace(opt, weight_decay=0.0)
                 update_table_rows(lay, self.weights, state, lt, ids, g, no_wd, step)
+
+    def _next_step(self, name: str) -> int:
+        """``self.<name> + 1`` from a host copy of the (device) counter: read once, and again
+        only after something else wrote it (a restore: the buffer's version counter moved)."""
+        buf: Tensor = getattr(self, name)
+        seen = self._host_steps.get(name)
+        if seen is None or seen[0] != buf._version:
+            seen = (buf._version, int(buf))  # a host read: first step, or after a restore
+            self._host_steps[name] = seen
+        return seen[1] + 1
+
+    def _set_step(self, name: str, step: int) -> None:
+        buf: Tensor = getattr(self, name)
+        buf.fill_(step)
+        self._host_steps[name] = (buf._version, step)
 
     # ---- data-parallel replicas ------------------------------------------------------------
     def _dp_lookup(self, local: LocalInput) -> Tensor:
@@ -574,15 +467,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.backend, lay, local.dp_indices, local.dp_offsets, local.dp_weights,
             PoolingMode.SUM, grad,
         )  # fmt: skip
-        per_table = gather_dp_grads(lay, grads, self.dp_codec, self.world, self.group, self.stats)
-        step = int(self.dp_step) + 1
+        per_table = gather_dp_grads(
+            lay, grads, self.dp_codec, self.world, self.group, self.stats, self.device
+        )
+        step = self._next_step("dp_step")
         # Every rank's (id, row sum) pairs in rank order, added per row in that order and
         # applied once: the fused update of the backend, over all DP tables in a call or a few.
         apply_row_grads(
             self.backend, lay, self.dp_weights, self._state("dp_"),
             [(t, ids, g) for t, (ids, g) in enumerate(per_table)], self.optimizer, step,
         )  # fmt: skip
-        self.dp_step.fill_(step)  # counted once the update went through
+        self._set_step("dp_step", step)  # counted once the update went through
         if self._hooks:
             touched = [torch.unique(ids) for ids, _ in per_table]
             # Report every row any rank's batch changed: one bag per feature, a table's rows on
@@ -594,6 +489,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             ]
             offsets = torch.zeros(len(bags) + 1, dtype=torch.int64)
             offsets[1:] = torch.cumsum(torch.tensor([b.numel() for b in bags]), 0)
+            offsets = offsets.to(self.device)
             indices = torch.cat(bags) if bags else torch.empty(0, dtype=torch.int64)
             for hook in self._hooks:
                 hook(lay, indices, offsets)
@@ -604,9 +500,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ti = next(i for i, t in enumerate(self.tables) if t.name == name)
         spec = self.tables[ti]
         if self.dp is not None and spec in self.dp.tables:
-            return self.dp.layout.table(self.dp_weights, self.dp.tables.index(spec)).clone()
+            table = self.dp.layout.table(self.dp_weights, self.dp.tables.index(spec))
+            return table.to("cpu", copy=True)
         mine = [
-            (s, self.row_format.decode(self.weights, self.layout, i))
+            (s, self.row_format.decode(self.weights, self.layout, i).cpu())
             for i, (t, s) in enumerate(self.local_tables)
             if t == ti
         ]

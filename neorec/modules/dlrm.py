@@ -14,6 +14,7 @@ from neorec.config import Config, ModelConfig, TableConfig
 from neorec.errors import ConfigError, DataError
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
+from neorec.modules.exfm_heads import StudentAdapter
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 
@@ -153,47 +154,6 @@ class DenseArch(nn.Module):
             h = layer(h)
         logit = last(h)
         return torch.cat([logit, h.to(logit.dtype)], dim=1)
-
-
-class StudentAdapter(nn.Module):
-    """ExFM's Student Adapter: ``(fm_logit, student_logit, dense)`` -> a corrected FM logit [B].
-
-    Inputs x = [fm_logit, student_logit (detached by the caller), the dense features]:
-    ``out = <a, x> + c + MLP(x)``. The linear part starts as the identity on the FM logit
-    (a = e_0, c = 0) and the MLP's last layer at zero, so an untrained adapter passes the FM
-    logit through. Trained on the true labels it learns the FM's staleness: a scale and shift of
-    its logit, what the fresh student knows that the FM does not, and the part of the drift that
-    is a function of the dense features (a drifted dense weight is a linear correction in them).
-    """
-
-    def __init__(self, hidden: int, num_dense: int = 0, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        n = 2 + num_dense
-        self.linear = nn.Linear(n, 1)
-        first, last = nn.Linear(n, hidden), nn.Linear(hidden, 1)
-        self.mlp = nn.Sequential(first, nn.ReLU(), last)
-        with torch.no_grad():
-            self.linear.weight.zero_()
-            self.linear.weight[0, 0] = 1.0
-            self.linear.bias.zero_()
-            first.weight.copy_(torch.randn(hidden, n, generator=g) * math.sqrt(2.0 / (n + hidden)))
-            first.bias.copy_(torch.randn(hidden, generator=g) * 0.1)
-            last.weight.zero_()
-            last.bias.zero_()
-
-    def forward(
-        self, fm_logit: Tensor, student_logit: Tensor, dense: Tensor | None = None
-    ) -> Tensor:
-        """Corrected FM logits [B] from ``fm_logit`` [B], ``student_logit`` [B] and, when the
-        adapter was built with ``num_dense``, the dense features [B, num_dense]."""
-        parts = [fm_logit.unsqueeze(1), student_logit.unsqueeze(1)]
-        if self.linear.in_features > 2:
-            if dense is None:
-                raise ValueError("this adapter reads the dense features: pass dense")
-            parts.append(dense.float())
-        x = torch.cat(parts, dim=1)
-        return (self.linear(x) + self.mlp(x)).squeeze(1)
 
 
 def attach_distill(

@@ -32,9 +32,11 @@ from neorec.errors import ConfigError
 __all__ = [
     "IdMap",
     "MapResult",
+    "RowTarget",
     "native_lib",
     "mix64",
     "sketch_width",
+    "map_bytes_per_slot",
     "SKETCH_DEPTH",
     "SKETCH_PERIOD_FACTOR",
     "ADMISSIONS",
@@ -49,9 +51,22 @@ SKETCH_PERIOD_FACTOR = 10
 """The sketch halves its counters after this many sightings per counter of a row."""
 _M64 = (1 << 64) - 1
 _I32_MAX = 2**31 - 1
-_N_COUNTS = 6  # IM_ADMITTED, IM_EVICTED, IM_UNADMITTED, IM_NEW, IM_EV, IM_HITS
+_N_COUNTS = 8  # IM_ADMITTED, IM_EVICTED, IM_UNADMITTED, IM_NEW, IM_EV, IM_HITS, IM_USED, IM_FREED
 _LOCK = threading.Lock()
 _LIB: dict[str, Any] = {}
+
+
+_TLS = threading.local()
+
+
+def _shared_scratch(n: int) -> np.ndarray:
+    """int64 scratch of at least ``n`` words for compiled map calls, shared by every map of this
+    thread (calls run one at a time; only sizes grow): the per-batch buffers cost memory once
+    for the largest table, not per table."""
+    buf = getattr(_TLS, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _TLS.buf = np.empty(max(n, 2 * (0 if buf is None else buf.size)), dtype=np.int64)
+    return buf
 
 
 def mix64(x: int) -> int:
@@ -76,12 +91,28 @@ def sketch_width(capacity: int) -> int:
     return min(1 << 22, max(1024, 1 << (2 * capacity - 1).bit_length()))
 
 
+def map_bytes_per_slot(capacity: int, admission: str = "always", eviction: str = "lru") -> float:
+    """Bytes of an ``IdMap`` (compiled) and its collection's per-slot bookkeeping per slot,
+    besides the row and its optimizer state. Per slot: id, last use, uses, free stack 8 each,
+    live, touched and batch mark 1 each, pin 4 (= 39); the lru / ttl order (next, previous) 16;
+    the hash table, 16 bytes an entry at 2-4 entries a slot (load <= 1/2); with threshold
+    admission the sketch, 4 rows of int32 counters at 2-4 a slot (rows of at most 2**22). Not
+    counted: the per-batch scratch, 72 bytes a slot of the largest table plus ~100 bytes an id
+    of the largest batch, shared by every table of a thread."""
+    cap = max(1, int(capacity))
+    per = 39.0 + (16.0 if eviction != "lfu" else 0.0)
+    per += 16.0 * (1 << max(4, (2 * cap - 1).bit_length())) / cap
+    if admission == "threshold":
+        per += SKETCH_DEPTH * 4.0 * sketch_width(cap) / cap
+    return per
+
+
 class _State(ctypes.Structure):
     _fields_ = [
         ("cap", ctypes.c_int64),
         ("hmask", ctypes.c_int64),
-        ("hkey", ctypes.c_void_p),
-        ("hval", ctypes.c_void_p),
+        ("ht", ctypes.c_void_p),
+        ("unused", ctypes.c_void_p),
         ("id_of", ctypes.c_void_p),
         ("last", ctypes.c_void_p),
         ("hits", ctypes.c_void_p),
@@ -100,6 +131,28 @@ class _State(ctypes.Structure):
         ("prob_limit", ctypes.c_uint64),
         ("n_free", ctypes.c_int64),
         ("sk_total", ctypes.c_int64),
+        ("nxt", ctypes.c_void_p),
+        ("prv", ctypes.c_void_p),
+        ("head", ctypes.c_int64),
+        ("tail", ctypes.c_int64),
+    ]
+
+
+class RowTarget(ctypes.Structure):
+    """Where the compiled map writes the rows of the slots it assigns (the initial rows of
+    ``neorec.storage.dynamic.dynamic_init_rows``) and frees (zeros), zeroing their optimizer
+    state: a table's fp32 rows [*, dim] and state (per-row, then up to two [*, dim]; 0 = none)
+    on the CPU, contiguous. Holds raw pointers: keep the tensors alive and unmoved."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("dim", ctypes.c_int64),
+        ("row_state", ctypes.c_void_p),
+        ("st1", ctypes.c_void_p),
+        ("st2", ctypes.c_void_p),
+        ("salt", ctypes.c_uint64),
+        ("twob", ctypes.c_float),
+        ("b", ctypes.c_float),
     ]
 
 
@@ -119,8 +172,11 @@ def native_lib() -> Any:
             if lib is not None:
                 vp, i64 = ctypes.c_void_p, ctypes.c_int64
                 lib.im_map_batch.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp, i64, vp, vp, vp]
-                lib.im_map_batch.argtypes += [vp, vp, vp, vp, vp]
+                lib.im_map_batch.argtypes += [vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, vp]
                 lib.im_map_batch.restype = None
+                f32, u64 = ctypes.c_float, ctypes.c_uint64
+                lib.im_reset_rows.argtypes = [vp, vp, i64, vp, i64, vp, vp, vp, u64, f32, f32]
+                lib.im_reset_rows.restype = None
                 lib.im_lookup.argtypes = [vp, vp, i64, vp]
                 lib.im_lookup.restype = None
                 lib.im_rebuild.argtypes = [vp]
@@ -143,12 +199,18 @@ class MapResult:
     """Slots whose ids were evicted in this batch (a slot may also be in ``new_slots``)."""
     evicted_ids: Tensor
     """The raw ids evicted from ``evicted_slots``."""
+    used: Tensor
+    """The batch's slots (hits and new), each once (any order)."""
+    freed_slots: Tensor
+    """Evicted slots not reassigned in this batch (their rows must be zeroed)."""
     admitted: int
     """Ids admitted (= new slots)."""
     evicted: int
     """Ids evicted (ttl expiry and eviction for room)."""
     unadmitted: int
     """Lookups (occurrences) that got no slot."""
+    rows_reset: bool = False
+    """The map already reset the rows of ``freed_slots`` and ``new_slots`` (``rows``)."""
 
 
 class IdMap:
@@ -211,9 +273,16 @@ class IdMap:
         self.steps = 0
         self.totals = {"admitted": 0, "evicted": 0, "unadmitted": 0, "lookups": 0}
         hsize = 1 << max(4, (2 * cap - 1).bit_length())  # load factor <= 1/2
-        self._hkey = torch.zeros(hsize if self._lib else 0, dtype=torch.int64)
-        self._hval = torch.full((hsize if self._lib else 0,), -1, dtype=torch.int64)
-        self._keys = torch.empty(0, dtype=torch.int64)
+        self._ht = torch.full((2 * hsize if self._lib else 0,), -1, dtype=torch.int64)  # pairs
+        self._mark = torch.zeros(cap if self._lib else 0, dtype=torch.uint8)
+        # lru / ttl: live slots in (last, id) order, a linked list (compiled version only)
+        lst = self._lib is not None and eviction != "lfu"
+        self._nxt = torch.full((cap if lst else 0,), -2, dtype=torch.int64)
+        self._prv = torch.full((cap if lst else 0,), -2, dtype=torch.int64)
+        self._head = self._tail = -1
+        self._cst: _State | None = None  # the compiled version's state struct (built once)
+        self._counts = torch.zeros(0, dtype=torch.int64)
+        self._none = torch.zeros(0, dtype=torch.int64)
         self._salt_t = torch.tensor(
             [x - (1 << 64) if x >= 1 << 63 else x for x in self._sk_salt], dtype=torch.int64
         )
@@ -254,51 +323,112 @@ class IdMap:
         scal = [int(x) for x in st["scalars"]]
         self.n_free, self.sk_total, self.steps = scal[:3]
         self.totals = dict(zip(self.totals, scal[3:], strict=True))
-        if self._lib is not None:
-            self._lib.im_rebuild(ctypes.byref(self._cstate()))
+        self._rebuild()
 
     # ---- the C version -----------------------------------------------------------------------
     def _cstate(self) -> _State:
         pol = EVICTIONS.index(self.eviction)
         adm = ADMISSIONS.index(self.admission)
+        lst = self._nxt.numel() > 0
+        nxt, prv = (self._nxt.data_ptr(), self._prv.data_ptr()) if lst else (None, None)
         return _State(
-            self.capacity, self._hkey.numel() - 1, self._hkey.data_ptr(), self._hval.data_ptr(),
+            self.capacity, self._ht.numel() // 2 - 1, self._ht.data_ptr(), None,
             self.id_of.data_ptr(), self.last.data_ptr(), self.hits.data_ptr(),
             self.free.data_ptr(), self.live.data_ptr(), self.sketch.data_ptr(),
             self._salt_t.data_ptr(), SKETCH_DEPTH, self.width - 1, self.period, pol,
             self.ttl_steps, adm, self.threshold, self._prob_salt, self._prob_limit, self.n_free,
-            self.sk_total,
+            self.sk_total, nxt, prv, self._head, self._tail,
         )  # fmt: skip
 
-    def _map_native(self, ids: Tensor, step: int, pins: Tensor | None) -> tuple[Tensor, ...]:
+    def _rebuild(self) -> None:
+        """Rebuild the compiled version's derived state (hash table, lru order)."""
+        if self._lib is not None:
+            st = self._cstate()
+            self._lib.im_rebuild(ctypes.byref(st))
+            self._head, self._tail = int(st.head), int(st.tail)
+
+    def _map_native(
+        self,
+        ids: Tensor,
+        step: int,
+        pins: Tensor | None,
+        miss: int,
+        pin: bool,
+        touched: Any,
+        rows: Any = None,
+    ) -> tuple[Any, ...]:
         lib, n, cap = self._lib, ids.numel(), self.capacity
         assert lib is not None
-        st = self._cstate()
-        mark = torch.zeros(cap, dtype=torch.uint8)
-        msize = 1 << max(4, (2 * max(n, 1) - 1).bit_length())
-        mkey = torch.empty(msize, dtype=torch.int64)
-        mcnt = torch.empty(msize, dtype=torch.int64)
-        miss = torch.empty(max(n, 1), dtype=torch.int64)
-        if self._keys.numel() != 3 * cap:  # victim-selection scratch, kept between calls
-            self._keys = torch.empty(3 * cap, dtype=torch.int64)
-        keys = self._keys
-        out = torch.empty(max(n, 1), dtype=torch.int64)
-        new_s = torch.empty(max(n, 1), dtype=torch.int64)
-        new_i = torch.empty(max(n, 1), dtype=torch.int64)
-        ev_s = torch.empty(cap, dtype=torch.int64)
-        ev_i = torch.empty(cap, dtype=torch.int64)
-        counts = torch.zeros(_N_COUNTS, dtype=torch.int64)
-        p = None if pins is None else pins.data_ptr()
+        st = self._cst
+        if st is None:  # pointers never change (state is copied in place): built once
+            st = self._cst = self._cstate()
+            self._counts = torch.zeros(_N_COUNTS, dtype=torch.int64)
+        st.n_free, st.sk_total, st.head, st.tail = (
+            self.n_free,
+            self.sk_total,
+            self._head,
+            self._tail,
+        )
+        size = 1 << max(4, (max(n, 1) - 1).bit_length())
+        msize = 2 * size
+        buf = _shared_scratch(9 * cap + 2 * msize + 5 * size)  # keys, ev 4 x cap, per-batch
+        p0 = buf.ctypes.data
+        o = [8 * x for x in (0, 5 * cap, 6 * cap, 7 * cap, 8 * cap, 9 * cap)]
+        b0 = 9 * cap + 2 * msize  # miss, out, new slots, new ids, sort scratch: size each
+        ob = [8 * (b0 + j * size) for j in range(5)]
+        counts = self._counts
         lib.im_map_batch(
-            ctypes.byref(st), ids.data_ptr(), n, step, p, mark.data_ptr(), mkey.data_ptr(),
-            mcnt.data_ptr(), msize, miss.data_ptr(), keys.data_ptr(), out.data_ptr(),
-            new_s.data_ptr(), new_i.data_ptr(), ev_s.data_ptr(), ev_i.data_ptr(),
-            counts.data_ptr(),
+            ctypes.byref(st), ids.data_ptr(), n, step, None if pins is None else pins.data_ptr(),
+            self._mark.data_ptr(), p0 + o[5], p0 + o[5] + 8 * msize, msize, p0 + ob[0], p0,
+            p0 + ob[1], p0 + ob[2], p0 + ob[3], p0 + o[1], p0 + o[2], counts.data_ptr(), miss,
+            p0 + o[3], p0 + o[4], int(pin), None if touched is None else touched.data_ptr(),
+            p0 + ob[4], None if rows is None else ctypes.byref(rows),
         )  # fmt: skip
         self.n_free, self.sk_total = int(st.n_free), int(st.sk_total)
+        self._head, self._tail = int(st.head), int(st.tail)
         c = counts.tolist()
-        k, e = c[3], c[4]
-        return out[:n], new_s[:k], new_i[:k], ev_s[:e], ev_i[:e], *(torch.tensor(c[:3]),)
+        k, e, u, f = c[3], c[4], c[6], c[7]
+
+        def cut(start: int, count: int) -> Tensor:  # a copy: the scratch is reused
+            return torch.from_numpy(buf[start : start + count].copy())
+
+        out, used = cut(b0 + size, n), cut(7 * cap, u)
+        if rows is not None:  # rows reset here: the caller needs only the slots and used ones
+            none = self._none
+            return out, none, none, none, none, used, none, c[:3]
+        return (
+            out, cut(b0 + 2 * size, k), cut(b0 + 3 * size, k), cut(5 * cap, e), cut(6 * cap, e),
+            used, cut(8 * cap, f), c[:3],
+        )  # fmt: skip
+
+    def reset_rows(
+        self,
+        slots: Tensor,
+        ids: Tensor | None,
+        weight: Tensor,
+        states: list[Tensor | None],
+        salt: int,
+        bound: float,
+    ) -> bool:
+        """Compiled ``dynamic_init_rows`` of ``ids`` (zeros when None) into rows ``slots`` of
+        ``weight`` [*, dim] and zero optimizer state there (``states``: a per-row [*] tensor,
+        then up to two [*, dim] ones, or None); False when it cannot (no C, not on the CPU)."""
+        lib = self._lib
+        tensors = [weight, *(t for t in states if t is not None)]
+        if lib is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return False
+        if slots.numel() == 0:
+            return True
+        slots = slots.contiguous()
+        idp = None if ids is None else ids.contiguous()
+        row, st1, st2 = (states + [None, None, None])[:3]
+        ptr = [None if t is None else t.data_ptr() for t in (row, st1, st2)]
+        lib.im_reset_rows(
+            slots.data_ptr(), None if idp is None else idp.data_ptr(), slots.numel(),
+            weight.data_ptr(), weight.shape[1], ptr[0], ptr[1], ptr[2], salt,
+            float(2 * bound), float(bound),
+        )  # fmt: skip
+        return True
 
     # ---- the NumPy version -------------------------------------------------------------------
     def _find_np(self, ids: np.ndarray) -> np.ndarray:
@@ -319,7 +449,9 @@ class IdMap:
             for d, s in enumerate(self._sk_salt)
         ]
 
-    def _map_numpy(self, ids: Tensor, step: int, pins: Tensor | None) -> tuple[Tensor, ...]:
+    def _map_numpy(
+        self, ids: Tensor, step: int, pins: Tensor | None, miss_value: int, pin: bool, touched: Any
+    ) -> tuple[Any, ...]:
         x = ids.numpy()
         live, last, hits = self.live.numpy(), self.last.numpy(), self.hits.numpy()
         id_of, free = self.id_of.numpy(), self.free.numpy()
@@ -367,9 +499,9 @@ class IdMap:
             need = k - self.n_free
             cand = np.nonzero((live > 0) & ~mark & ~pinned)[0]
             if self.eviction == "lfu":
-                order = np.lexsort((cand, last[cand], hits[cand]))
+                order = np.lexsort((id_of[cand], last[cand], hits[cand]))
             else:
-                order = np.lexsort((cand, last[cand]))
+                order = np.lexsort((id_of[cand], last[cand]))
             victims = np.sort(cand[order[:need]])
             live[victims] = 0
             free[self.n_free : self.n_free + victims.size] = victims
@@ -389,28 +521,61 @@ class IdMap:
         self.n_free = base
         # 6. slots
         out = self._find_np(x)
-        unadm = int((out < 0).sum())
+        bad = out < 0
+        unadm = int(bad.sum())
+        # 7. used slots (raw-id order), freed slots
+        got = out[~bad]
+        used = got[np.unique(x[~bad], return_index=True)[1]]
+        if pin and pins is not None:
+            pins.numpy()[used] += 1
+        if touched is not None:
+            touched.numpy()[used] = 1
+        freed = evs[live[evs] == 0].astype(np.int64)
+        out[bad] = miss_value
         t = torch.from_numpy
         return (
-            t(out), t(new_s), t(miss[:k].copy()), t(evs.astype(np.int64)), t(evi),
-            torch.tensor([k, n_ev, unadm]),
+            t(out), t(new_s), t(miss[:k].copy()), t(evs.astype(np.int64)), t(evi), t(used),
+            t(freed), [k, n_ev, unadm],
         )  # fmt: skip
 
     # ---- public ------------------------------------------------------------------------------
-    def map(self, ids: Tensor, pins: Tensor | None = None) -> MapResult:
-        """Map one batch (advances the map's step); see the module doc for the decisions."""
+    def map(
+        self,
+        ids: Tensor,
+        pins: Tensor | None = None,
+        miss_value: int = -1,
+        pin_used: bool = False,
+        touched: Tensor | None = None,
+        rows: RowTarget | None = None,
+    ) -> MapResult:
+        """Map one batch (advances the map's step); see the module doc for the decisions.
+
+        ``miss_value``: the slot given to unadmitted lookups; ``pin_used``: add 1 to ``pins``
+        (int32 contiguous, changed in place) at the batch's slots; ``touched``: a bool
+        [capacity] tensor set at the batch's slots; ``rows``: the compiled version also resets
+        the rows of the freed and new slots there (``MapResult.rows_reset``; then the result
+        holds only slots, used slots and counts: the other tensors are empty)."""
         ids = ids.to(torch.int64).contiguous()
         if pins is not None:
+            if pin_used and (pins.dtype != torch.int32 or not pins.is_contiguous()):
+                raise ValueError("IdMap.map: pin_used needs contiguous int32 pins")
             pins = pins.to(torch.int32).contiguous()
         self.steps += 1
-        fn = self._map_native if self._lib is not None else self._map_numpy
-        out, new_s, new_i, ev_s, ev_i, c = fn(ids, self.steps, pins)
+        if self._lib is not None:
+            out, new_s, new_i, ev_s, ev_i, used, freed, c = self._map_native(
+                ids, self.steps, pins, miss_value, pin_used, touched, rows
+            )
+        else:
+            out, new_s, new_i, ev_s, ev_i, used, freed, c = self._map_numpy(
+                ids, self.steps, pins, miss_value, pin_used, touched
+            )
         adm, ev, un = (int(v) for v in c)
         self.totals["admitted"] += adm
         self.totals["evicted"] += ev
         self.totals["unadmitted"] += un
         self.totals["lookups"] += ids.numel()
-        return MapResult(out, new_s, new_i, ev_s, ev_i, adm, ev, un)
+        done = rows is not None and self._lib is not None
+        return MapResult(out, new_s, new_i, ev_s, ev_i, used, freed, adm, ev, un, done)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Each id's slot or -1, changing nothing."""

@@ -105,12 +105,24 @@ def _save(path: Path, a: np.ndarray) -> int:
 
 
 def _write_tables(model: Any, bits: int, quantize: str, out: Path) -> list[dict[str, Any]]:
+    from neorec.checkpoint.dynamic import dynamic_part
+
     (out / "tables").mkdir()
     specs = []
+    dyn = dynamic_part(model.ebc)
     for i, t in enumerate(model.ebc.tables):
-        w = model.ebc.table_weight(t.name).detach().float().cpu()
         base = f"tables/{i:03d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', t.name)}"  # a safe file name
         spec: dict[str, Any] = {"name": t.name, "rows": t.rows, "dim": t.dim}
+        if t.kind == "dynamic":  # the live raw ids (ascending) -> their rows, + the default row
+            st = dyn.export_table(t.name)
+            w = st.rows
+            if st.default_row is not None:
+                w = torch.cat([w, st.default_row.reshape(1, -1)])
+            spec.update(kind="dynamic", rows=int(w.shape[0]), unadmitted=t.unadmitted)
+            spec["ids_file"] = f"{base}.ids.npy"
+            spec["bytes_ids"] = _save(out / f"{base}.ids.npy", st.ids.numpy())
+        else:
+            w = model.ebc.table_weight(t.name).detach().float().cpu()
         spec["quantization"] = quantize
         if bits == 32:
             spec["files"] = {"weight": f"{base}.npy"}

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.checkpoint.catalog import PREFIX, load_chain, parse_name
+from neorec.checkpoint.dynamic import fixed_part, restore_dynamic, set_steps
 from neorec.checkpoint.format import (
     CheckpointCorruptError,
     CheckpointError,
@@ -267,7 +268,11 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     current = describe_model(model, torch.optim.SGD(model.dense_parameters(), lr=0.0))
     current["dense_optimizer"] = saved.get("dense_optimizer")
     check_model(storage.path(name), saved, current)
-    restore_embeddings(storage, chain, local_blocks(model.ebc))
+    dynamic = restore_dynamic(storage, chain, model.ebc)  # the id maps, by raw id
+    fixed = fixed_part(model.ebc)
+    restore_embeddings(storage, chain, local_blocks(fixed) if fixed is not None else [])
+    for apply in dynamic:
+        apply()
     try:
         dense_module(model).load_state_dict(dense["dense"])
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
@@ -284,10 +289,9 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
 
 
 def _set_step(ebc: Any, step: int) -> None:
-    """The fused optimizer's step counter(s) of a collection (one, or one per precision group)."""
-    parts = ebc.groups.values() if hasattr(ebc, "groups") else [ebc]
-    for part in parts:
-        part.step.fill_(step)
+    """The fused optimizer's step counter(s) of a collection (one, one per precision group, or
+    one per fixed / dynamic part)."""
+    set_steps(ebc, step)
 
 
 def check_out_path(path: str | Path, what: str) -> Path:

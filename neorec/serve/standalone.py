@@ -8,7 +8,9 @@
     probs = predict(dense, {"t0": (lengths, ids), "t1": (lengths, ids, weights), ...})
 
 ``dense`` is [B, num_dense] (cast to float32); each sparse feature is a bag per sample:
-``lengths`` [B] (ids per sample), ``ids`` [sum(lengths)] row ids of the feature's table, and
+``lengths`` [B] (ids per sample), ``ids`` [sum(lengths)] row ids of the feature's table (a
+dynamic table: any raw int64 ids, read through its id -> row map; an id it does not hold reads
+the shared default row, or with ``unadmitted = "zeros"`` is left out of its bag), and
 optionally per-id ``weights`` [sum(lengths)]. Every feature of ``predict.features`` is required.
 The result is float32 click probabilities [B] (``sigmoid`` of the model's logit; ``predict.logits``
 gives the logits). Bad input raises ``ValueError`` naming the feature.
@@ -44,6 +46,17 @@ class Table:
         self.num_rows, self.dim = int(spec["rows"]), int(spec["dim"])
         self.quantization = str(spec["quantization"])
         files = spec["files"]
+        self.dynamic = spec.get("kind") == "dynamic"
+        self.ids: np.ndarray | None = None
+        self.default_row = spec.get("unadmitted") == "default_row"
+        if self.dynamic:  # live raw ids, ascending: row j is ids[j]'s (+ the default row last)
+            self.ids = np.load(os.path.join(root, spec["ids_file"]), allow_pickle=False)
+            n = self.num_rows - int(self.default_row)
+            if self.ids.shape != (n,) or self.ids.dtype != np.int64:
+                raise ValueError(
+                    f"table '{self.name}': ids are {self.ids.dtype} {self.ids.shape}, the "
+                    f"manifest says int64 ({n},) (a damaged artifact)"
+                )
 
         def arr(key: str) -> np.ndarray:
             return np.load(os.path.join(root, files[key]), mmap_mode="r", allow_pickle=False)
@@ -70,6 +83,15 @@ class Table:
                     f"table '{self.name}': an array is {a.dtype} {a.shape}, the manifest says "
                     f"{np.dtype(dtype)} {shape} (a damaged artifact)"
                 )
+
+    def row_of(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of raw ids of a dynamic table: their row, else the default row, else -1."""
+        assert self.ids is not None
+        n = self.ids.shape[0]
+        pos = np.minimum(np.searchsorted(self.ids, ids), max(n - 1, 0))
+        hit = (self.ids[pos] == ids) if n else np.zeros(ids.shape, dtype=bool)
+        miss = n if self.default_row else -1
+        return np.where(hit, pos, miss).astype(np.int64)
 
     def rows(self, ids: np.ndarray) -> torch.Tensor:
         """fp32 rows [len(ids), dim] of ``ids`` (int64, checked by the caller)."""
@@ -139,14 +161,26 @@ class Predictor:
                 f"{where}: lengths must be >= 0 and sum to the {ids.shape[0]} ids, "
                 f"got sum {int(lengths.sum())}"
             )
-        bad = (ids < 0) | (ids >= table.num_rows)
-        if bad.any():
-            raise ValueError(f"{where}: id {int(ids[bad][0])} outside [0, {table.num_rows})")
-        rows = table.rows(ids)
+        keep = None
+        if table.dynamic:  # raw ids -> rows; unadmitted ids: the default row, or dropped
+            ids = table.row_of(ids)
+            keep = ids >= 0
+        else:
+            bad = (ids < 0) | (ids >= table.num_rows)
+            if bad.any():
+                raise ValueError(f"{where}: id {int(ids[bad][0])} outside [0, {table.num_rows})")
+        w = None
         if len(bag) == 3 and bag[2] is not None:
             w = torch.as_tensor(np.asarray(bag[2], dtype=np.float32))
             if tuple(w.shape) != (ids.shape[0],) or not bool(torch.isfinite(w).all()):
                 raise ValueError(f"{where}: weights must be {ids.shape[0]} finite numbers")
+        if keep is not None and not keep.all():
+            seg_all = np.repeat(np.arange(batch), lengths)
+            lengths = np.bincount(seg_all[keep], minlength=batch).astype(np.int64)
+            ids = ids[keep]
+            w = w[torch.from_numpy(keep)] if w is not None else None
+        rows = table.rows(ids)
+        if w is not None:
             rows = rows * w.unsqueeze(1)
         lens = torch.from_numpy(lengths)
         seg = torch.repeat_interleave(torch.arange(batch), lens)

@@ -20,6 +20,13 @@ or ``--no-cached-tiers``; the distributed runtime plans without them (it does no
 tables), so that flag shows the plan ``neorec train`` on several ranks would make. Tables of the
 config with ``storage = "dram" | "ssd"`` keep that tier (and their cache size) in ``neorec plan``.
 
+``--calibrate`` measures this machine (``neorec.bench.calibrate``): the topology constants, then
+random placements of random table mixes on gloo ranks until ``--budget-s`` (default 300 s, the
+whole calibration) is spent, fitting a learned cost model kept in the topology file with the
+machine it was fitted on (samples beside it, ``<stem>.samples.json``). ``--cost-model`` picks what
+scores plans (``neorec.sharding.learned_cost.resolve``); the report names it and its held-out
+error, and a model fitted on another machine or world size is a warning line naming both.
+
 ``--towers N`` (DMT) also plans N towers, one per host (N x ranks per host = world size): each
 tower's tables on its host's ranks (a partition balanced in predicted time and memory, or time
 only with ``--tower-partition time``), a tower module compressing each sample's pooled vectors to
@@ -60,6 +67,8 @@ from neorec.config import (
 )
 from neorec.errors import NeorecError
 from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
+from neorec.sharding.gpu_topology import add_preset_argument, apply_preset
+from neorec.sharding.learned_cost import COST_MODEL_MODES, LearnedModelError, resolve
 from neorec.sharding.planner import format_report, plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.towers_cost import (
@@ -99,10 +108,26 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=0, help="global batch (0: config)")
     parser.add_argument("--topology", help="topology JSON (written there with --calibrate)")
+    add_preset_argument(parser)  # --topology-preset (neorec.sharding.gpu_topology)
     parser.add_argument(
         "--calibrate",
         action="store_true",
         help="measure this machine with micro-benchmarks first and write --topology",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="--calibrate: wall-clock budget in seconds, random placements measured for the "
+        "learned cost model included (default 300; 0: constants only, no learned model)",
+    )
+    parser.add_argument(
+        "--cost-model",
+        choices=COST_MODEL_MODES,
+        default="auto",
+        help="what scores plans: auto (the topology's learned model when it was fitted on this "
+        "machine and world size, else the analytical one), learned (even if fitted elsewhere, "
+        "with a warning; an error without one), analytical",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--out", help="write the ShardingPlan JSON here")
@@ -219,7 +244,7 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
                 "with neorec plan --calibrate --topology PATH, or drop the key"
             )
         topo = Topology.load(tpath).with_world(args.world_size, args.ranks_per_host or None)
-    elif args.topology and Path(args.topology).exists():
+    elif args.topology:  # written just now by --calibrate, or given: missing is an error
         topo = Topology.load(args.topology)
         topo = topo.with_world(args.world_size, args.ranks_per_host or None)
     else:
@@ -233,6 +258,7 @@ def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
             topo = Topology.local_cpu(args.world_size).with_world(
                 args.world_size, args.ranks_per_host or args.world_size
             )
+    topo = apply_preset(args, topo)  # --topology-preset: a GPU host preset instead
     if "cache_fractions" in planner:
         planner["cache_fractions"] = tuple(float(f) for f in planner["cache_fractions"])
     known = {"weight_bytes", "allow_host", "max_cw_slices", "allow_cached_tiers", "cache_fractions"}
@@ -257,14 +283,28 @@ def _config_storage(tables: list[TableSpec], cfg: Config) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    """Run ``neorec.bench.calibrate`` in a subprocess (keeps torch out of the planner)."""
+    """Run ``neorec.bench.calibrate`` in a subprocess (keeps torch out of the planner); its
+    progress goes to stderr, its one-line error becomes ours."""
     out = args.topology or "topology.json"
     args.topology = out
     cmd = [sys.executable, "-m", "neorec.bench.calibrate", "--out", out]
     cmd += ["--world-size", str(args.world_size)]
     if args.ranks_per_host:
         cmd += ["--ranks-per-host", str(args.ranks_per_host)]
-    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    budget = getattr(args, "budget_s", None)
+    if budget is not None:
+        if budget < 0:
+            raise LearnedModelError(f"--budget-s must be >= 0 seconds, got {budget}")
+        cmd += ["--budget-s", str(budget)]
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    errs = [x for x in proc.stderr.splitlines() if x.startswith("neorec: error: ")]
+    if proc.returncode and errs:
+        raise LearnedModelError(errs[-1].removeprefix("neorec: error: "))
+    if proc.returncode:
+        sys.stderr.write(proc.stderr)
+        raise LearnedModelError(
+            f"--calibrate: the calibration crashed (exit {proc.returncode}); its output is above"
+        )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -274,13 +314,26 @@ def run_plan(args: argparse.Namespace) -> int:
     """
     try:
         _check_tower_flags(args)
+        if getattr(args, "topology_preset", None) and args.topology:  # flags before any reading
+            raise ConfigError("--topology-preset and --topology name two topologies: pass one")
         if args.calibrate:
             _calibrate(args)
         inp = load_plan_inputs(args)
         towers = getattr(args, "towers", 0)
         if towers:
             check_towers(inp.topology, towers, len(inp.tables))  # before the (long) flat plan
-        result = plan_tables(inp.tables, inp.topology, inp.batch_size, inp.optimizer, **inp.options)
+        where = str(args.topology or "topology")
+        scoring = resolve(inp.topology, getattr(args, "cost_model", "auto"), where)
+        result = plan_tables(
+            inp.tables,
+            inp.topology,
+            inp.batch_size,
+            inp.optimizer,
+            cost_model=getattr(args, "cost_model", "auto"),
+            **inp.options,
+        )
+        for w in scoring.warnings:
+            print(w, file=sys.stderr)
         if towers:
             return _run_towers(args, inp, result)
     except (NeorecError, ValueError) as e:  # PlanningError, ConfigError, bad table/topology files

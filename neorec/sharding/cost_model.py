@@ -520,7 +520,7 @@ class CostModel:
                 bwd_comm += si + se
                 inter += se
             buffers = hits * self.id_bytes + 2 * out_rows * cols * c4
-        weights = rows * self.row_bytes(table, cols) + state
+        weights = rows * (self.row_bytes(table, cols) + table.map_bytes_per_row) + state
         if cached:
             # Misses read from the store, and as many dirty evictions written back to it (each
             # resident row was updated by the step that touched it); slot lookups of every id.

@@ -45,11 +45,13 @@ are importable from here). DMT tower plans: ``neorec.sharding.towers_cost``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from neorec.sharding.cost_model import CACHE_MIN_BATCHES, CostModel, TableSpec, cache_rows
+from neorec.sharding.learned_cost import resolve
 from neorec.sharding.planner_local import _Search
 from neorec.sharding.planner_parts import (
     _CACHED_TYPES,
@@ -61,7 +63,18 @@ from neorec.sharding.planner_parts import (
 )
 from neorec.sharding.planner_report import SIMULATION_NOTE, PlanResult, format_report
 from neorec.sharding.topology import Topology
-from neorec.sharding.types import CACHED_STORAGES, ShardingType
+from neorec.sharding.types import CACHED_STORAGES, ShardingPlan, ShardingType
+
+_TW, _DP = ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL
+_LEARNED_TYPE_SETS = (
+    (_TW,),
+    (_TW, _DP),
+    (_TW, ShardingType.ROW_WISE),
+    (_TW, ShardingType.COLUMN_WISE),
+)
+"""Restricted starts ranked by a learned model next to the unrestricted ones."""
+_LEARNED_EVALS = 400
+"""Plan evaluations of the learned model's final moves (``Planner._learned_moves``)."""
 
 __all__ = [
     "PlanningError",
@@ -88,13 +101,17 @@ class Planner:
         cache_fractions: Sequence[float] = DEFAULT_CACHE_FRACTIONS,
         max_cw_slices: int = 64,
         max_iters: int | None = None,
+        cost_model: str = "auto",
     ) -> None:
         """``allow_host``: the host tier (and the ``dram`` cached tier) may hold rows, where the
         topology has host memory. ``allow_cached_tiers``: offer the cached tiers (``dram`` with
         host memory and ``allow_host``, ``ssd`` with ``ssd_capacity_gb``) with a row cache of
         each of ``cache_fractions``. Off by default: the distributed runtime does not run cached
-        tables (``neorec plan`` turns it on; ``planner.allow_cached_tiers``)."""
+        tables (``neorec plan`` turns it on; ``planner.allow_cached_tiers``).
+        ``cost_model``: which model ranks the candidate plans (``learned_cost.COST_MODEL_MODES``;
+        ``auto`` = the topology's learned model when fitted on this machine and world size)."""
         self.topo = topology
+        self.scoring = resolve(topology, cost_model)
         self.cm = CostModel(topology, batch_size, optimizer, weight_bytes=weight_bytes)
         self.batch = batch_size
         self.allow_host = allow_host and topology.host_capacity_bytes > 0
@@ -113,6 +130,8 @@ class Planner:
                 self.cached_tiers.append("ssd")
         self.max_cw = max_cw_slices
         self.max_iters = max_iters
+        self._type_filter: set[ShardingType] = set()
+        """Sharding types the options keep (where a table allows any of them); empty = all."""
 
     # ---- public -------------------------------------------------------------------------------
     def plan(self, tables: Sequence[TableSpec]) -> PlanResult:
@@ -123,18 +142,46 @@ class Planner:
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique: {names}")
-        best: tuple[float, int, _Search] | None = None
+        best: tuple[float, int, ShardingPlan] | None = None
         iters = 0
         memo = _Memo()
-        for share in self._split_shares(tables):
-            s = _Search(self, list(tables), memo)
-            s.initial(share)
+        learned = self.scoring.model
+        cands: list[ShardingPlan] = []
+        starts: list[tuple[_Start, set[ShardingType]]] = [
+            (share, set()) for share in self._split_shares(tables)
+        ]
+        if learned is not None:
+            # The search minimizes the additive analytical loads; the learned model may prefer
+            # plans with fewer kinds of collectives, so it also ranks searches whose options are
+            # restricted to a few sharding types (tables that allow none of them keep theirs).
+            starts += [(None, set(f)) for f in _LEARNED_TYPE_SETS]
+        for share, types in starts:
+            self._type_filter = types
+            s = _Search(self, list(tables), memo)  # per-option results: filter-independent
+            try:
+                s.initial(share)
+            except PlanningError:
+                if not types:
+                    raise
+                continue  # a restricted start that does not fit: the others still count
+            finally:
+                self._type_filter = set()
+            # With a learned model the search (additive analytical loads) proposes plans and the
+            # learned model ranks them: the start's plan before and after the local search.
+            if learned is not None:
+                cands.append(s.to_plan())
             iters += s.improve()
-            obj = s.objective()[0]
-            if best is None or obj < best[0] * (1 - 1e-9):
-                best = (obj, iters, s)
+            if learned is None:
+                obj = s.objective()[0]
+                if best is None or obj < best[0] * (1 - 1e-9):
+                    best = (obj, iters, s.to_plan())
+                continue
+            cands.append(s.to_plan())
+        if learned is not None:
+            best, n = self._learned_pick(cands, tables)
+            iters += n
         assert best is not None
-        plan = best[2].to_plan()
+        plan = best[2]
         plan.validate()
         cost = self.cm.evaluate(plan, tables)
         if not cost.fits:  # the search only accepts fitting placements; guard the invariant
@@ -146,13 +193,83 @@ class Planner:
             "predicted_step_embedding_s": cost.max_time_s,
             "imbalance": cost.imbalance,
             "batch_size": self.batch,
+            "cost_model": self.scoring.to_dict(),
         }
+        scored = None
+        if learned is not None:
+            scored = learned.predict_ms(self.cm, plan, tables)
+            plan.meta["predicted_step_embedding_s"] = scored["step"] / 1000
+            plan.meta["analytical_step_embedding_s"] = cost.max_time_s
         if plan.cached_tables():
             plan.meta["cached_tiers"] = (
                 "tables with storage dram/ssd run behind a row cache (neorec.storage.cached); "
                 "the distributed runtime does not run them"
             )
-        return PlanResult(plan, cost, list(tables), self.topo, self.batch, dt, iters)
+        return PlanResult(
+            plan, cost, list(tables), self.topo, self.batch, dt, iters, self.scoring, scored
+        )
+
+    def _learned_pick(
+        self, cands: list[ShardingPlan], tables: Sequence[TableSpec]
+    ) -> tuple[tuple[float, int, ShardingPlan], int]:
+        """The candidate with the lowest learned step time, then improved by ``_learned_moves``,
+        within a trust region: a plan is eligible only while its analytical step is within
+        (1 + the learned model's held-out mean |error|) of the best analytical candidate's (the
+        learned model is not trusted further from the plans the analytical model vouches for).
+        Returns ((learned seconds, 0, plan), moves made)."""
+        learned = self.scoring.model
+        assert learned is not None
+        costs = [self.cm.evaluate(c, tables) for c in cands]
+        tau = float(learned.validation["step"]["mean_abs_error"])
+        limit = min(c.max_time_s for c in costs) * (1 + tau)
+        best: tuple[float, int, ShardingPlan] | None = None
+        for cand, cost in zip(cands, costs):
+            if cost.max_time_s > limit * (1 + 1e-9):
+                continue
+            obj = learned.step_s(self.cm, cand, tables, cost)
+            if best is None or obj < best[0] * (1 - 1e-9):
+                best = (obj, 0, cand)
+        assert best is not None
+        plan, score, moves = self._learned_moves(best[2], tables, best[0], limit)
+        return (score, 0, plan), moves
+
+    def _learned_moves(
+        self, plan: ShardingPlan, tables: Sequence[TableSpec], score: float, limit: float
+    ) -> tuple[ShardingPlan, float, int]:
+        """Hill-climb the learned model's step time by moving whole table-wise tables to other
+        ranks (first improvement, in table then rank order; every candidate must fit memory, the
+        table's pinned ranks and the analytical ``limit``), at most ``_LEARNED_EVALS``
+        evaluations: (plan, its learned seconds, moves made)."""
+        learned = self.scoring.model
+        assert learned is not None
+        specs = {t.name: t for t in tables}
+        evals = moves = 0
+        improved = True
+        while improved and evals < _LEARNED_EVALS:
+            improved = False
+            for i, tp in enumerate(plan.tables):
+                if tp.sharding_type is not ShardingType.TABLE_WISE:
+                    continue
+                cur = tp.shards[0].rank
+                for r in self.candidate_ranks(specs[tp.name]):
+                    if r == cur or evals >= _LEARNED_EVALS:
+                        continue
+                    moved = dataclasses.replace(
+                        tp, shards=[dataclasses.replace(tp.shards[0], rank=r)]
+                    )
+                    cand = dataclasses.replace(
+                        plan, tables=[*plan.tables[:i], moved, *plan.tables[i + 1 :]]
+                    )
+                    cost = self.cm.evaluate(cand, tables)
+                    evals += 1
+                    if not cost.fits or cost.max_time_s > limit * (1 + 1e-9):
+                        continue
+                    s = learned.step_s(self.cm, cand, tables, cost)
+                    if s < score * (1 - 1e-9):
+                        plan, score, improved = cand, s, True
+                        moves += 1
+                        break
+        return plan, score, moves
 
     def _split_shares(self, tables: Sequence[TableSpec]) -> list[_Start]:
         """Starts to try (see ``_Search.initial``): no pre-split, then pre-splits while the
@@ -215,6 +332,8 @@ class Planner:
         w, k = self.topo.world_size, self.topo.ranks_per_host
         cands = self.candidate_ranks(t)
         allowed = set(t.allowed_types) if t.allowed_types else set(ShardingType)
+        if self._type_filter and allowed & self._type_filter:
+            allowed &= self._type_filter  # a learned model's extra start (see ``plan``)
         storages = self._storages(t)
         out: list[_Option] = []
         if (

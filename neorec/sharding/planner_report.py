@@ -15,6 +15,7 @@ from neorec.sharding.cost_model import (
     cache_hit_rates,
     cache_rows,
 )
+from neorec.sharding.learned_cost import Scoring, model_summary
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import CACHED_STORAGES, ShardingPlan
 
@@ -36,6 +37,18 @@ class PlanResult:
     batch_size: int
     planning_s: float
     iterations: int
+    scoring: Scoring | None = None
+    """Which cost model ranked the candidate plans (None: analytical, not recorded)."""
+    learned_ms: dict[str, float] | None = None
+    """The learned model's ms per step of the plan per target (None: analytical scoring)."""
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Predicted embedding step: the learned model's when it scored the plan, else the
+        analytical one's (``cost.max_time_s``)."""
+        if self.learned_ms is not None:
+            return self.learned_ms["step"] / 1000
+        return self.cost.max_time_s
 
     def critical_ranks(self) -> list[tuple[str, int, float]]:
         """(phase, slowest rank, seconds) for each phase of the step."""
@@ -103,7 +116,10 @@ class PlanResult:
             "batch_size": self.batch_size,
             "num_tables": len(self.tables),
             "params": sum(t.params for t in self.tables),
-            "predicted_step_embedding_s": c.max_time_s,
+            "predicted_step_embedding_s": self.predicted_step_s,
+            "analytical_step_embedding_s": c.max_time_s,
+            "cost_model": (self.scoring.to_dict() if self.scoring else {"kind": "analytical"}),
+            **({"learned_ms": self.learned_ms} if self.learned_ms is not None else {}),
             "mean_rank_s": c.mean_time_s,
             "max_rank_s": c.max_rank_s,
             "imbalance": c.imbalance,
@@ -133,7 +149,10 @@ class PlanResult:
                 }
                 for r in c.ranks
             ],
-            "topology": self.topology.to_dict(),
+            "topology": {
+                **self.topology.to_dict(),
+                "learned_cost": model_summary(self.topology.learned_cost),
+            },
         }
 
 
@@ -184,8 +203,19 @@ def format_report(result: PlanResult, max_ranks: int = 32) -> str:
             + ", ".join(f"{n} {k}" for k, n in sorted(skews.items()))
             + "; simulation, not measured)"
         )
+    sc = result.scoring
+    if sc is not None:
+        lines += [f"cost model: {sc.note}", *sc.warnings]
+    if result.learned_ms is not None:
+        lm = result.learned_ms
+        lines.append(
+            f"learned prediction per step: {lm['step']:.3f} ms (fwd {lm['fwd']:.3f}, bwd "
+            f"{lm['bwd']:.3f}, comm {lm['comm']:.3f} ms); the analytical figures below rank the "
+            "shards"
+        )
+    which = "analytical" if result.learned_ms is not None else "predicted"
     lines += [
-        f"predicted embedding time per step: {c.max_time_s * 1e3:.3f} ms (sum over phases of the "
+        f"{which} embedding time per step: {c.max_time_s * 1e3:.3f} ms (sum over phases of the "
         f"slowest rank), mean rank {c.mean_time_s * 1e3:.3f} ms, imbalance (step/mean) "
         f"{c.imbalance:.3f}, sample-side {c.sample_side_s * 1e3:.3f} ms",
         "phases: "

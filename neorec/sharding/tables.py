@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.config import TableConfig
+from neorec.errors import ConfigError
 from neorec.sharding.types import CACHED_STORAGES, STORAGES, ShardingType, parse_sharding_type
 
 __all__ = [
@@ -66,6 +67,9 @@ class TableSpec:
     precision: str = ""
     """Stored precision of the rows (``fp32``, ``fp16``, ``bf16``, ``fp8`` with a 4-byte scale per
     row); empty = the cost model's ``weight_bytes`` per value."""
+    map_bytes_per_row: float = 0.0
+    """Memory per row besides the row and its optimizer state: a dynamic table's id map
+    (``neorec.ops.id_map.map_bytes_per_slot``; its ``rows`` are its slots)."""
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.pooling_factor < 0 or self.zipf_alpha < 0:
@@ -120,7 +124,15 @@ class TableSpec:
         prec = getattr(t, "precision", "")
         if prec and prec != "fp32" and "precision" not in kw:
             kw["precision"] = prec  # fp32 tables keep the cost model's weight_bytes
-        return cls(name=t.name, rows=t.rows, dim=t.dim, pooling_factor=pooling, **kw)
+        rows = t.rows
+        if getattr(t, "kind", "fixed") == "dynamic":  # capacity slots (+ a default row) + map
+            from neorec.ops.id_map import map_bytes_per_slot
+
+            cap = int(t.capacity or t.rows)
+            rows = cap + int(t.unadmitted == "default_row")
+            per = map_bytes_per_slot(cap, t.admission, t.eviction)
+            kw.setdefault("map_bytes_per_row", per * cap / rows)
+        return cls(name=t.name, rows=rows, dim=t.dim, pooling_factor=pooling, **kw)
 
 
 def tables_from_config(
@@ -136,6 +148,24 @@ def tables_from_config(
     single-process training) is not a planner constraint here (see ``neorec plan``)."""
     out = []
     for t in tables:
+        if getattr(t, "kind", "fixed") == "dynamic":
+            # always row-wise by the hash of the raw id over every rank (the runtime's only way)
+            named = (types or {}).get(t.name, "")
+            if named and parse_sharding_type(named) != ShardingType.ROW_WISE:
+                raise ConfigError(
+                    f"sharding.types.{t.name} = {named!r}: table {t.name!r} is dynamic; dynamic "
+                    "tables are sharded row-wise by the hash of the raw id over every rank (set "
+                    "row_wise or drop the entry)"
+                )
+            out.append(
+                TableSpec.from_config(
+                    t,
+                    allowed_types=(ShardingType.ROW_WISE,),
+                    zipf_alpha=zipf_alpha,
+                    id_distribution=id_distribution,
+                )
+            )
+            continue
         st = (types or {}).get(t.name, default_type)
         allowed: tuple[ShardingType, ...] = (parse_sharding_type(st),) if st else ()
         if not allowed and getattr(t, "precision", "fp32") not in ("", "fp32"):
@@ -187,8 +217,17 @@ def load_tables(path: str | Path) -> list[TableSpec]:
     if not p.exists():
         raise ValueError(f"table file not found: {p}")
     if p.suffix.lower() == ".json":
-        data = json.loads(p.read_text())
-        records = data["tables"] if isinstance(data, dict) else data
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"table file {p}: not valid JSON: {e}") from None
+        records = data.get("tables") if isinstance(data, dict) else data
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise ValueError(
+                f'table file {p}: expected a list of table objects or {{"tables": [...]}}, got '
+                f"{type(data).__name__}"
+                + (f" with keys {sorted(data)[:8]}" if isinstance(data, dict) else "")
+            )
         return [_spec_from_record(r, f"{p}[{i}]") for i, r in enumerate(records)]
     with p.open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("name") and not r["name"].startswith("#")]

@@ -79,6 +79,10 @@ class Topology:
     Python and dispatch: reordering, splitting, concatenating); calibrated on CPU, 0 = ignored."""
     name: str = ""
     """Free-form label (preset name, ``calibrated on <host>``)."""
+    learned_cost: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """A learned correction of the cost model fitted on placements measured on one machine
+    (``neorec plan --calibrate``; ``neorec.sharding.learned_cost``): its parameters, the machine
+    it was fitted on and its held-out error; empty = none (the analytical model alone)."""
 
     def __post_init__(self) -> None:
         if self.ranks_per_host <= 0:
@@ -96,6 +100,10 @@ class Topology:
                 problems.append(f"{f.name} must be > 0, got {v}")
             if f.name.endswith(("_gb", "_us")) and v < 0:
                 problems.append(f"{f.name} must be >= 0, got {v}")
+        if not isinstance(self.learned_cost, dict):
+            problems.append(
+                f"learned_cost must be an object, got {type(self.learned_cost).__name__}"
+            )
         if self.device_reserve_gb >= self.device_memory_gb:
             problems.append(
                 f"device_reserve_gb ({self.device_reserve_gb}) must be < device_memory_gb "
@@ -202,5 +210,16 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> Topology:
-        """Read a JSON topology file."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a JSON topology file (``ConfigError``, one line, when missing or not JSON)."""
+        from neorec.errors import ConfigError
+
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(
+                f"topology {str(path)!r}: cannot read it ({e.strerror or e}); write one with "
+                "neorec plan --calibrate --topology PATH --world-size N"
+            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"topology {str(path)!r}: not JSON ({e})") from None
+        return cls.from_dict(raw)

@@ -36,7 +36,7 @@ from neorec.modules.embedding import (
     checked_batch,
     register_table_buffers,
 )
-from neorec.ops.id_map import IdMap, _mix64_np, mix64
+from neorec.ops.id_map import IdMap, RowTarget, _mix64_np, mix64
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     PoolingMode,
@@ -48,9 +48,16 @@ from neorec.ops.tbe import (
     tbe_lookup,
 )
 from neorec.sparse import SparseFeatures
+from neorec.storage.dynamic_state import (
+    DynamicTableState,
+    check_table_state,
+    export_table_state,
+    import_table_state,
+)
 
 __all__ = [
     "DynamicEmbeddingBagCollection",
+    "DynamicTableState",
     "MixedEmbeddingBagCollection",
     "dynamic_collection",
     "dynamic_init_rows",
@@ -65,6 +72,13 @@ def table_capacity(spec: TableConfig) -> int:
     return int(getattr(spec, "capacity", 0) or spec.rows)
 
 
+def _init_params(spec: TableConfig, seed: int, init_scale: float) -> tuple[float, int]:
+    """(bound, salt) of a table's initial rows (see ``dynamic_init_rows``)."""
+    bound = init_scale or math.sqrt(1.0 / table_capacity(spec))
+    salt = mix64(((int(seed) & _M64) * 0x100000001B3 ^ zlib.crc32(spec.name.encode())) & _M64)
+    return bound, salt
+
+
 def dynamic_init_rows(
     spec: TableConfig, seed: int, ids: Tensor, init_scale: float = 0.0, default: bool = False
 ) -> Tensor:
@@ -72,19 +86,21 @@ def dynamic_init_rows(
     default row, ``ids`` ignored but for their count).
 
     Element (id, c) is uniform in +-bound (``init_scale``, else sqrt(1/capacity)) from 24 bits
-    of ``mix64(mix64(id ^ salt) + c)``, salt from (seed, table name): the same row for the same
-    id whenever and wherever it is admitted.
+    of ``x = mix64(mix64(id ^ salt) + c // 2)`` (bits 40-63 for even c, 16-39 for odd c), salt
+    from (seed, table name): the same row for the same id whenever and wherever it is admitted
+    (the compiled map writes the same bits, ``im_reset_rows``).
     """
-    bound = init_scale or math.sqrt(1.0 / table_capacity(spec))
-    salt = mix64(((int(seed) & _M64) * 0x100000001B3 ^ zlib.crc32(spec.name.encode())) & _M64)
+    bound, salt = _init_params(spec, seed, init_scale)
     if default:
         salt = mix64(salt ^ 0xDEFA017DEFA017)
     u = ids.to(torch.int64).contiguous().numpy().view(np.uint64)
     h = _mix64_np(u ^ np.uint64(salt))
     cols = np.arange(spec.dim, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        x = _mix64_np(h[:, None] + cols[None, :])
-    vals = torch.from_numpy((x >> np.uint64(40)).astype(np.float32)).mul_(2.0**-24)
+        x = _mix64_np(h[:, None] + (cols[None, :] >> np.uint64(1)))
+    shift = np.where(cols % np.uint64(2) == 0, np.uint64(40), np.uint64(16))
+    bits = (x >> shift[None, :]) & np.uint64(0xFFFFFF)
+    vals = torch.from_numpy(bits.astype(np.float32)).mul_(2.0**-24)
     return vals.mul_(2 * bound).sub_(bound)
 
 
@@ -158,6 +174,11 @@ class DynamicEmbeddingBagCollection(nn.Module):
             for c, t in zip(self.capacities, self.tables)
         ]  # fmt: skip
         self._pins = [torch.zeros(c, dtype=torch.int32) for c in self.capacities]
+        self._touched = [torch.zeros(c, dtype=torch.bool) for c in self.capacities]
+        self._init = [_init_params(t, seed, init_scale) for t in self.tables]
+        self._targets: dict[int, tuple[tuple[int, ...], RowTarget | None]] = {}
+        first = [self.layout.feature_table.index(i) for i in range(len(self.tables))]
+        self._feature_span = [(f, f + len(t.features)) for f, t in zip(first, self.tables)]
         self._last: list[dict[str, int]] = [self._zero_counts() for _ in self.tables]
         for i, spec in enumerate(self.tables):
             if self.default_rows[i]:
@@ -192,7 +213,10 @@ class DynamicEmbeddingBagCollection(nn.Module):
         for i, t in enumerate(self.tables):
             if t.name == name:
                 return i
-        raise KeyError(f"no table '{name}' (tables: {[t.name for t in self.tables]})")
+        raise ConfigError(
+            f"{type(self).__name__}: no dynamic table '{name}' (tables: "
+            f"{[t.name for t in self.tables]})"
+        )
 
     def _table(self, i: int) -> Tensor:
         return self.layout.table(self.weights, i)
@@ -223,11 +247,74 @@ class DynamicEmbeddingBagCollection(nn.Module):
             }
         return out
 
+    def export_table(self, name: str) -> DynamicTableState:
+        """Table ``name`` by raw id: live ids (ascending), rows, optimizer state, the map's
+        bookkeeping (see ``DynamicTableState``); copies on the CPU."""
+        return export_table_state(self, self._table_index(name))
+
+    def check_import_table(self, name: str, state: DynamicTableState) -> None:
+        """Raise what ``import_table(name, state)`` would refuse (``ConfigError``), changing
+        nothing (a restore checks every table before it changes any)."""
+        check_table_state(self, self._table_index(name), state)
+
+    def import_table(self, name: str, state: DynamicTableState) -> None:
+        """Replace table ``name``'s map, rows and optimizer state by ``state`` (ids take new
+        slots; later decisions are those of the exported map). Refuses (``ConfigError``) more
+        ids than the capacity, another dim or another optimizer's state."""
+        import_table_state(self, self._table_index(name), state)
+
+    def take_touched(self, name: str) -> Tensor:
+        """Slots of table ``name`` whose id, row, state or bookkeeping changed since the last
+        call (bool [capacity]; training lookups and admissions), and start anew. A slot whose id
+        was evicted and not reassigned is not marked: compare the live ids for deletions."""
+        i = self._table_index(name)
+        out = self._touched[i]
+        self._touched[i] = torch.zeros_like(out)
+        return out
+
     # ---- rows ------------------------------------------------------------------------------------
+    def _state_views(self, i: int) -> list[Tensor | None]:
+        """Table ``i``'s optimizer state: per-row, then up to two [rows, dim] views."""
+        st = self.optimizer_state()
+        states: list[Tensor | None] = [None, None, None]
+        if "momentum1" in st:
+            off = self.layout.row_offsets[i]
+            states[0] = st["momentum1"][off : self.layout.row_offsets[i + 1]]
+        for j, k in enumerate(k for k in ("exp_avg", "exp_avg_sq") if k in st):
+            states[1 + j] = self.layout.table(st[k], i)
+        return states
+
+    def _row_target(self, i: int) -> RowTarget | None:
+        """Where the compiled map resets table ``i``'s rows (None: no C, not on the CPU); kept
+        while the buffers stay where they are."""
+        key = (self.weights.data_ptr(), *(t.data_ptr() for t in self.optimizer_state().values()))
+        hit = self._targets.get(i)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        w = self._table(i)
+        states = self._state_views(i)
+        ok = self.id_maps[i].native and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in [w, *states] if t is not None
+        )
+        target = None
+        if ok:
+            bound, salt = self._init[i]
+            ptr = [0 if t is None else t.data_ptr() for t in states]
+            target = RowTarget(
+                w.data_ptr(), w.shape[1], ptr[0], ptr[1], ptr[2], salt, 2 * bound, bound
+            )
+        self._targets[i] = (key, target)
+        return target
+
     def _reset_rows(self, i: int, slots: Tensor, ids: Tensor | None) -> None:
         """Rows ``slots`` of table ``i``: initial rows of ``ids`` (zeros when None); zero state."""
         if slots.numel() == 0:
             return
+        bound, salt = self._init[i]
+        if self.id_maps[i].reset_rows(
+            slots, ids, self._table(i), self._state_views(i), salt, bound
+        ):
+            return  # compiled
         dev = self.weights.device
         s = slots.to(dev)
         spec = self.tables[i]
@@ -241,21 +328,29 @@ class DynamicEmbeddingBagCollection(nn.Module):
             else:
                 self.layout.table(st, i)[s] = 0.0
 
-    def _map_table(self, i: int, ids: Tensor, training: bool) -> Tensor:
+    def _map_table(self, i: int, ids: Tensor, training: bool) -> tuple[Tensor, Tensor]:
+        """(slot of each id, the default row or -1 where unadmitted; the distinct slots used,
+        pinned until the batch's update) of table ``i``."""
         m = self.id_maps[i]
+        miss = self.capacities[i] if self.default_rows[i] else -1
         if not training:
-            return m.lookup(ids)
-        r = m.map(ids, self._pins[i])
-        freed = r.evicted_slots[~torch.isin(r.evicted_slots, r.new_slots)]
-        self._reset_rows(i, freed, None)
-        self._reset_rows(i, r.new_slots, r.new_ids)
+            got = m.lookup(ids)
+            if miss >= 0:
+                got = torch.where(got >= 0, got, miss)
+            return got, got[:0]
+        rows = self._row_target(i)
+        r = m.map(ids, self._pins[i], miss, pin_used=True, touched=self._touched[i], rows=rows)
+        # (the map pinned the used slots and marked them touched for the checkpoints)
+        if not r.rows_reset:
+            self._reset_rows(i, r.freed_slots, None)
+            self._reset_rows(i, r.new_slots, r.new_ids)
         self._last[i] = {
             "admitted": r.admitted,
             "evicted": r.evicted,
             "unadmitted": r.unadmitted,
             "lookups": ids.numel(),
         }
-        return r.slots
+        return r.slots, r.used
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
@@ -276,18 +371,19 @@ class DynamicEmbeddingBagCollection(nn.Module):
         cuts = offsets[:: max(b, 1)].tolist() if b else [0] * (nf + 1)
         slots = torch.empty_like(raw)
         used: list[Tensor] = []  # distinct map slots per table (pinned until the update)
-        for i in range(len(self.tables)):
-            feats = [f for f in range(nf) if self.layout.feature_table[f] == i]
-            ids = torch.cat([raw[cuts[f] : cuts[f + 1]] for f in feats]) if feats else raw[:0]
-            got = self._map_table(i, ids, training)
-            used.append(torch.unique(got[got >= 0]))
-            if self.default_rows[i]:
-                got = torch.where(got >= 0, got, self.capacities[i])
-            pos = 0
-            for f in feats:
-                n = cuts[f + 1] - cuts[f]
-                slots[cuts[f] : cuts[f + 1]] = got[pos : pos + n]
-                pos += n
+
+        def release() -> None:
+            for i, u in enumerate(used):  # (numpy indexing: far cheaper than torch's here)
+                self._pins[i].numpy()[u.numpy()] -= 1
+
+        try:
+            for i, (f0, f1) in enumerate(self._feature_span):  # a table's features: contiguous
+                got, u = self._map_table(i, raw[cuts[f0] : cuts[f1]], training)
+                used.append(u)
+                slots[cuts[f0] : cuts[f1]] = got
+        except BaseException:
+            release()
+            raise
         keep = slots >= 0
         if not bool(keep.all()):  # zeros: drop unadmitted ids, keep the bags
             bag = torch.repeat_interleave(
@@ -300,13 +396,6 @@ class DynamicEmbeddingBagCollection(nn.Module):
             torch.cumsum(lengths, 0, out=offsets[1:])
         indices, offsets = slots.to(dev), offsets.to(dev)
         psw = psw.to(dev) if psw is not None else None
-        if training:
-            for i, u in enumerate(used):
-                self._pins[i][u] += 1
-
-        def release() -> None:
-            for i, u in enumerate(used):
-                self._pins[i][u] -= 1
 
         def update(grad_output: Tensor) -> None:
             try:
@@ -414,7 +503,12 @@ class MixedEmbeddingBagCollection(nn.Module):
 
     def stats(self) -> dict[str, Any]:
         """The dynamic tables' ``stats()``."""
-        return self.dynamic.stats()
+        out: dict[str, Any] = self.dynamic.stats()
+        return out
+
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """Nothing staged (what pipelines call before a step): each part distributes its input in
+        its forward."""
 
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""

@@ -33,6 +33,7 @@ from neorec.data.batch import Batch
 from neorec.distributed.dense_blocks import blocks_of, per_block
 from neorec.errors import DataError
 from neorec.modules.dlrm import DenseArch
+from neorec.modules.exfm_heads import StudentAdapter, adapter_and_aux_losses, aux_soft_bce
 
 __all__ = [
     "DistillLoss",
@@ -129,19 +130,20 @@ def distill_loss(
         )
     if hidden is None:
         raise ConfigError("distill.aux_head needs the penultimate layer: call with hidden")
-    target = fm
-    total = serving
+    head = arch.aux_head
+    assert isinstance(head, torch.nn.Linear)
     adapter_loss = None
     if cfg.adapter:
-        assert arch.adapter is not None
-        corrected = arch.adapter(fm, logits.detach(), batch.dense)
+        assert isinstance(arch.adapter, StudentAdapter)
         # The aux head and the adapter run in one process only: their losses need no blocks.
-        adapter_loss = F.binary_cross_entropy_with_logits(corrected, labels)
-        total = total + adapter_loss
-        target = corrected.detach()
-    aux_logits = arch.aux_head(hidden.float()).squeeze(1)
-    aux = soft_bce(aux_logits, target, t)
-    total = total + cfg.aux_weight * aux
+        # One autograd node: the adapter learns the labels, the aux head its detached output.
+        adapter_loss, aux, _ = adapter_and_aux_losses(
+            arch.adapter, head, hidden.float(), fm, logits.detach(), batch.dense, labels, t
+        )
+        total = serving + adapter_loss + cfg.aux_weight * aux
+    else:
+        aux = aux_soft_bce(hidden.float(), head.weight, head.bias, fm, t)
+        total = serving + cfg.aux_weight * aux
     return DistillLoss(
         total,
         serving.detach(),

@@ -9,12 +9,23 @@ the same predictions. AUC sums half-integer ranks, which is exact in any order.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["auc", "log_loss", "normalized_entropy", "calibration", "binary_metrics", "MetricState"]
+__all__ = [
+    "auc",
+    "log_loss",
+    "normalized_entropy",
+    "calibration",
+    "binary_metrics",
+    "MetricState",
+    "dynamic_counters",
+    "dynamic_fields",
+    "DynamicLine",
+]
 
 _EPS = 1e-12
 
@@ -107,3 +118,68 @@ class MetricState:
         """Restore."""
         self.probs = [state["probs"]] if state["probs"].numel() else []
         self.labels = [state["labels"]] if state["labels"].numel() else []
+
+
+# ---- dynamic tables (issue 21): admitted / evicted / unadmitted lookups, occupancy -------------
+_DYN_COUNTS = ("admitted", "evicted", "unadmitted", "lookups")
+
+
+def dynamic_counters(ebc: Any) -> dict[str, float]:
+    """Running totals of the dynamic tables of a collection, flat: ``dyn.<table>.<count>`` for
+    admitted, evicted, unadmitted (lookups that got no slot), lookups, occupancy and capacity
+    (empty without dynamic tables)."""
+    stats = getattr(ebc, "stats", None)
+    if not callable(stats):
+        return {}
+    out: dict[str, float] = {}
+    for t, v in stats().items():
+        if isinstance(v, dict) and "total" in v and "occupancy" in v:
+            for k in _DYN_COUNTS:
+                out[f"dyn.{t}.{k}"] = float(v["total"][k])
+            out[f"dyn.{t}.occupancy"] = float(v["occupancy"])
+            out[f"dyn.{t}.capacity"] = float(v["capacity"])
+    return out
+
+
+def dynamic_fields(now: dict[str, float], before: dict[str, float], steps: float) -> dict[str, Any]:
+    """The ``dynamic`` entry of an events.jsonl line: per table, admitted / evicted / unadmitted
+    lookups per step over the window from ``before`` to ``now`` (``dynamic_counters`` values),
+    the unadmitted fraction of its lookups, and the occupancy (live ids) and capacity now."""
+    tables = sorted({k.split(".")[1] for k in now if k.startswith("dyn.") and k.count(".") >= 2})
+    out: dict[str, Any] = {}
+    for t in tables:
+
+        def delta(k: str, t: str = t) -> float:
+            return now[f"dyn.{t}.{k}"] - before.get(f"dyn.{t}.{k}", 0.0)
+
+        lookups = delta("lookups")
+        out[t] = {
+            **{f"{k}_per_step": delta(k) / max(steps, 1.0) for k in _DYN_COUNTS[:3]},
+            "unadmitted_fraction": delta("unadmitted") / lookups if lookups else None,
+            "occupancy": int(now[f"dyn.{t}.occupancy"]),
+            "capacity": int(now[f"dyn.{t}.capacity"]),
+        }
+    return {"dynamic": out} if out else {}
+
+
+class DynamicLine:
+    """The progress line's part for dynamic tables: per table, occupancy / capacity and the
+    admitted (+), evicted (-) and unadmitted lookups per step since the previous line."""
+
+    def __init__(self, ebc: Any) -> None:
+        self.ebc = ebc
+        self.before = dynamic_counters(ebc)
+        self.steps = float(getattr(ebc, "step", 0))
+
+    def __call__(self) -> str:
+        """The text (empty without dynamic tables)."""
+        now = dynamic_counters(self.ebc)
+        step = float(getattr(self.ebc, "step", 0))
+        fields = dynamic_fields(now, self.before, step - self.steps).get("dynamic", {})
+        self.before, self.steps = now, step
+        parts = [
+            f"{t} {v['occupancy']}/{v['capacity']} +{v['admitted_per_step']:.1f} "
+            f"-{v['evicted_per_step']:.1f} unadm {v['unadmitted_per_step']:.1f}/step"
+            for t, v in fields.items()
+        ]
+        return "  ".join(parts)

@@ -21,8 +21,14 @@ worker threads (async work handles) while batch i computes. Data loading runs in
 thread. Nothing of batch i+1's input distribution depends on weights, so staging it before batch
 i's update changes no number: the overlapped pipeline trains bitwise the same model.
 
-On a GPU, copies and input distribution are issued on a side CUDA stream that the compute stream
-waits on before batch i+1 runs (``torch.cuda.is_available()``); on CPU tensors stay where they are.
+Both pipelines prepare a batch's input distribution on the host before its step
+(``stage_input_dist(device_sparse, host_sparse)``): the checks of the batch, the split of its ids
+by shard, the lengths exchange and every split size are computed from the host copy of the batch,
+so the step itself reads nothing back from the device (no host sync; ``train.device``).
+
+On a GPU (``device`` cuda), host-to-device copies (from pinned memory) and the staging of batch
+i+1 are issued on a side CUDA stream that the compute stream waits on before batch i+1 runs; on the
+CPU tensors stay where they are and the same code runs.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch
 from torch import Tensor
 
 from neorec.data.batch import Batch
+from neorec.sparse import SparseFeatures
 
 __all__ = ["StepFn", "StepOutput", "TrainPipeline", "OverlappedTrainPipeline", "make_pipeline"]
 
@@ -98,11 +105,18 @@ class TrainPipeline:
         self.times.load_wait_s += time.perf_counter() - t0
         if batch is None:
             return None
-        if self.device is not None:
-            batch = batch.to(self.device)
+        batch = self._stage_now(batch)
         loss = self.step_fn(self.model, self.opt, batch, step, self.bf16)
         self.times.step_s.append(time.perf_counter() - t0)
         return StepOutput(loss, batch)
+
+    def _stage_now(self, host: Batch) -> Batch:
+        """The batch on the device, its input distribution prepared from the host copy."""
+        batch = _to_device(host, self.device)
+        stage = getattr(self.model, "stage_input_dist", None)
+        if callable(stage):
+            stage(batch.sparse, host.sparse)
+        return batch
 
     def close(self) -> None:
         """Release background resources (none here)."""
@@ -152,14 +166,13 @@ class OverlappedTrainPipeline(TrainPipeline):
             return None
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:
-            if self.device is not None:
-                batch = batch.to(self.device, non_blocking=True)
+            host, batch = batch, _to_device(batch, self.device)
             prefetch = getattr(self.model, "prefetch", None)  # the memory hierarchy's row cache
             if callable(prefetch):
                 prefetch(batch.sparse)
             stage = getattr(self.model, "stage_input_dist", None)
             if callable(stage):
-                stage(batch.sparse)
+                stage(batch.sparse, host.sparse)
         return batch
 
     def _wait_side_stream(self, batch: Batch) -> None:
@@ -176,6 +189,26 @@ class OverlappedTrainPipeline(TrainPipeline):
     def close(self) -> None:
         """Stop the loader thread."""
         self._loader.close()
+
+
+def _to_device(batch: Batch, device: torch.device | None) -> Batch:
+    """``batch`` on ``device`` (itself when None or the CPU); from pinned memory on a GPU, so
+    the copy is asynchronous on the current stream."""
+    if device is None or device.type == "cpu":
+        return batch
+
+    def pin(t: Tensor) -> Tensor:
+        return t.pin_memory() if t.device.type == "cpu" else t
+
+    sp = batch.sparse
+    w = None if sp.weights is None else pin(sp.weights)
+    pinned = Batch(
+        pin(batch.dense),
+        SparseFeatures(sp.keys, pin(sp.values), pin(sp.lengths), w),
+        pin(batch.labels),
+        None if batch.fm_logits is None else pin(batch.fm_logits),
+    )
+    return pinned.to(device, non_blocking=True)
 
 
 class _Loader:

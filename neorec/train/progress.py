@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+import torch
 from torch import Tensor
 
 __all__ = ["Progress", "banner", "eval_line", "fmt_duration"]
@@ -53,11 +54,28 @@ class Progress:
     enabled: bool = True
     start: float = field(default_factory=time.perf_counter)
     samples: int = 0
-    losses: list[float] = field(default_factory=list)
+    _losses: list[float] = field(default_factory=list)
+    _pending: list[Tensor] = field(default_factory=list)
+    """Losses of steps since the last read, still on the device (read once per log line: no
+    host sync per step on a GPU)."""
     start_samples: int = 0
     """Samples already trained when this process began (a resumed run's), left out of rates."""
     start_step: int = 0
     bar: Any = None
+    extra: Any = None
+    """Called at each printed line for more text (the dynamic tables' counters), or None."""
+
+    @property
+    def losses(self) -> list[float]:
+        """Every recorded step's loss (reading it moves the pending ones to the host at once)."""
+        if self._pending:
+            self._losses.extend(torch.stack(self._pending).double().tolist())
+            self._pending.clear()
+        return self._losses
+
+    @losses.setter
+    def losses(self, values: list[float]) -> None:
+        self._losses, self._pending = list(values), []
 
     def begin(self, step: int = 0, bar: bool | None = None) -> None:
         """Start the clock at ``step``: rates count what this process trains from now on.
@@ -106,7 +124,7 @@ class Progress:
         """Record a step; every ``every`` steps (and at the last) return the logged values and
         show them (a plain line, or the bar's postfix with the line in train.log only)."""
         self.samples += batch_size
-        self.losses.append(float(loss))
+        self._pending.append(loss.detach().reshape(()))
         if self.bar is not None:
             self.bar.update(1)
         if step % self.every and step != self.total:
@@ -122,6 +140,8 @@ class Progress:
         eta = self.eta(step, elapsed)
         left = "" if eta is None or step == self.total else f"  eta {fmt_duration(eta)}"
         line = f"step {step}{total}  loss {mean:.4f}  {rate:,.0f} samples/s  {elapsed:.1f}s{left}"
+        more = self.extra() if self.extra is not None else ""
+        line += f"  {more}" if more else ""
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {mean:.4f}, {rate:,.0f} samples/s", refresh=False)
             log_only = getattr(self.out, "log_only", None)
@@ -208,11 +228,15 @@ def banner(
         f"lr {t.dense_lr:g}; {evals}"
     )
     ranks = f"world    {world} rank{'s' if world > 1 else ''}"
-    if plan is not None and world > 1:
+    dynamic = sum(1 for x in tables if getattr(x, "kind", "fixed") == "dynamic")
+    if world > 1 and ((plan is not None and plan.tables) or dynamic):
         kinds = Counter(
-            str(getattr(p.sharding_type, "value", p.sharding_type)) for p in plan.tables
+            str(getattr(p.sharding_type, "value", p.sharding_type))
+            for p in (plan.tables if plan is not None else [])
         )
-        ranks += " | plan " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+        parts = [f"{k} x{n}" for k, n in sorted(kinds.items())]
+        parts += [f"dynamic (id hash) x{dynamic}"] if dynamic else []
+        ranks += " | plan " + ", ".join(parts)
     lines.append(ranks)
     return "\n".join(lines)
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
-import json
 import os
-import resource
 import shutil
 import sys
 import time
@@ -21,15 +20,17 @@ from torch import Tensor
 
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
+from neorec.distributed.comm import rank_device
 from neorec.distributed.dense_blocks import block_dense
 from neorec.errors import NeorecError
 from neorec.modules.dlrm import build_dlrm
-from neorec.train.metrics import binary_metrics
-from neorec.train.pipeline import PipelineTimes, make_pipeline
+from neorec.train.metrics import DynamicLine, binary_metrics, dynamic_counters, dynamic_fields
+from neorec.train.pipeline import make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of
-from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, run_info, utc_now
+from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
 from neorec.train.sources import DataSource, make_source
 from neorec.train.steps import (
+    LossGuard,
     RecModel,
     TrainingDiverged,
     evaluate,
@@ -37,6 +38,7 @@ from neorec.train.steps import (
     predict,
     train_step,
 )
+from neorec.train.summary import RunSummary
 from neorec.train.tb import TBWriter, tensorboard_wanted
 from neorec.train.towers import resolve_tower_groups, towered_model
 
@@ -62,22 +64,7 @@ def _injected_failure(rank: int) -> int:
     return st if r == rank else -1
 
 
-def _memory_mb() -> dict[str, float]:
-    """Peak RSS of this process, and its RSS now split into anonymous memory (what it owns) and
-    file-backed pages (mapped store files: page cache the kernel can reclaim), in MiB."""
-    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in ("RssAnon", "RssFile"):
-                    out[f"{key[3:].lower()}_rss_mb"] = round(int(rest.split()[0]) / 1024, 1)
-    except OSError:
-        pass
-    return out
-
-
-class Trainer:
+class Trainer(RunSummary):
     """Runs training and evaluation for a config and writes the run folder's files.
 
     Under torch.distributed, every rank reads the same global batches and keeps its slice
@@ -125,6 +112,8 @@ class Trainer:
         self.tee = Tee(out or sys.stdout) if self.rank == 0 else None
         self.out: TextIO = cast(TextIO, self.tee) if self.tee is not None else out or sys.stdout
         self.runlog: RunLog | None = None
+        cfg.train.check_device()  # cuda without a CUDA device: refused before any work
+        self.device = rank_device(cfg.train.device)
         if cfg.data.batch_size % self.world:
             raise ConfigError(
                 f"data.batch_size {cfg.data.batch_size} must be divisible by the {self.world} ranks"
@@ -136,10 +125,11 @@ class Trainer:
 
         check_trainable(cfg)  # one dim, the dense part's size, splits of at least one batch
         dynamic = [t.name for t in cfg.embedding.tables if t.kind == "dynamic"]
-        if dynamic:  # (also refused by the CLI, before a run folder exists)
+        if dynamic and self.world > 1 and cfg.towers.enabled:
             raise ConfigError(
-                f"tables {dynamic} are dynamic: the trainer cannot checkpoint or save dynamic "
-                "tables yet (train them through neorec.storage.dynamic in Python for now)"
+                f"tables {dynamic} are dynamic: towers ([towers] count / groups) on "
+                f"{self.world} ranks do not hold dynamic tables yet; drop the towers or train "
+                "in one process"
             )
         self.tb: TBWriter | None = None
         self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
@@ -176,7 +166,10 @@ class Trainer:
         groups = resolve_tower_groups(self.cfg, self.source, self.rank, self.world)
         self.tower_groups = groups
         if self.world == 1:
-            model = build_dlrm(self.cfg, groups=groups) if groups else build_dlrm(self.cfg)
+            dev = self.device
+            model = (
+                build_dlrm(self.cfg, dev, groups=groups) if groups else build_dlrm(self.cfg, dev)
+            )
             if self.cfg.train.dense_blocks > 1:
                 # The dense gradient summed in the blocks' tree: what N ranks compute (bitwise).
                 block_dense(model.dense_arch, self.cfg.train.dense_blocks)
@@ -194,15 +187,28 @@ class Trainer:
                 "distill.aux_head / distill.adapter run in one process for now; drop --nproc or "
                 "use plain distillation (distill.weight)"
             )
+        dynamic = [t.name for t in self.cfg.embedding.tables if t.kind == "dynamic"]
         if groups:
             return towered_model(self.cfg, groups)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         plan = resolve_plan(self.cfg, self.world, local)
+        if dynamic:  # row-wise by the raw id's hash over every rank: never placed by a plan
+            from neorec.distributed.dynamic_reshard import without_dynamic
+
+            plan = without_dynamic(plan, self.cfg.embedding.tables)
         check_same_everywhere("sharding plans", plan.to_dict())
         if self.rank == 0 and self.cfg.train.progress:
-            print(plan.format_table(), file=self.out, flush=True)
+            if plan.tables:
+                print(plan.format_table(), file=self.out, flush=True)
+            if dynamic:
+                print(
+                    f"dynamic tables {dynamic}: row-wise by the hash of the raw id over all "
+                    f"{self.world} ranks (ceil(capacity / {self.world}) slots each)",
+                    file=self.out,
+                    flush=True,
+                )
         self.plan = plan
-        return DistributedModel(self.cfg, plan)
+        return DistributedModel(self.cfg, plan, device=self.device)
 
     def _local(self, batch: Batch) -> Batch:
         if self.world == 1 or getattr(self.source, "yields_local", False):
@@ -313,6 +319,9 @@ class Trainer:
         )
         self._open_run(total)
         evals = self.ckpt.resume(self, progress) if self.ckpt is not None else []
+        ebc = getattr(self.model, "ebc", None)
+        if dynamic_counters(ebc):  # dynamic tables: their counters in the progress line
+            progress.extra = DynamicLine(ebc)
         first_step = self.step
         # A periodic eval at the last step of the eval_fraction schedule is the final eval.
         skip_last = total if not cfg.train.eval_every else None
@@ -325,6 +334,9 @@ class Trainer:
         step_fn: Any = train_step
         if cfg.distill.enabled:  # an ExFM student: the FM's logits come with the batches
             step_fn = functools.partial(train_step, distill=cfg.distill)
+        self.guard = LossGuard()  # the NaN guard, read at log intervals (no host sync per step)
+        if "guard" in inspect.signature(step_fn).parameters:  # (a custom step checks itself)
+            step_fn = functools.partial(step_fn, guard=self.guard)
         step_fn = step_fn if self.lowp is None else self.lowp.wrap(step_fn)
         pipe = make_pipeline(
             cfg.train.pipeline,
@@ -333,6 +345,7 @@ class Trainer:
             self._feed(positions),
             step_fn,
             bf16=cfg.train.bf16_dense,
+            device=self.device,
         )
         self._window = self._counters()
         try:
@@ -341,13 +354,20 @@ class Trainer:
                     raise RuntimeError(
                         f"injected failure on rank {self.rank} at step {self._fail_at}"
                     )
-                out = pipe.progress(self.step + 1)
+                try:
+                    out = pipe.progress(self.step + 1)
+                except NeorecError:
+                    self.guard.check()  # a failed step after a non-finite loss: that is the cause
+                    raise
                 if out is None:
                     break
                 self.step += 1
                 self._epoch, self._next_batch = positions.popleft()
                 logged = progress.update(self.step, out.batch.size * self.world, out.loss)
-                ev = None
+                ev, every = None, cfg.checkpoint.every_steps if self.ckpt is not None else 0
+                # The NaN guard's host read: at log lines, and before any eval or checkpoint.
+                if logged is not None or self._due(self.eval_every) or self._due(every):
+                    self.guard.check()
                 if self.eval_every and self.step % self.eval_every == 0 and self.step != skip_last:
                     te, c0 = time.perf_counter(), self._counters()
                     ev = {"step": self.step, **self.evaluate(periodic=True)}
@@ -373,6 +393,7 @@ class Trainer:
             pipe.close()
             if self.lowp is not None:
                 self.lowp.close()  # the probe's table and lowp.json; every site back to fp32
+        self.guard.check()
         self.pipe_times = pipe.times
         self._comm = self.comm_metrics()
         if self.ckpt is not None:
@@ -382,6 +403,9 @@ class Trainer:
         self._event(None, {"step": self.step, **final}, final=True)
         self.finish_model()
         return self.summarize(final, evals, progress, train_s, first_step)
+
+    def _due(self, every: int) -> bool:
+        return bool(every) and self.step % every == 0
 
     def finish_model(self) -> None:
         """At the end of training (every rank; after the final eval, before metrics.json): save
@@ -419,6 +443,7 @@ class Trainer:
         if ebc is not None and callable(getattr(ebc, "stats", None)):
             s = ebc.stats()
             out["hits"], out["misses"] = float(s.get("hits", 0)), float(s.get("misses", 0))
+            out.update(dynamic_counters(ebc))
         return out
 
     def _event(
@@ -443,6 +468,7 @@ class Trainer:
                 hits = now["hits"] - before.get("hits", 0.0)
                 misses = now["misses"] - before.get("misses", 0.0)
                 rec["cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
+            rec.update(dynamic_fields(now, before, steps))
             self._window = now
         if ev is not None:
             rec.update({f"eval_{k}": v for k, v in ev.items() if k != "step"})
@@ -465,7 +491,8 @@ class Trainer:
         source: Iterator[Batch] = iter(self.source.eval_batches())
         if periodic and self.cfg.train.eval_batches:
             source = itertools.islice(source, self.cfg.train.eval_batches)
-        batches = (self._local(b) for b in source)
+        dev = self.device
+        batches = (self._local(b) if dev.type == "cpu" else self._local(b).to(dev) for b in source)
         if self.world == 1:
             return evaluate(self.model, batches, self.cfg.train.bf16_dense)
         state = predict(self.model, batches, self.cfg.train.bf16_dense)
@@ -476,117 +503,6 @@ class Trainer:
         probs = torch.cat([p[i][0] for i in range(len(mine)) for p in parts])
         labels = torch.cat([p[i][1] for i in range(len(mine)) for p in parts])
         return binary_metrics(probs, labels)
-
-    def comm_metrics(self) -> dict[str, Any]:
-        """Pipeline and wire codecs; bytes sent per step (all ranks) and ms per step waiting on
-        communication, data, codecs, and the rest (compute), over training so far (collective)."""
-        c, times = self.cfg.comm, getattr(self, "pipe_times", PipelineTimes()).summary()
-        out: dict[str, Any] = {
-            "pipeline": self.cfg.train.pipeline,
-            "codecs": {"forward": c.forward, "backward": c.backward, "allreduce": c.allreduce},
-            **times,
-        }
-        stats = getattr(self.model, "stats", None)
-        if stats is None or self.world == 1:
-            return out
-        steps = max(1, int(times["steps"]))
-        mine = (dict(stats.bytes_sent), dict(stats.wait_s), stats.codec_s)
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, mine)
-        sent = {k: sum(p[0].get(k, 0) for p in parts) / steps for k in stats.bytes_sent}
-        wait = {k: 1000 * v / steps for k, v in stats.wait_s.items()}  # this rank's
-        out["bytes_per_step"] = sent
-        out["bytes_per_step_total"] = sum(sent.values())
-        out["wait_ms_per_step"] = wait
-        out["comm_wait_ms_per_step"] = sum(wait.values())
-        out["codec_ms_per_step"] = 1000 * stats.codec_s / steps
-        out["compute_ms_per_step"] = (
-            times["step_ms_mean"] - out["comm_wait_ms_per_step"] - times["load_wait_ms_per_step"]
-        )
-        return out
-
-    def summarize(
-        self,
-        final: dict[str, float],
-        evals: list[dict],
-        progress: Progress,
-        train_s: float,
-        first_step: int = 0,
-    ) -> dict[str, Any]:
-        """Build, print and write the run summary (rates: what this process trained)."""
-        teacher = self.source.reference_metrics()
-        if self.tb is not None:
-            self.tb.reference(teacher)
-        result: dict[str, Any] = {
-            **({"model": str(self.model_dir)} if getattr(self, "model_dir", None) else {}),
-            **({"towers": {"groups": self.tower_groups}} if self.tower_groups else {}),
-            "train": {
-                "steps": self.step,
-                "resumed_at_step": first_step,
-                "samples": progress.samples,
-                "seconds": round(train_s, 3),
-                "samples_per_s": round(progress.rate(train_s), 1),
-                "final_loss": sum(progress.losses[-50:]) / max(1, len(progress.losses[-50:])),
-                "periodic_eval_s": round(self._eval_s, 3),
-                **_memory_mb(),
-            },
-            "eval": final,
-            "evals": evals,
-            "teacher": teacher,
-            "config": self.cfg.to_dict(),
-            "comm": getattr(self, "_comm", None),
-        }
-        ebc = getattr(self.model, "ebc", None)
-        # callable: the sharded collection's ``stats`` is its CommStats, not a cache report.
-        if ebc is not None and callable(getattr(ebc, "stats", None)):
-            result["storage"] = ebc.stats()  # row cache hit rate, bytes per tier, evictions
-        lowp = getattr(self, "lowp", None)
-        if lowp is not None:
-            result["lowp"] = lowp.summary()
-        if teacher:
-            result["eval_ne_gap_vs_teacher"] = final["ne"] / teacher["ne"] - 1.0
-        start = self.runlog.start if self.runlog is not None else utc_now()
-        result["run"] = {**run_info(self.run, self.world, start), "end_utc": utc_now()}
-        self.write(result)
-        self.print_summary(result)
-        return result
-
-    def write(self, result: dict[str, Any]) -> None:
-        """metrics.json in the run directory (atomic replace; rank 0 only)."""
-        if self.rank != 0:
-            return
-        run_dir = Path(self.cfg.train.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "metrics.json.tmp"
-        tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=float))
-        os.replace(tmp, run_dir / "metrics.json")
-
-    def print_summary(self, r: dict[str, Any]) -> None:
-        """Human-readable summary (rank 0 only)."""
-        if self.rank != 0:
-            return
-        tr, ev, te = r["train"], r["eval"], r["teacher"]
-        first = tr.get("resumed_at_step", 0)
-        rate = f"in {tr['seconds']:.1f}s ({tr['samples_per_s']:,.0f} samples/s)"
-        if first:
-            done = f"trained steps {first + 1}-{tr['steps']} (resumed) {rate}; {tr['samples']:,}"
-            done += " samples in all"
-        else:
-            done = f"trained {tr['steps']} steps, {tr['samples']:,} samples {rate}"
-        lines = [
-            "",
-            done,
-            f"{'':10}{'auc':>8}{'logloss':>10}{'ne':>8}{'calib':>8}",
-            f"{'eval':10}{ev['auc']:8.4f}{ev['logloss']:10.4f}{ev['ne']:8.4f}{ev['calibration']:8.3f}",
-        ]
-        if te:
-            lines.append(
-                f"{'teacher':10}{te['auc']:8.4f}{te['logloss']:10.4f}{te['ne']:8.4f}"
-                f"{te.get('calibration', 1.0):8.3f}"
-            )
-            lines.append(f"eval NE is {100 * r['eval_ne_gap_vs_teacher']:+.2f}% vs the teacher")
-        lines.append(f"metrics written to {Path(self.cfg.train.run_dir) / 'metrics.json'}")
-        print("\n".join(lines), file=self.out, flush=True)
 
 
 def train(cfg: Config, out: TextIO | None = None, run: RunFolder | None = None) -> dict[str, Any]:

@@ -1,0 +1,411 @@
+"""Check-N-Run checkpoints of dynamic tables (``kind = "dynamic"``): pieces by raw id.
+
+A dynamic table has no fixed rows to cut into ranges, so each checkpoint stores one piece per
+table and writing rank, ``dyn/<table>.r<rank>.bin`` (manifest key ``dynamic``), in the piece
+format of ``neorec.checkpoint.format`` (magic, JSON header, arrays; no pickle):
+
+- a baseline piece holds every live id with its row, optimizer state, uses and last use;
+- an increment holds the ids whose slot was touched (looked up in training or admitted) since
+  its parent (``consecutive``) or its baseline (``one_shot``), plus the ids live then and gone
+  now as deletions;
+- every piece also holds the map's step, the threshold admission's sketch, the running counts
+  and the shared default row (small).
+
+Restore replays baseline + increments by id into a ``DynamicTableState`` per table and imports
+it (``DynamicEmbeddingBagCollection.import_table``), so the slots may differ but rows, state and
+every later admission / eviction decision are those of the saved run. The state is keyed by raw
+id and merges the pieces of every rank that wrote one, so it restores under any world size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from neorec.checkpoint.format import (
+    MAGIC,
+    ROW_STATE,
+    CheckpointCorruptError,
+    CheckpointError,
+    _get_rows,
+    _put_rows,
+    _read_arrays,
+    _Writer,
+    checksum,
+    one_line,
+    row_bytes,
+)
+from neorec.errors import NeorecError
+from neorec.storage.dynamic_state import map_items
+
+__all__ = [
+    "dynamic_part",
+    "fixed_part",
+    "DynamicCheckpoints",
+    "encode_dynamic_piece",
+    "decode_dynamic_piece",
+    "load_dynamic_states",
+    "restore_dynamic",
+    "set_steps",
+]
+
+
+def dynamic_part(ebc: Any) -> Any:
+    """The collection of ``ebc``'s dynamic tables (itself, its ``dynamic`` part), or None."""
+    if hasattr(ebc, "export_table") and hasattr(ebc, "id_maps"):
+        return ebc
+    part = getattr(ebc, "dynamic", None)
+    return part if part is not None and hasattr(part, "export_table") else None
+
+
+def fixed_part(ebc: Any) -> Any:
+    """The collection of ``ebc``'s fixed tables: itself, its ``fixed`` part, or None."""
+    if dynamic_part(ebc) is None:
+        return ebc
+    return getattr(ebc, "fixed", None)
+
+
+def set_steps(ebc: Any, step: int) -> None:
+    """Every part's fused-optimizer step counter (precision groups, fixed and dynamic parts)."""
+    parts: list[Any] = []
+    for p in (fixed_part(ebc), dynamic_part(ebc)):
+        if p is not None:
+            parts += list(p.groups.values()) if hasattr(p, "groups") else [p]
+            parts += list(getattr(p, "parts", []))  # a sharded dynamic table's local collections
+    for p in {id(p): p for p in [ebc, *parts]}.values():
+        for k in ("step", "dp_step", "default_step"):  # (a sharded module's replicated counters)
+            t = getattr(p, k, None)
+            if isinstance(t, Tensor):
+                t.fill_(step)
+
+
+# ---- one piece --------------------------------------------------------------------------------
+@dataclass
+class DynamicPiece:
+    """Decoded piece of one dynamic table (float32 rows and state)."""
+
+    full: bool
+    ids: Tensor
+    rows: Tensor
+    states: dict[str, Tensor]
+    uses: Tensor
+    last_use: Tensor
+    deleted: Tensor
+    step: int
+    sketch: Tensor
+    sketch_total: int
+    totals: dict[str, int]
+    default_row: Tensor | None
+    default_states: dict[str, Tensor]
+
+
+def encode_dynamic_piece(
+    st: Any, full: bool, deleted: Tensor, bits: int, opt_bits: int, adaptive: bool
+) -> bytes:
+    """Bytes of a piece: the ids of ``st`` (a ``DynamicTableState``, possibly a subset) and
+    ``deleted`` ids; rows at ``bits``, optimizer state at ``opt_bits`` (0 = not stored)."""
+    w = _Writer()
+    meta: dict[str, Any] = {}
+    for k, v in (("ids", st.ids), ("uses", st.uses), ("last_use", st.last_use)):
+        w.add(k, v.to(torch.int64))
+    w.add("deleted", deleted.to(torch.int64))
+    w.add("sketch", st.sketch.to(torch.int32))
+    _put_rows(w, meta, "weight", st.rows, bits, adaptive)
+    stored: list[str] = []
+    for k, v in st.states.items():
+        if opt_bits == 0:
+            continue
+        if k in ROW_STATE:
+            _put_rows(w, meta, k, v.reshape(-1, 1), 32 if opt_bits == 32 else 16, False)
+        else:
+            _put_rows(w, meta, k, v, opt_bits, False)
+        stored.append(k)
+    default = st.default_row is not None
+    if default:  # one row: full precision
+        _put_rows(w, meta, "default.weight", st.default_row.reshape(1, -1), 32, False)
+        for k in stored:
+            v = st.default_states[k]
+            _put_rows(w, meta, f"default.{k}", v.reshape(1, -1), 32, False)
+    header = {
+        "kind": "dynamic",
+        "full": bool(full),
+        "n": int(st.ids.numel()),
+        "cols": int(st.rows.shape[1]),
+        "step": int(st.step),
+        "sketch_total": int(st.sketch_total),
+        "totals": {k: int(v) for k, v in st.totals.items()},
+        "states": stored,
+        "default": default,
+        "meta": meta,
+        "arrays": w.arrays,
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(head)), head, *w.chunks])
+
+
+def decode_dynamic_piece(data: bytes, where: str = "piece") -> DynamicPiece:
+    """Inverse of ``encode_dynamic_piece``; CheckpointCorruptError on malformed bytes."""
+    if data[:4] != MAGIC:
+        raise CheckpointCorruptError(f"{where}: not a neorec checkpoint piece (bad magic)")
+    try:
+        (hlen,) = struct.unpack("<I", data[4:8])
+        h = json.loads(data[8 : 8 + hlen])
+        if h.get("kind") != "dynamic":
+            raise ValueError("not a dynamic-table piece")
+        a = _read_arrays(h, memoryview(data)[8 + hlen :])
+        meta, cols = h["meta"], int(h["cols"])
+        rows = _get_rows(a, meta, "weight").reshape(-1, cols)
+        states = {}
+        for k in h["states"]:
+            v = _get_rows(a, meta, k)
+            states[k] = v.reshape(-1) if k in ROW_STATE else v.reshape(-1, cols)
+        d_row, d_states = None, {}
+        if h["default"]:
+            d_row = _get_rows(a, meta, "default.weight").reshape(-1)
+            d_states = {k: _get_rows(a, meta, f"default.{k}").reshape(-1) for k in h["states"]}
+            d_states = {k: (v[0] if k in ROW_STATE else v) for k, v in d_states.items()}
+        n = int(h["n"])
+        if a["ids"].numel() != n or rows.shape[0] != n:
+            raise ValueError(f"header says {n} ids, arrays hold {a['ids'].numel()}")
+        return DynamicPiece(
+            bool(h["full"]), a["ids"], rows, states, a["uses"], a["last_use"], a["deleted"],
+            int(h["step"]), a["sketch"], int(h["sketch_total"]),
+            {k: int(v) for k, v in h["totals"].items()}, d_row, d_states,
+        )  # fmt: skip
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - malformed header or arrays: not what was written
+        raise CheckpointCorruptError(
+            f"{where}: malformed dynamic-table piece ({type(e).__name__}: {one_line(e)})"
+        ) from None
+
+
+# ---- saving -----------------------------------------------------------------------------------
+class DynamicCheckpoints:
+    """The dynamic tables' side of a ``CheckpointManager``: what changed since the prefix, the
+    pieces of a save, the estimate of their bytes."""
+
+    def __init__(self, dyn: Any, rank: int = 0) -> None:
+        self.dyn = dyn
+        self.rank = rank
+        self.names = [t.name for t in dyn.tables]
+        self.prev: dict[str, Tensor] = {}
+        self.touched: dict[str, Tensor] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """The prefix ends now: live ids as they are, nothing touched since."""
+        for t in self.names:
+            self.dyn.take_touched(t)
+            self.prev[t] = map_items(self.dyn.id_map(t))["ids"]
+            self.touched[t] = torch.zeros(self.dyn.id_map(t).capacity, dtype=torch.bool)
+
+    def collect(self) -> None:
+        """Fold the collection's touched slots into the since-prefix marks."""
+        for t in self.names:
+            self.touched[t] |= self.dyn.take_touched(t)
+
+    def _row_bytes(self, dim: int, bits: int, opt_bits: int) -> float:
+        names = self.dyn.state_names if opt_bits else []
+        elems = sum(k != "momentum1" for k in names)
+        return row_bytes(dim, bits, elems, len(names) - elems, opt_bits) + 24  # id, uses, last
+
+    def est_bytes(self, full: bool, bits: int, opt_bits: int) -> float:
+        """Estimated bytes of the next piece set (every live id when ``full``)."""
+        total = 0.0
+        for i, t in enumerate(self.names):
+            m = self.dyn.id_map(t)
+            n = m.occupancy if full else int(self.touched[t].sum())
+            total += n * self._row_bytes(self.dyn.tables[i].dim, bits, opt_bits)
+        return total
+
+    def base_bytes(self, bits: int, opt_bits: int) -> float:
+        """Bytes of a full piece set at capacity."""
+        return sum(
+            self.dyn.id_map(t).capacity * self._row_bytes(self.dyn.tables[i].dim, bits, opt_bits)
+            for i, t in enumerate(self.names)
+        )
+
+    def snapshot(self, full: bool) -> list[tuple[str, Any, bool, Tensor]]:
+        """(table, state, full, deleted) per table: everything, or the ids changed since the
+        prefix and the ids gone since (copies; the training pause)."""
+        from neorec.storage.dynamic_state import select_ids
+
+        out = []
+        for t in self.names:
+            st = self.dyn.export_table(t)
+            if full:
+                out.append((t, st, True, torch.zeros(0, dtype=torch.int64)))
+                continue
+            items = map_items(self.dyn.id_map(t))
+            changed = self.touched[t][items["slots"]] | ~torch.isin(st.ids, self.prev[t])
+            deleted = self.prev[t][~torch.isin(self.prev[t], st.ids)]
+            out.append((t, select_ids(st, changed), False, deleted))
+        return out
+
+    def advance(self, restart: bool) -> None:
+        """After a save: a new prefix starts when ``restart`` (baseline, or consecutive)."""
+        if restart:
+            for t in self.names:
+                self.prev[t] = map_items(self.dyn.id_map(t))["ids"]
+                self.touched[t].zero_()
+
+    def pieces(
+        self, name: str, snap: list[tuple[str, Any, bool, Tensor]], storage: Any, cfg: Any
+    ) -> list[dict[str, Any]]:
+        """Write the snapshot's pieces of checkpoint ``name``; their manifest entries."""
+        out = []
+        adaptive = bool(cfg.adaptive_range)
+        for t, st, full, deleted in snap:
+            data = encode_dynamic_piece(st, full, deleted, cfg.bits, cfg.opt_bits, adaptive)
+            rel = f"dyn/{t}.r{self.rank}.bin"
+            storage.write_atomic(f"{name}/{rel}", data)
+            out.append(
+                {
+                    "table": t,
+                    "file": rel,
+                    "rank": self.rank,
+                    "full": full,
+                    "n": int(st.ids.numel()),
+                    "deleted": int(deleted.numel()),
+                    "bytes": len(data),
+                    "crc32": checksum(data),
+                }
+            )
+        return out
+
+
+# ---- restoring --------------------------------------------------------------------------------
+def load_dynamic_states(storage: Any, chain: list[dict[str, Any]], tables: list[str]) -> dict:
+    """``{table: DynamicTableState}`` of the checkpoint whose chain is ``chain``: the baseline's
+    ids, then each increment's deletions and changed ids in order (every rank's pieces)."""
+    from neorec.checkpoint.catalog import read_verified
+    from neorec.storage.dynamic_state import DynamicTableState
+
+    acc: dict[str, DynamicTableState] = {}
+    scal: dict[str, tuple[int, list[tuple[int, DynamicPiece]]]] = {}  # the last save's pieces
+    for ci, m in enumerate(chain):
+        entries = m.get("dynamic") or []
+        if m is chain[0]:
+            missing = [t for t in tables if t not in {e["table"] for e in entries}]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {m['name']} has no pieces of the dynamic tables {missing} "
+                    "(saved before they were dynamic?); resume with the checkpoint's tables"
+                )
+        for e in entries:
+            t = e["table"]
+            if t not in tables:
+                continue
+            where = storage.path(f"{m['name']}/{e['file']}")
+            p = decode_dynamic_piece(read_verified(storage, m["name"], e), where)
+            rank = int(e.get("rank", 0))
+            if t not in scal or ci > scal[t][0]:
+                scal[t] = (ci, [])
+            if ci == scal[t][0]:
+                scal[t][1].append((rank, p))  # map scalars: the last save's ranks'
+            got = DynamicTableState(
+                p.ids, p.rows, dict(p.states), p.uses, p.last_use, p.step, p.sketch,
+                p.sketch_total, p.totals, p.default_row, dict(p.default_states),
+            )  # fmt: skip
+            old = acc.get(t)
+            if old is None:
+                acc[t] = got
+                continue
+            gone = torch.isin(old.ids, torch.cat([p.deleted, p.ids]))
+            keep = ~gone
+            acc[t] = DynamicTableState(
+                torch.cat([old.ids[keep], p.ids]),
+                torch.cat([old.rows[keep], p.rows]),
+                {k: torch.cat([v[keep], p.states[k]]) for k, v in old.states.items()
+                 if k in p.states},
+                torch.cat([old.uses[keep], p.uses]),
+                torch.cat([old.last_use[keep], p.last_use]),
+                p.step,
+            )  # fmt: skip
+    out = {}
+    for t in tables:
+        st, p = acc[t], _scalars(sorted(scal[t][1], key=lambda rp: rp[0]))
+        order = torch.argsort(st.ids)
+        out[t] = DynamicTableState(
+            ids=st.ids[order],
+            rows=st.rows[order],
+            states={k: v[order] for k, v in st.states.items()},
+            uses=st.uses[order],
+            last_use=st.last_use[order],
+            step=p.step,
+            sketch=p.sketch,
+            sketch_total=p.sketch_total,
+            totals=p.totals,
+            default_row=p.default_row,
+            default_states=p.default_states,
+        )
+    return out
+
+
+def _scalars(pieces: list[tuple[int, DynamicPiece]]) -> DynamicPiece:
+    """The map scalars of one save's pieces of a table (one per writing rank, by rank): the step
+    and default row of the lowest rank (every rank's are the same); the running totals and the
+    threshold sketches summed over ranks (sketches folded to the narrowest width), as
+    ``merge_table_shards`` does."""
+    first = pieces[0][1]
+    if len(pieces) == 1:
+        return first
+    from dataclasses import replace
+
+    from neorec.ops.id_map import SKETCH_DEPTH as depth
+
+    width = min(p.sketch.numel() // depth for _, p in pieces)
+    sketch = torch.zeros(depth, width, dtype=torch.int64)
+    totals: dict[str, int] = {}
+    for _, p in pieces:
+        sk = p.sketch.to(torch.int64).reshape(depth, -1)
+        sketch += sk.reshape(depth, sk.shape[1] // width, width).sum(1)
+        for k, v in p.totals.items():
+            totals[k] = totals.get(k, 0) + int(v)
+    return replace(
+        first,
+        sketch=sketch.clamp(max=2**31 - 1).to(torch.int32),
+        sketch_total=sum(int(p.sketch_total) for _, p in pieces),
+        totals=totals,
+    )
+
+
+def _fill_states(dyn: Any, i: int, st: Any) -> Any:
+    """``st`` of table ``i`` with zero optimizer state where the checkpoint stored none
+    (``opt_bits = 0``)."""
+    dim = int(dyn.tables[i].dim)
+    n = st.ids.numel()
+    if st.rows.numel() == 0:
+        st.rows = torch.zeros(0, dim)
+    for k in dyn.state_names:
+        if k not in st.states or st.states[k].shape[0] != n:
+            st.states[k] = torch.zeros(n) if k == "momentum1" else torch.zeros(n, dim)
+        if st.default_row is not None and k not in st.default_states:
+            st.default_states[k] = torch.zeros(()) if k == "momentum1" else torch.zeros(dim)
+    st.states = {k: st.states[k] for k in dyn.state_names}
+    return st
+
+
+def restore_dynamic(storage: Any, chain: list[dict[str, Any]], ebc: Any) -> list[Any]:
+    """Read and check the dynamic tables' states of ``chain`` for ``ebc`` (nothing changes yet);
+    returns the callables that import them (call after every other check passed)."""
+    dyn = dynamic_part(ebc)
+    if dyn is None:
+        return []
+    names = [t.name for t in dyn.tables]
+    states = load_dynamic_states(storage, chain, names)
+    todo = []
+    for i, t in enumerate(names):
+        st = _fill_states(dyn, i, states[t])
+        try:  # the collection's own check (a sharded one: of the ids its rank owns)
+            dyn.check_import_table(t, st)
+        except NeorecError as e:  # capacity / dim / optimizer
+            raise CheckpointError(f"checkpoint {chain[-1]['name']}: {one_line(e)}") from None
+        todo.append(lambda t=t, st=st: dyn.import_table(t, st))
+    return todo
