@@ -42,28 +42,33 @@ def sets(tmp, name, *extra):
     return out
 
 
-def test_nproc2_matches_one_process(tmp_path):
-    one = neorec(*sets(tmp_path, "one"))
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run both --nproc 2 comparisons read (run once: ~5 s)."""
+    tmp = tmp_path_factory.mktemp("one")
+    one = neorec(*sets(tmp, "one"))
     assert one.returncode == 0, one.stderr
+    return json.loads((tmp / "one" / "metrics.json").read_text())["eval"]
+
+
+def test_nproc2_matches_one_process(tmp_path, one_process):
     mixed = "sharding.types={t0='row_wise', t1='data_parallel', t2='column_wise'}"
     two = neorec("--nproc", "2", *sets(tmp_path, "two", mixed))
     assert two.returncode == 0, two.stderr[-3000:]
-    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())["eval"]
+    m1 = one_process
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())["eval"]
     for k in ("auc", "logloss", "ne", "calibration"):
         assert round(m1[k], 4) == round(m2[k], 4), (k, m1[k], m2[k])
 
 
-def test_nproc2_bitwise_equals_one_process_table_wise(tmp_path):
+def test_nproc2_bitwise_equals_one_process_table_wise(tmp_path, one_process):
     # Table-wise shards and train.dense_blocks (default 2): the same arithmetic as one process,
     # so the metrics are equal, not just close (the default config trains chaotically enough
     # that anything less differs in the 4th decimal).
     tw = "sharding.default_type='table_wise'"
-    one = neorec(*sets(tmp_path, "one"))
-    assert one.returncode == 0, one.stderr
     two = neorec("--nproc", "2", *sets(tmp_path, "two", tw))
     assert two.returncode == 0, two.stderr[-3000:]
-    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())["eval"]
+    m1 = one_process
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())["eval"]
     assert m1 == m2
 
