@@ -379,3 +379,48 @@ def test_rows_wider_than_one_column_block() -> None:
             assert torch.equal(res[0], res[1]) and not torch.equal(res[0], w0)
         else:
             torch.testing.assert_close(res[0], res[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_low_precision_tables_through_the_triton_backend(kind: str, precision: str) -> None:
+    """LoKA's fp16 / bf16 tables on the triton backend (``LowpRowsBackend`` over it): the forward
+    is the triton kernel on the decoded rows, and after an update each stored row is the triton
+    kernel's fp32 update of the decoded rows, rounded to the format; the fp32 state equal."""
+    from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat
+
+    layout = TBELayout((40, 25), (8, 4), (0, 1, 1))
+    fmt, inner = RowFormat(precision), get_backend("triton")
+    lp = LowpRowsBackend(inner, fmt, "nearest")
+    opt = RowOptimizer(kind=kind, lr=0.05)
+    g = torch.Generator().manual_seed(11)
+    packed = fmt.empty(layout)
+    for t, (r, d) in enumerate(zip(layout.rows, layout.dims)):
+        fmt.encode(packed, layout, t, None, torch.randn(r, d, generator=g) * 0.1)
+    ref_w = torch.cat([fmt.decode(packed, layout, t).reshape(-1) for t in range(2)])
+    st_lp = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
+    st_ref = {k: v.clone() for k, v in st_lp.items()}
+    b = 6
+    for step in (1, 2):
+        lengths = torch.randint(0, 4, (layout.num_features * b,), generator=g)
+        ids = []
+        for f, t in enumerate(layout.feature_table):
+            n = int(lengths[f * b : (f + 1) * b].sum())
+            ids.append(torch.randint(0, layout.rows[t], (n,), generator=g))
+        idx = torch.cat(ids)
+        off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=off[1:])
+        grad = torch.randn(b, layout.total_dim, generator=g)
+        got = lp.forward(layout, packed, idx, off, None, PoolingMode.SUM)
+        assert torch.equal(got, inner.forward(layout, ref_w, idx, off, None, PoolingMode.SUM))
+        lp.backward_update(layout, packed, st_lp, idx, off, None, PoolingMode.SUM, grad, opt, step)
+        inner.backward_update(
+            layout, ref_w, st_ref, idx, off, None, PoolingMode.SUM, grad, opt, step
+        )
+        for k in st_ref:
+            assert torch.equal(st_lp[k], st_ref[k]), (k, step)
+        spec = fmt.empty(layout)
+        for t in range(2):
+            fmt.encode(spec, layout, t, None, layout.table(ref_w, t))
+            assert torch.equal(fmt.decode(packed, layout, t), fmt.decode(spec, layout, t))
+            layout.table(ref_w, t).copy_(fmt.decode(spec, layout, t))
