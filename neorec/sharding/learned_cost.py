@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from neorec.errors import NeorecError
+from neorec.machine import cpu_model_and_flags
 from neorec.sharding.cost_model import PHASES, CostModel, PlanCost, TableSpec
 from neorec.sharding.tables import OPTIMIZERS
 from neorec.sharding.topology import Topology
@@ -59,24 +60,6 @@ COST_MODEL_MODES = ("auto", "learned", "analytical")
 """``auto``: the topology's learned model when it was fitted on this machine and world size, else
 the analytical one (saying why); ``learned``: the learned model even when fitted elsewhere (with
 a warning), an error when there is none; ``analytical``: ignore any learned model."""
-_CPU_FLAGS = (
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "neon",
-    "asimd",
-    "sve",
-)
 _TYPES = tuple(ShardingType)
 _EPS_MS = 0.05  # keeps log ratios finite for near-zero comm waits
 FEATURES = (
@@ -109,21 +92,10 @@ class LearnedModelError(NeorecError, ValueError):
 # ---- the machine ------------------------------------------------------------------------------
 def machine_description() -> dict[str, Any]:
     """This machine as a learned model records it: CPU model, vector flags, logical CPUs."""
-    model, flags = "", set[str]()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model name", "Processor") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     return {
         "cpu_model": model or "unknown",
-        "flags": [f for f in _CPU_FLAGS if f in flags],
+        "flags": flags,
         "logical_cpus": os.cpu_count() or 0,
     }
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from neorec.errors import ConfigError, NeorecError
+from neorec.machine import cpu_model_and_flags
 
 __all__ = [
     "RUN_DIR_ENV",
@@ -50,24 +51,6 @@ RUN_DIR_ENV = "NEOREC_RUN_DIR"
 RUNS_ROOT_ENV = "NEOREC_RUNS_ROOT"
 """The runs root of that folder ('' when the folder is an explicit ``train.run_dir``)."""
 LATEST = "latest"
-_CPU_FLAGS = (
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "neon",
-    "asimd",
-    "sve",
-)
 
 
 def utc_now() -> str:
@@ -297,22 +280,11 @@ def _git_commit() -> str | None:
 
 def _cpu() -> dict[str, Any]:
     """CPU model, logical CPUs, the vector / matrix flags that matter here, torch's capability."""
-    model, flags = "", set[str]()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model name", "Processor") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     out: dict[str, Any] = {
         "model": model or None,
         "logical_cpus": os.cpu_count(),
-        "flags": [f for f in _CPU_FLAGS if f in flags],
+        "flags": flags,
     }
     try:
         import torch
