@@ -69,6 +69,11 @@ def _slice(batch, lo, hi):
     return s.dense, s.sparse
 
 
+def _train_phases(rank: int, world: int, out: str, *phases: str) -> None:
+    for phase in phases:  # one spawn of the ranks for several phases
+        _train_phase(rank, world, out, phase)
+
+
 def _train_phase(rank: int, world: int, out: str, phase: str) -> None:
     run = Path(out) / ("straight" if phase == "straight" else "ckpt")
     extra = {
@@ -105,10 +110,9 @@ def _restore_phase(rank: int, world: int, out: str) -> None:
 
 def test_resume_exact_and_reshard(tmp_path):
     out = str(tmp_path)
-    run_ranks(_train_phase, 2, out, "straight")
-    run_ranks(_train_phase, 2, out, "first")
+    run_ranks(_train_phases, 2, out, "straight", "first")
     first = torch.load(tmp_path / "first-0.pt")
-    run_ranks(_train_phase, 2, out, "resume")
+    run_ranks(_train_phases, 2, out, "resume")
     for rank in range(2):
         a = torch.load(tmp_path / f"straight-{rank}.pt")
         b = torch.load(tmp_path / f"resume-{rank}.pt")

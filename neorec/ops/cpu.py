@@ -80,9 +80,10 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "neorec"
 
 
-_SOURCES = ("csrc/tbe_cpu.c", "csrc/row_cache.c", "csrc/id_map.c")
-"""Compiled together into one library: the TBE kernel, the row cache's bookkeeping and the
-dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares)."""
+_SOURCES = ("csrc/tbe_cpu.c", "csrc/row_cache.c", "csrc/id_map.c", "csrc/exfm_losses.c")
+"""Compiled together into one library: the TBE kernel, the row cache's bookkeeping, the
+dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares) and an ExFM student's
+losses (``neorec.ops.exfm_losses``)."""
 
 
 def _source() -> str:

@@ -34,6 +34,10 @@ from neorec.distributed.dense_blocks import blocks_of, per_block
 from neorec.errors import DataError
 from neorec.modules.dlrm import DenseArch
 from neorec.modules.exfm_heads import StudentAdapter, adapter_and_aux_losses, aux_soft_bce
+from neorec.ops.exfm_losses import NonFiniteFM, exfm_losses
+
+FAST_LOSSES = True
+"""Take the C kernel where it applies (tests turn it off to compare with the torch path)."""
 
 __all__ = [
     "DistillLoss",
@@ -78,8 +82,9 @@ def distill_arch(model: object) -> DenseArch | None:
     return arch if isinstance(arch, DenseArch) else None
 
 
-def fm_logits_of(batch: Batch) -> Tensor:
-    """The batch's FM logits, checked: [b] float32 and finite (``DataError`` otherwise)."""
+def fm_logits_of(batch: Batch, check_finite: bool = True) -> Tensor:
+    """The batch's FM logits, checked: [b] float32 and (``check_finite``) finite (``DataError``
+    otherwise)."""
     fm = getattr(batch, "fm_logits", None)
     b = batch.size
     if fm is None:
@@ -91,13 +96,63 @@ def fm_logits_of(batch: Batch) -> Tensor:
         shape = tuple(fm.shape) if isinstance(fm, Tensor) else type(fm).__name__
         dtype = getattr(fm, "dtype", "")
         raise DataError(f"batch fm_logits must be float32 [{b}], got {dtype} {shape}")
-    if not bool(torch.isfinite(fm).all()):
-        bad = int((~torch.isfinite(fm)).sum())
-        raise DataError(
-            f"batch fm_logits hold {bad} non-finite value(s) (NaN/inf); rewrite the DAS side "
-            "files from a trained FM"
-        )
+    if check_finite and not bool(torch.isfinite(fm).all()):
+        _non_finite(int((~torch.isfinite(fm)).sum()))
     return fm
+
+
+def _non_finite(bad: int) -> None:
+    raise DataError(
+        f"batch fm_logits hold {bad} non-finite value(s) (NaN/inf); rewrite the DAS side "
+        "files from a trained FM"
+    )
+
+
+def _fast_losses(
+    model: Any,
+    batch: Batch,
+    logits: Tensor,
+    out: Tensor | None,
+    cfg: DistillConfig,
+    fm: Tensor,
+) -> DistillLoss | None:
+    """The step's losses by the C kernel (``neorec.ops.exfm_losses``: one process, one dense
+    block, float32 on the CPU), or None where it does not apply (the torch path then)."""
+    head = adapter = None
+    if cfg.aux_head:
+        arch = distill_arch(model)
+        if out is None or arch is None or not isinstance(arch.aux_head, torch.nn.Linear):
+            return None
+        head = (arch.aux_head.weight, arch.aux_head.bias)
+        if cfg.adapter:
+            if not isinstance(arch.adapter, StudentAdapter):
+                return None
+            adapter = (arch.adapter.first, arch.adapter.second)
+        coef = (1.0, 0.0, cfg.aux_weight, 1.0 if cfg.adapter else 0.0)
+    else:
+        coef = (1.0 - cfg.weight, cfg.weight, 0.0, 0.0)
+    src = out if head is not None and out is not None else logits
+    try:
+        res = exfm_losses(
+            src,
+            batch.labels,
+            fm,
+            coef,
+            cfg.temperature,
+            head=head,
+            adapter=adapter,
+            dense=batch.dense,
+        )
+    except NonFiniteFM as e:
+        _non_finite(e.count)
+    if res is None:
+        return None
+    total, parts, _ = res
+    if head is None:
+        return DistillLoss(total, parts[0], soft=parts[1])
+    return DistillLoss(
+        total, parts[0], aux=parts[2], adapter=parts[3] if adapter is not None else None
+    )
 
 
 def distill_loss(
@@ -106,14 +161,23 @@ def distill_loss(
     logits: Tensor,
     hidden: Tensor | None,
     cfg: DistillConfig,
+    out: Tensor | None = None,
 ) -> DistillLoss:
     """The step's losses for an ExFM student (see the module docstring). ``logits`` [b] are the
     serving head's (float32), ``hidden`` [b, H] the top MLP's penultimate layer (needed when
-    ``cfg.aux_head``). Raises before any update: ``DataError`` for missing / bad FM logits,
+    ``cfg.aux_head``), ``out`` the model's ``[b, 1 + H]`` output they were sliced from (lets the
+    CPU take the C kernel, ``neorec.ops.exfm_losses``: the same numbers up to float rounding;
+    its batch means equal the mean of the dense blocks' means up to rounding). Raises before any update: ``DataError`` for missing / bad FM logits,
     ``ConfigError`` for a model without the aux head / adapter the config asks for."""
     blocks = blocks_of(model)
     labels = batch.labels
+    if FAST_LOSSES:
+        fm = fm_logits_of(batch, check_finite=False)
+        fast = _fast_losses(model, batch, logits, out, cfg, fm)
+        if fast is not None:
+            return fast
     fm = fm_logits_of(batch)
+    logits = logits.contiguous()
     serving = _mean(F.binary_cross_entropy_with_logits, blocks, logits, labels)
     t = cfg.temperature
     if not cfg.aux_head:

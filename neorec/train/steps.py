@@ -115,19 +115,20 @@ def train_step(
     ctx = _autocast(batch.dense.device) if bf16 else nullcontext()
     on = distill is not None and distill.enabled
     hidden: Tensor | None = None
+    out: Tensor | None = None
     with ctx:
         if on and distill is not None and distill.uses_hidden:
             arch = distill_arch(model)
             with emit_hidden(arch) if arch is not None else nullcontext():
                 out = model(batch.dense, batch.sparse)
             if out.dim() == 2:  # [b, 1 + H]: the serving logit, then the penultimate layer
-                logits, hidden = out[:, 0].contiguous(), out[:, 1:]
+                logits, hidden = out[:, 0], out[:, 1:]
             else:
-                logits = out
+                logits, out = out, None
         else:
             logits = model(batch.dense, batch.sparse)
     if on and distill is not None:
-        losses = distill_loss(model, batch, logits.float(), hidden, distill)
+        losses = distill_loss(model, batch, logits.float(), hidden, distill, out=out)
         loss, value = losses.total, losses.serving
     else:
         # The mean over the batch, as the mean of the dense blocks' means (the same number:
