@@ -327,7 +327,10 @@ def test_config_errors() -> None:
         ),  # noqa: E501
         "ttl without steps": ({"kind": "dynamic", "eviction": "ttl"}, "ttl_steps"),
         "ttl steps without ttl": ({"kind": "dynamic", "ttl_steps": 5}, "ttl_steps"),
-        "dynamic on ssd": ({"kind": "dynamic", "storage": "ssd"}, "storage"),
+        "dynamic fp16 on ssd": (
+            {"kind": "dynamic", "storage": "ssd", "precision": "fp16"},
+            "precision",
+        ),
         "dynamic fp16": ({"kind": "dynamic", "precision": "fp16"}, "precision"),
         "capacity type": ({"kind": "dynamic", "capacity": "many"}, "capacity"),
     }

@@ -72,7 +72,8 @@ class TableConfig:
     """``fixed`` (ids are rows in ``[0, rows)``) or ``dynamic`` (any 64-bit raw id, mapped to one
     of ``capacity`` slots by an id map with admission and eviction; ``neorec.storage.dynamic``)."""
     capacity: int = field(default=0, metadata=rule(0, MAX_ROWS))
-    """Slots of a dynamic table; 0 = ``rows``."""
+    """Slots of a dynamic table; 0 = ``rows``. On dram / ssd the slot rows live in the store and
+    ``cache_rows`` / ``cache_fraction`` are of the slots (+ the default row)."""
     admission: str = field(default="always", metadata=rule(choices=ADMISSIONS))
     """Dynamic tables: when an unseen id gets a slot: ``always``, ``threshold`` (on its
     ``admit_threshold``-th sighting, counted in a count-min sketch) or ``probability``."""
@@ -126,11 +127,6 @@ def _check_kind(t: TableConfig, where: str) -> None:
                     f"set kind = 'dynamic' or remove {k}"
                 )
         return
-    if t.storage != "memory":
-        raise ConfigError(
-            f"{where}: kind 'dynamic' needs storage 'memory' (got {t.storage!r}); a row cache "
-            "over dram/ssd for dynamic tables is not supported yet"
-        )
     if t.precision not in ("", "fp32"):
         raise ConfigError(
             f"{where}: kind 'dynamic' stores fp32 rows, got precision {t.precision!r}; "

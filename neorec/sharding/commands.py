@@ -277,9 +277,10 @@ def _config_storage(tables: list[TableSpec], cfg: Config) -> None:
             continue
         spec.storage = t.storage
         spec.cache_policy = t.cache_policy
-        # cache_rows / cache_fraction as the runtime sizes the cache (default 10%)
-        rows = t.cache_rows or math.ceil((t.cache_fraction or 0.1) * t.rows)
-        spec.cache_fraction = min(1.0, max(1, rows) / t.rows)
+        # cache_rows / cache_fraction as the runtime sizes the cache (default 10%; of a dynamic
+        # table's slots, spec.rows)
+        rows = t.cache_rows or math.ceil((t.cache_fraction or 0.1) * spec.rows)
+        spec.cache_fraction = min(1.0, max(1, rows) / spec.rows)
 
 
 def _calibrate(args: argparse.Namespace) -> None:

@@ -71,12 +71,9 @@ from neorec.storage.store import (
 )
 
 __all__ = [
-    "CachedEmbeddingBagCollection",
-    "CacheCapacityError",
-    "cache_capacity",
-    "POLICIES",
+    "CachedEmbeddingBagCollection", "CacheCapacityError", "cache_capacity", "POLICIES",
     "DEFAULT_CACHE_FRACTION",
-]
+]  # fmt: skip
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -147,11 +144,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         for i, spec in enumerate(self.tables):
             storage = getattr(spec, "storage", "memory")
             if storage == "memory":
-                init_rows(
-                    spec, seed, 0, spec.rows, init_scale, out=self.layout.table(self.weights, i)
-                )
+                self._init_weights(i, 0, spec.rows, self.layout.table(self.weights, i))
             else:
-                self._cached[i] = self._make_table(i, spec, storage, Path(storage_dir))
+                self._cached[i] = self._make_table(i, spec, storage, str(storage_dir))
 
     # ---- construction ------------------------------------------------------------------------
     def _host_bytes(self) -> int:
@@ -165,22 +160,26 @@ class CachedEmbeddingBagCollection(nn.Module):
                 total += 4 * t.rows * sum(w for _, w in record_fields(self.optimizer.kind, t.dim))
         return total
 
-    def _make_table(self, i: int, spec: TableConfig, storage: str, root: Path) -> CacheTable:
+    def _init_weights(self, i: int, lo: int, hi: int, out: Tensor) -> None:
+        """Initial weights of rows ``lo .. hi-1`` of table ``i`` into ``out``."""
+        init_rows(self.tables[i], self._seed, lo, hi, self._init_scale, out=out)
+
+    def _make_table(self, i: int, spec: TableConfig, storage: str, root: str) -> CacheTable:
         fields = record_fields(self.optimizer.kind, spec.dim)
         width = sum(w for _, w in fields)
 
         def init(lo: int, hi: int) -> Tensor:
             rec = torch.zeros(hi - lo, width)
-            init_rows(spec, self._seed, lo, hi, self._init_scale, out=rec[:, : spec.dim])
+            self._init_weights(i, lo, hi, rec[:, : spec.dim])
             return rec
 
         store: RowStore
         if storage == "dram":
             store = DramStore(spec.rows, fields, init, table=spec.name)
         elif storage == "ssd":
-            if not str(root):
+            if not root:  # (not Path(""): that is ".")
                 raise ValueError(f"table '{spec.name}' has storage = 'ssd' but no storage.dir")
-            path = root / f"{spec.name}.rows"
+            path = Path(root) / f"{spec.name}.rows"
             store = SsdStore.create(path, spec.rows, fields, init, spec.name, self._io_threads)
             if self._mapped_mb > 0:  # else the store's default (a quarter of the RAM)
                 store.mapped_budget = self._mapped_mb << 20

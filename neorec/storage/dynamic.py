@@ -13,6 +13,11 @@ from their bags before the TBE (no contribution, no update; a mean bag averages 
 Training (grad enabled) maps with admission and eviction and pins the batch's slots until its
 backward has updated them (a pipelined next batch cannot evict them); without grad (eval) the
 maps are only read: ids without a slot are unadmitted and nothing changes.
+
+Tables on dram / ssd keep their slot rows in a store behind the row cache:
+``neorec.storage.dynamic_cached.DynamicCachedEmbeddingBagCollection`` (this class with its slot
+buffer delegated: ``_make_rows``, ``_resident``, ``_fast``, ``_unhold``, ``_reset_rows`` and the
+``_read_slots`` / ``_write_slots`` / ``_clear_slots`` of the by-id state).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from neorec.storage.dynamic_state import (
     export_table_state,
     import_table_state,
 )
+from neorec.storage.mixed import MixedEmbeddingBagCollection
 
 __all__ = [
     "DynamicEmbeddingBagCollection",
@@ -133,10 +139,13 @@ class DynamicEmbeddingBagCollection(nn.Module):
             where = f"{who}: table '{t.name}'"
             if getattr(t, "kind", "fixed") != "dynamic":
                 raise ConfigError(f"{where} has kind {getattr(t, 'kind', 'fixed')!r}, not dynamic")
-            if (t.precision or "fp32") != "fp32" or t.storage != "memory":
+            if (t.precision or "fp32") != "fp32":
+                raise ConfigError(f"{where}: dynamic tables are fp32, got {t.precision!r}")
+            if t.storage != "memory" and not self._cached_slots:
                 raise ConfigError(
-                    f"{where}: dynamic tables are fp32 in memory, got precision "
-                    f"{t.precision!r}, storage {t.storage!r}"
+                    f"{where} has storage {t.storage!r}: dram/ssd dynamic tables need "
+                    "DynamicCachedEmbeddingBagCollection (unsharded; sharded dynamic tables "
+                    "over dram/ssd are not supported: use storage 'memory')"
                 )
         self.tables = list(tables)
         self.optimizer = optimizer or RowOptimizer()
@@ -153,19 +162,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
         )
         device = as_device(device)
         self.backend: TBEBackend = get_backend(backend, device)
-        check_memory(self.tables, self.layout, self.optimizer.kind, device)
-        register_table_buffers(
-            self,
-            self.layout,
-            self.optimizer.kind,
-            device,
-            weights=torch.zeros(self.layout.total_elems, device=device),
-        )
+        self._seed, self._init_scale = seed, init_scale
+        self._make_rows(device)
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._rows_by_feature = {f: table_capacity(t) for t in self.tables for f in t.features}
         self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
         self._hooks: list[UpdateHook] = []
-        self._seed, self._init_scale = seed, init_scale
         self.id_maps = [
             IdMap(
                 c, t.admission, t.admit_threshold, t.admit_probability, t.eviction,
@@ -180,10 +182,25 @@ class DynamicEmbeddingBagCollection(nn.Module):
         first = [self.layout.feature_table.index(i) for i in range(len(self.tables))]
         self._feature_span = [(f, f + len(t.features)) for f, t in zip(first, self.tables)]
         self._last: list[dict[str, int]] = [self._zero_counts() for _ in self.tables]
-        for i, spec in enumerate(self.tables):
+
+    _cached_slots = False
+    """Whether the slot rows live behind a row cache (``DynamicCachedEmbeddingBagCollection``)."""
+
+    def _make_rows(self, device: torch.device) -> None:
+        """The slot rows: one flat buffer of every table's slots (+ default row) and the optimizer
+        state, zeros but for the default rows."""
+        check_memory(self.tables, self.layout, self.optimizer.kind, device)
+        weights = torch.zeros(self.layout.total_elems, device=device)
+        register_table_buffers(self, self.layout, self.optimizer.kind, device, weights=weights)
+        for i in range(len(self.tables)):
             if self.default_rows[i]:
-                row = dynamic_init_rows(spec, seed, torch.zeros(1), init_scale, default=True)
-                self._table(i)[self.capacities[i]] = row[0].to(device)
+                self._table(i)[self.capacities[i]] = self._default_row(i).to(device)
+
+    def _default_row(self, i: int) -> Tensor:
+        """The initial default row [dim] of table ``i``."""
+        spec = self.tables[i]
+        row = dynamic_init_rows(spec, self._seed, torch.zeros(1), self._init_scale, default=True)
+        return row[0]
 
     # ---- inspection ----------------------------------------------------------------------------
     @staticmethod
@@ -278,10 +295,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
         st = self.optimizer_state()
         states: list[Tensor | None] = [None, None, None]
         if "momentum1" in st:
-            off = self.layout.row_offsets[i]
-            states[0] = st["momentum1"][off : self.layout.row_offsets[i + 1]]
+            states[0] = self._state_rows(i, "momentum1", st["momentum1"])
         for j, k in enumerate(k for k in ("exp_avg", "exp_avg_sq") if k in st):
-            states[1 + j] = self.layout.table(st[k], i)
+            states[1 + j] = self._state_rows(i, k, st[k])
         return states
 
     def _row_target(self, i: int) -> RowTarget | None:
@@ -323,10 +339,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         else:
             self._table(i)[s] = dynamic_init_rows(spec, self._seed, ids, self._init_scale).to(dev)
         for k, st in self.optimizer_state().items():
-            if k == "momentum1":
-                st[self.layout.row_offsets[i] + s] = 0.0
-            else:
-                self.layout.table(st, i)[s] = 0.0
+            self._state_rows(i, k, st)[s] = 0.0
 
     def _map_table(self, i: int, ids: Tensor, training: bool) -> tuple[Tensor, Tensor]:
         """(slot of each id, the default row or -1 where unadmitted; the distinct slots used,
@@ -360,16 +373,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
         refused here changes nothing.
         """
         sparse = checked_batch(self, sparse)
-        dev = self.weights.device
-        raw = sparse.values.to(torch.int64)
-        offsets = sparse.offsets()
-        psw = sparse.weights
+        dev = self._anchor.device
         samples = sparse.batch_size
-        nf = len(self.feature_names)
-        b = samples
         training = torch.is_grad_enabled() and self._anchor.requires_grad
-        cuts = offsets[:: max(b, 1)].tolist() if b else [0] * (nf + 1)
-        slots = torch.empty_like(raw)
         used: list[Tensor] = []  # distinct map slots per table (pinned until the update)
 
         def release() -> None:
@@ -377,13 +383,63 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 self._pins[i].numpy()[u.numpy()] -= 1
 
         try:
-            for i, (f0, f1) in enumerate(self._feature_span):  # a table's features: contiguous
-                got, u = self._map_table(i, raw[cuts[f0] : cuts[f1]], training)
-                used.append(u)
-                slots[cuts[f0] : cuts[f1]] = got
+            slots, offsets, psw = self._slot_batch(sparse, training, used)
+            rows, held = self._resident(slots, offsets, training)
         except BaseException:
             release()
             raise
+        indices, offsets = slots.to(dev), offsets.to(dev)
+        rows = indices if rows is slots else rows.to(dev)
+        psw = psw.to(dev) if psw is not None else None
+        layout, weights, state = self._fast()
+
+        def update(grad_output: Tensor) -> None:
+            written = False
+            try:
+                if samples == 0:
+                    return
+                check_grad_output(grad_output, layout)
+                check_finite_weights(psw)
+                step = int(self.step) + 1
+                self.backend.backward_update(
+                    layout, weights, state, rows, offsets, psw, self.pooling, grad_output,
+                    self.optimizer, step,
+                )  # fmt: skip
+                self.step.fill_(step)
+                written = True
+            finally:
+                self._unhold(held, written)
+                release()
+            for hook in self._hooks:
+                hook(self.layout, indices, offsets)
+
+        try:
+            return tbe_lookup(
+                self._anchor, self.backend, layout, weights, rows, offsets, psw, self.pooling,
+                update,
+            )  # fmt: skip
+        except BaseException:
+            if training:
+                self._unhold(held, False)
+                release()
+            raise
+
+    def _slot_batch(
+        self, sparse: SparseFeatures, training: bool, used: list[Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(slots, offsets, per-id weights) of a checked batch: its ids mapped (``training``:
+        with admission and eviction, each table's distinct slots pinned and appended to
+        ``used``) or looked up; unadmitted ids without a default row dropped from their bags."""
+        raw = sparse.values.to(torch.int64)
+        offsets = sparse.offsets()
+        psw = sparse.weights
+        b, nf = sparse.batch_size, len(self.feature_names)
+        cuts = offsets[:: max(b, 1)].tolist() if b else [0] * (nf + 1)
+        slots = torch.empty_like(raw)
+        for i, (f0, f1) in enumerate(self._feature_span):  # a table's features: contiguous
+            got, u = self._map_table(i, raw[cuts[f0] : cuts[f1]], training)
+            used.append(u)
+            slots[cuts[f0] : cuts[f1]] = got
         keep = slots >= 0
         if not bool(keep.all()):  # zeros: drop unadmitted ids, keep the bags
             bag = torch.repeat_interleave(
@@ -394,146 +450,75 @@ class DynamicEmbeddingBagCollection(nn.Module):
             psw = psw[keep] if psw is not None else None
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=offsets[1:])
-        indices, offsets = slots.to(dev), offsets.to(dev)
-        psw = psw.to(dev) if psw is not None else None
+        return slots, offsets, psw
 
-        def update(grad_output: Tensor) -> None:
-            try:
-                if samples == 0:
-                    return
-                check_grad_output(grad_output, self.layout)
-                check_finite_weights(psw)
-                step = int(self.step) + 1
-                self.backend.backward_update(
-                    self.layout,
-                    self.weights,
-                    self.optimizer_state(),
-                    indices,
-                    offsets,
-                    psw,
-                    self.pooling,
-                    grad_output,
-                    self.optimizer,
-                    step,
-                )
-                self.step.fill_(step)
-            finally:
-                release()
-            for hook in self._hooks:
-                hook(self.layout, indices, offsets)
+    # ---- where the slot rows are (a row cache overrides these) ---------------------------------
+    def _resident(self, slots: Tensor, offsets: Tensor, training: bool) -> tuple[Tensor, Any]:
+        """(the kernel's row of each slot in ``slots``, what ``_unhold`` releases): the slots."""
+        return slots, None
 
-        try:
-            return tbe_lookup(
-                self._anchor,
-                self.backend,
-                self.layout,
-                self.weights,
-                indices,
-                offsets,
-                psw,
-                self.pooling,
-                update,
-            )
-        except BaseException:
-            if training:
-                release()
-            raise
+    def _fast(self) -> tuple[TBELayout, Tensor, dict[str, Tensor]]:
+        """The kernel's layout, weights and optimizer state."""
+        return self.layout, self.weights, self.optimizer_state()
 
+    def _unhold(self, held: Any, written: bool) -> None:
+        """After a batch's update (``written``) or its failure: release what ``_resident`` held."""
 
-class MixedEmbeddingBagCollection(nn.Module):
-    """Fixed tables in one collection (any kind: in memory, low precision, row cache) and dynamic
-    tables in a ``DynamicEmbeddingBagCollection``, with the interface of one collection: pooled
-    outputs in ``tables``' feature order."""
+    def _read_slots(self, i: int, slots: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Copies on the CPU of table ``i``'s rows [n, dim] and optimizer state at ``slots``."""
+        cpu, s = torch.device("cpu"), slots.to(self.weights.device)
+        st = {
+            k: self._state_rows(i, k, v)[s].to(cpu).clone()
+            for k, v in self.optimizer_state().items()
+        }
+        return self._table(i)[s].to(cpu).clone(), st
 
-    _perm: Tensor
+    def _state_rows(self, i: int, k: str, st: Tensor) -> Tensor:
+        """Table ``i``'s rows of state ``k`` ([rows] for momentum1, else [rows, dim])."""
+        if k == "momentum1":
+            return st[self.layout.row_offsets[i] : self.layout.row_offsets[i + 1]]
+        return self.layout.table(st, i)
 
-    def __init__(
-        self,
-        tables: Sequence[TableConfig],
-        fixed: nn.Module,
-        dynamic: DynamicEmbeddingBagCollection,
-    ) -> None:
-        super().__init__()
-        self.tables = list(tables)
-        self.fixed, self.dynamic = fixed, dynamic
-        self.optimizer = dynamic.optimizer
-        self.pooling = dynamic.pooling
-        self.validate_ids = False
-        self.feature_names = [f for t in self.tables for f in t.features]
-        self._parts: list[Any] = [fixed, dynamic]
-        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
-        dims = {f: t.dim for t in self.tables for f in t.features}
-        start, cols = 0, {}
-        for g in self._parts:
-            for f in g.feature_names:
-                cols[f] = torch.arange(start, start + dims[f])
-                start += dims[f]
-        if sorted(cols) != sorted(self.feature_names):
-            raise ConfigError(
-                f"{type(self).__name__}: the parts' features {sorted(cols)} are not the tables' "
-                f"{sorted(self.feature_names)}"
-            )
-        self.register_buffer(
-            "_perm", torch.cat([cols[f] for f in self.feature_names]), persistent=False
-        )
-        self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
+    def _write_slots(self, i: int, slots: Tensor, rows: Tensor, states: dict[str, Tensor]) -> None:
+        """Table ``i``'s rows at ``slots`` = ``rows``; its state there = ``states`` (those
+        given)."""
+        s = slots.to(self.weights.device)
+        with torch.no_grad():
+            self._table(i)[s] = rows.to(self.weights.device, torch.float32)
+            for k, st in self.optimizer_state().items():
+                if k in states:
+                    self._state_rows(i, k, st)[s] = states[k].to(st.device, st.dtype)
 
-    @property
-    def step(self) -> Tensor:
-        """The fused updates applied so far (both parts count each batch)."""
-        return self.dynamic.step
-
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output."""
-        return int(sum(g.output_dim for g in self._parts))
-
-    def add_update_hook(self, hook: UpdateHook) -> None:
-        """Call ``hook(layout, indices, offsets)`` after each part's fused update (each with its
-        own layout)."""
-        for g in self._parts:
-            g.add_update_hook(hook)
-
-    def table_weight(self, name: str) -> Tensor:
-        """One table's rows (a dynamic table's slot rows)."""
-        part: Any = self.dynamic if name in {t.name for t in self.dynamic.tables} else self.fixed
-        out: Tensor = part.table_weight(name)
-        return out
-
-    def stats(self) -> dict[str, Any]:
-        """The dynamic tables' ``stats()``."""
-        out: dict[str, Any] = self.dynamic.stats()
-        return out
-
-    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
-        """Nothing staged (what pipelines call before a step): each part distributes its input in
-        its forward."""
-
-    def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
-        sparse = checked_batch(self, sparse)
-        outs = [g(sparse.select(g.feature_names)) for g in self._parts]
-        return torch.cat(outs, dim=1).index_select(1, self._perm)
+    def _clear_slots(self, i: int, live: Tensor) -> None:
+        """Zero table ``i``'s slot rows and state (at least the ``live`` slots: the others are
+        zeros already), not its default row."""
+        cap = self.capacities[i]
+        with torch.no_grad():
+            self._table(i)[:cap] = 0.0
+            for k, st in self.optimizer_state().items():
+                self._state_rows(i, k, st)[:cap] = 0.0
 
 
 def dynamic_collection(
     cfg: Any, fixed: nn.Module | None = None, device: torch.device | str = "cpu"
 ) -> nn.Module:
     """The collection of a config with ``kind = "dynamic"`` tables: a
-    ``DynamicEmbeddingBagCollection`` of them, combined with ``fixed`` (the caller's collection
-    of the config's other tables, built as usual) when there are any."""
+    ``DynamicEmbeddingBagCollection`` of them (a ``DynamicCachedEmbeddingBagCollection`` when
+    one is on dram / ssd), combined with ``fixed`` (the caller's collection of the config's other
+    tables, built as usual) when there are any."""
     emb = cfg.embedding
     dyn_tables = [t for t in emb.tables if getattr(t, "kind", "fixed") == "dynamic"]
-    dyn = DynamicEmbeddingBagCollection(
-        dyn_tables,
-        RowOptimizer.from_config(emb),
-        emb.pooling,
-        emb.backend,
-        device,
-        init_scale=emb.init_scale,
-        seed=cfg.train.seed,
-    )
+    args = (dyn_tables, RowOptimizer.from_config(emb), emb.pooling, emb.backend, device)
+    kw: dict[str, Any] = {"init_scale": emb.init_scale, "seed": cfg.train.seed}
+    dyn: nn.Module
+    if any(t.storage != "memory" for t in dyn_tables):
+        from neorec.storage.dynamic_cached import DynamicCachedEmbeddingBagCollection
+
+        st = cfg.storage
+        kw.update(storage_dir=st.dir, io_threads=st.io_threads, mapped_mb=st.mapped_mb)
+        dyn = DynamicCachedEmbeddingBagCollection(*args, **kw)
+    else:
+        dyn = DynamicEmbeddingBagCollection(*args, **kw)
     if len(dyn_tables) == len(emb.tables):
         return dyn
     if fixed is None:

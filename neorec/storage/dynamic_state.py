@@ -181,34 +181,19 @@ def load_map_items(
     return torch.arange(n, dtype=torch.int64)
 
 
-def _state_rows(ebc: Any, i: int, k: str, st: Tensor, slots: Tensor) -> Tensor:
-    """Optimizer state ``k`` of table ``i`` at ``slots`` (per row for momentum1)."""
-    if k == "momentum1":
-        return st[ebc.layout.row_offsets[i] + slots]
-    out: Tensor = ebc.layout.table(st, i)[slots]
-    return out
-
-
 def export_table_state(ebc: Any, i: int) -> DynamicTableState:
-    """Table ``i`` of a ``DynamicEmbeddingBagCollection`` by raw id (copies on the CPU)."""
+    """Table ``i`` of a ``DynamicEmbeddingBagCollection`` by raw id (copies on the CPU; a
+    collection behind a row cache flushes it first)."""
     m = ebc.id_maps[i]
     items = map_items(m)
-    slots = items["slots"]
-    w = ebc._table(i)
-    cpu = torch.device("cpu")
-    sdev = slots.to(w.device)
-    opt = ebc.optimizer_state()
-    states = {k: _state_rows(ebc, i, k, v, sdev).to(cpu).clone() for k, v in opt.items()}
+    rows, states = ebc._read_slots(i, items["slots"])
     default_row, default_states = None, {}
     if ebc.default_rows[i]:
-        d = torch.tensor([ebc.capacities[i]], device=w.device)
-        default_row = w[d][0].to(cpu).clone()
-        default_states = {
-            k: _state_rows(ebc, i, k, v, d)[0].to(cpu).clone() for k, v in opt.items()
-        }
+        d, ds = ebc._read_slots(i, torch.tensor([ebc.capacities[i]]))
+        default_row, default_states = d[0], {k: v[0] for k, v in ds.items()}
     return DynamicTableState(
         ids=items["ids"],
-        rows=w[sdev].to(cpu).clone(),
+        rows=rows,
         states=states,
         uses=items["uses"],
         last_use=items["last_use"],
@@ -261,32 +246,14 @@ def import_table_state(ebc: Any, i: int, s: DynamicTableState) -> None:
     slots not in ``s`` are zeroed. Refuses (``ConfigError``) a state that does not fit."""
     check_table_state(ebc, i, s)
     m = ebc.id_maps[i]
+    live = torch.sort(m.live_items()[0]).values
     slots = load_map_items(
         m, s.ids, s.uses, s.last_use, s.step, s.sketch, s.sketch_total, s.totals or None
     )
-    w = ebc._table(i)
-    dev = w.device
-    cap = ebc.capacities[i]
-    sdev = slots.to(dev)
-    with torch.no_grad():
-        w[:cap] = 0.0
-        w[sdev] = s.rows.to(dev, torch.float32)
-        for k, st in ebc.optimizer_state().items():
-            if k == "momentum1":
-                off = ebc.layout.row_offsets[i]
-                st[off : off + cap] = 0.0
-                st[off + sdev] = s.states[k].to(dev, st.dtype)
-            else:
-                t = ebc.layout.table(st, i)
-                t[:cap] = 0.0
-                t[sdev] = s.states[k].to(dev, st.dtype)
-        if ebc.default_rows[i] and s.default_row is not None:
-            w[cap] = s.default_row.to(dev, torch.float32)
-            for k, st in ebc.optimizer_state().items():
-                if k in s.default_states:
-                    v = s.default_states[k].to(dev, st.dtype)
-                    if k == "momentum1":
-                        st[ebc.layout.row_offsets[i] + cap] = v
-                    else:
-                        ebc.layout.table(st, i)[cap] = v
+    ebc._clear_slots(i, live)
+    ebc._write_slots(i, slots, s.rows, s.states)
+    if ebc.default_rows[i] and s.default_row is not None:
+        one = {k: v.reshape(1, -1 if v.dim() else 1) for k, v in s.default_states.items()}
+        one = {k: v.flatten() if k == "momentum1" else v for k, v in one.items()}
+        ebc._write_slots(i, torch.tensor([ebc.capacities[i]]), s.default_row.reshape(1, -1), one)
     ebc._pins[i].zero_()

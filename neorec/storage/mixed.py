@@ -1,0 +1,101 @@
+"""MixedEmbeddingBagCollection: fixed tables in one collection and dynamic tables in another,
+with the interface of one collection (split from ``dynamic.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from neorec.config import TableConfig
+from neorec.errors import ConfigError
+from neorec.modules.embedding import UpdateHook, checked_batch
+from neorec.sparse import SparseFeatures
+
+__all__ = ["MixedEmbeddingBagCollection"]
+
+
+class MixedEmbeddingBagCollection(nn.Module):
+    """Fixed tables in one collection (any kind: in memory, low precision, row cache) and dynamic
+    tables in a ``DynamicEmbeddingBagCollection`` (in memory or behind a row cache), with the
+    interface of one collection: pooled outputs in ``tables``' feature order."""
+
+    _perm: Tensor
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        fixed: nn.Module,
+        dynamic: Any,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.fixed, self.dynamic = fixed, dynamic
+        self.optimizer = dynamic.optimizer
+        self.pooling = dynamic.pooling
+        self.validate_ids = False
+        self.feature_names = [f for t in self.tables for f in t.features]
+        self._parts: list[Any] = [fixed, dynamic]
+        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
+        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        dims = {f: t.dim for t in self.tables for f in t.features}
+        start, cols = 0, {}
+        for g in self._parts:
+            for f in g.feature_names:
+                cols[f] = torch.arange(start, start + dims[f])
+                start += dims[f]
+        if sorted(cols) != sorted(self.feature_names):
+            raise ConfigError(
+                f"{type(self).__name__}: the parts' features {sorted(cols)} are not the tables' "
+                f"{sorted(self.feature_names)}"
+            )
+        self.register_buffer(
+            "_perm", torch.cat([cols[f] for f in self.feature_names]), persistent=False
+        )
+        self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
+
+    @property
+    def step(self) -> Tensor:
+        """The fused updates applied so far (both parts count each batch)."""
+        return self.dynamic.step
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output."""
+        return int(sum(g.output_dim for g in self._parts))
+
+    def add_update_hook(self, hook: UpdateHook) -> None:
+        """Call ``hook(layout, indices, offsets)`` after each part's fused update (each with its
+        own layout)."""
+        for g in self._parts:
+            g.add_update_hook(hook)
+
+    def table_weight(self, name: str) -> Tensor:
+        """One table's rows (a dynamic table's slot rows)."""
+        part: Any = self.dynamic if name in {t.name for t in self.dynamic.tables} else self.fixed
+        out: Tensor = part.table_weight(name)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """The dynamic tables' ``stats()``."""
+        out: dict[str, Any] = self.dynamic.stats()
+        return out
+
+    def prefetch(self, sparse: SparseFeatures, defer: bool = False) -> None:
+        """Each part's row cache ``prefetch`` (parts without one: nothing), on its features."""
+        for g in self._parts:
+            fn = getattr(g, "prefetch", None)
+            if callable(fn):
+                fn(sparse.select(g.feature_names), defer=defer)
+
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """Nothing staged (what pipelines call before a step): each part distributes its input in
+        its forward."""
+
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""
+        sparse = checked_batch(self, sparse)
+        outs = [g(sparse.select(g.feature_names)) for g in self._parts]
+        return torch.cat(outs, dim=1).index_select(1, self._perm)
