@@ -1,21 +1,31 @@
 """The device-generic runtime (``train.device``): a CUDA request refused cleanly on this CPU machine,
 the process group backend following the device, the deferred NaN guard, and no host sync inside a
-training step of the sharded path (one process, and 2 gloo ranks table-wise / row-wise).
+training step: the sharded path (one process, and 2 gloo ranks table-wise / row-wise /
+column-wise; a data-parallel table and fp16 / fp8 / bf16 wire codecs), and the one-process model,
+with this machine's TBE backend and with the GPU backends.
 
 The host-sync check patches the methods that read a tensor back to the host (``item``, ``cpu``,
-``tolist``, ``numpy``, ``__int__``, ``__bool__``, ``__float__``) to raise when neorec's runtime
-calls them inside a step (after a warm-up step). Calls from the TBE kernel layer (``neorec/ops``,
-owned elsewhere: per-feature bounds and input checks of each backend) are recorded, not refused,
-and must stay within the known sites listed in ``OPS_SITES``; torch's own Python code is out of
-scope (its CPU-side reads, e.g. optimizer step counters, are not device syncs on a GPU).
+``tolist``, ``numpy``, ``__int__``, ``__bool__``, ``__float__``; and indexing with an integer
+0-dim tensor, which ATen reads on the host) to raise when neorec's runtime calls them inside a
+step (after a warm-up step). Calls from the TBE kernel layer (``neorec/ops``:
+the CPU backends' host checks, not syncs there) are recorded, not refused, and must stay within
+the known sites listed in ``OPS_SITES``: none for the GPU backends (cuda, triton), which run here
+on CPU tensors (triton under its interpreter) with their device-side checks
+(``tbe_checks.device_checks_on_cpu``). torch's own Python code is out of scope (its CPU-side
+reads, e.g. optimizer step counters, are not device syncs on a GPU); so are the syncs ATen makes
+inside an op whose output size depends on the data (``nonzero``, ``unique``, masking), which no
+Python patch can see: the GPU backends' per-step path has none (its sizes are shapes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +34,7 @@ from dist_util import DEVICE, run_ranks
 import neorec
 from neorec.checkpoint.tracker import DirtyRowTracker
 from neorec.config import (
+    CommConfig,
     Config,
     ConfigError,
     DataConfig,
@@ -36,12 +47,33 @@ from neorec.config.load import load_config
 from neorec.data.batch import Batch
 from neorec.distributed.comm import process_group_backend, rank_device
 from neorec.distributed.model_parallel import DistributedModel
+from neorec.modules.dlrm import build_dlrm
+from neorec.ops.cuda import CudaBackend
+from neorec.ops.tbe_checks import device_checks_on_cpu
 from neorec.sharding.types import plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.train.pipeline import make_pipeline
 from neorec.train.steps import LossGuard, TrainingDiverged, make_dense_optimizer, train_step
 
 NO_CUDA = not torch.cuda.is_available()
+# triton under its interpreter on the CPU, as in test_triton_tbe: TRITON_INTERPRET=1 when triton
+# is first imported (here, before anything builds a torch optimizer: that imports triton too,
+# through torch._dynamo) and while kernels launch (``gpu_path``).
+triton_tbe: Any = None
+if importlib.util.find_spec("triton") is not None and DEVICE != "cpu":
+    from neorec.ops import triton_tbe
+elif importlib.util.find_spec("triton") is not None:
+    _old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from neorec.ops import triton_tbe
+    finally:
+        if _old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _old
+INTERPRETED = triton_tbe is not None and triton_tbe.INTERPRET
+_HAS_TRITON = INTERPRETED or (triton_tbe is not None and DEVICE != "cpu")
 PKG = Path(neorec.__file__).resolve().parent
 OPS = PKG / "ops"
 TABLES = [
@@ -51,6 +83,8 @@ TABLES = [
 ]
 B = 8
 _PATCHED = ("item", "cpu", "tolist", "numpy", "__int__", "__bool__", "__float__")
+_INDEXING = ("__getitem__", "__setitem__")
+_INT = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class HostSync(AssertionError):
@@ -58,27 +92,45 @@ class HostSync(AssertionError):
 
 
 @contextlib.contextmanager
-def no_host_sync(ops_sites: set[str]) -> Iterator[None]:
-    """Make neorec's runtime code raise ``HostSync`` on any read of a tensor to the host."""
+def no_host_sync(ops_sites: set[str], known: frozenset[str] = frozenset()) -> Iterator[None]:
+    """Make neorec's runtime code raise ``HostSync`` on any read of a tensor to the host; reads in
+    ``neorec/ops`` or at a ``known`` site ("path:function") are added to ``ops_sites`` instead."""
     saved = {name: getattr(torch.Tensor, name) for name in _PATCHED}
 
     def guard(name: str):  # noqa: ANN202
         orig = saved[name]
 
         def patched(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            caller = sys._getframe(1)
-            path = Path(caller.f_code.co_filename).resolve()
-            if path.is_relative_to(PKG):
-                where = f"{path.relative_to(PKG.parent)}:{caller.f_code.co_name}"
-                if not path.is_relative_to(OPS):
-                    raise HostSync(f"Tensor.{name} at {where} line {caller.f_lineno}")
-                ops_sites.add(where)
+            check(name, sys._getframe(1))
             return orig(self, *a, **k)
 
         return patched
 
+    def index_guard(name: str):  # noqa: ANN202
+        orig = saved[name]
+
+        def patched(self, index, *a):  # noqa: ANN001, ANN002, ANN202
+            # An integer 0-dim tensor as an index is read on the host (ATen's select).
+            items = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(i, torch.Tensor) and i.dim() == 0 and i.dtype in _INT for i in items):
+                check(name, sys._getframe(1))
+            return orig(self, index, *a)
+
+        return patched
+
+    def check(name: str, caller) -> None:  # noqa: ANN001
+        path = Path(caller.f_code.co_filename).resolve()
+        if path.is_relative_to(PKG):
+            where = f"{path.relative_to(PKG.parent)}:{caller.f_code.co_name}"
+            if not path.is_relative_to(OPS) and where not in known:
+                raise HostSync(f"Tensor.{name} at {where} line {caller.f_lineno}")
+            ops_sites.add(where)
+
+    saved.update({name: getattr(torch.Tensor, name) for name in _INDEXING})
     for name in _PATCHED:
         setattr(torch.Tensor, name, guard(name))
+    for name in _INDEXING:
+        setattr(torch.Tensor, name, index_guard(name))
     try:
         yield
     finally:
@@ -86,26 +138,79 @@ def no_host_sync(ops_sites: set[str]) -> Iterator[None]:
             setattr(torch.Tensor, name, fn)
 
 
-# The kernel layer's host reads (neorec/ops, not this runtime's), per backend: the offsets' first
-# and last entries (cpu), per-feature bounds and id checks (reference; the cuda and triton
-# backends read the same bounds). Listed so that a new one is noticed; removing them (bounds
-# passed in from the host plan, checks done there) is the kernel layer's part of issue 22.
-OPS_SITES = {
-    "cpu": {"neorec/ops/cpu.py:_prepare"},  # int(offsets[0]), int(offsets[-1])
-    "reference": {  # (when the C kernel cannot be built here)
+# The kernel layer's host reads (neorec/ops, not this runtime's), per backend. The CPU backends
+# read on the host (not a sync there): the offsets' first and last entries (cpu), per-feature
+# bounds and id checks (reference, when the C kernel cannot be built here). The GPU backends
+# read nothing (their checks are device asserts); listed so that a new read is noticed.
+OPS_SITES: dict[str, set[str]] = {
+    "cpu": {
+        "neorec/ops/cpu.py:_prepare",  # int(offsets[0]), int(offsets[-1])
+        "neorec/ops/tbe_checks.py:check_grad_output",  # (the one-process model's update)
+    },
+    "reference": {
+        "neorec/ops/tbe_checks.py:check_grad_output",
         "neorec/ops/tbe.py:forward",  # per-feature bounds
         "neorec/ops/tbe.py:row_grads",
         "neorec/ops/tbe_checks.py:check_ids",
         "neorec/ops/tbe_checks.py:check_offsets",
     },
-    # Read from the code (no GPU here): NEOREC_TEST_DEVICE=cuda runs this file on a GPU host.
-    "cuda": {"neorec/ops/cuda.py:_bounds", "neorec/ops/cuda.py:_check_ids"},
-    "triton": {"neorec/ops/triton_tbe.py:__init__", "neorec/ops/triton_tbe.py:row_grads"},
+    "cuda": set(),
+    "triton": set(),
 }
+# Data-parallel tables: the one read of their row sums' counts per step (the distinct rows each
+# rank touched: the size of what it all-gathers; the counts then go to the other ranks as Python
+# ints over the host group, no device read).
+DP_SITES = {
+    "cuda": {"neorec/ops/cuda.py:row_grads"},
+    "triton": {"neorec/ops/triton_tbe.py:row_grads"},
+    "cpu": {  # (CPU reads, not syncs)
+        "neorec/ops/cpu.py:<genexpr>",
+        "neorec/ops/cpu.py:<listcomp>",
+        "neorec/ops/cpu.py:backward_update",
+        "neorec/ops/row_optim.py:__post_init__",
+    },
+}
+# Host reads left in the one-process model's step (``build_dlrm``; its step counter is a host
+# mirror): the batch is validated where it is, on the device once the pipeline copied it there
+# (the sharded path validates the host copy before its input distribution).
+DLRM_SITES = frozenset({"neorec/sparse.py:validate"})
+GPU_BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(
+    not _HAS_TRITON, reason="triton is not installed (or was imported without its interpreter)"
+))]  # fmt: skip
+# The same on CPU tensors (whatever the test device): triton needs its interpreter.
+CPU_GPU_BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRETED, reason="triton is not installed (or not under its interpreter)"
+))]  # fmt: skip
 
 
-def _cfg(opt: str) -> Config:
+def gpu_backend(name: str) -> Any:
+    """The cuda or triton TBE backend, for CPU tensors (triton: under its interpreter)."""
+    return CudaBackend() if name == "cuda" else triton_tbe.TritonBackend()
+
+
+@contextlib.contextmanager
+def gpu_path(on: object) -> Iterator[None]:
+    """When ``on``: the device-side checks on CPU tensors (the GPU backends', the codecs'), and
+    triton's interpreter on (when the kernels were built for it)."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    if INTERPRETED:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with device_checks_on_cpu():
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _cfg(opt: str, comm: dict[str, str] | None = None) -> Config:
     return Config(
+        comm=CommConfig(**(comm or {})),
         model=ModelConfig(num_dense=3, bottom_mlp=[4, 4], top_mlp=[4, 1]),
         embedding=EmbeddingConfig(
             tables=[TableConfig(**vars(t)) for t in TABLES], optimizer=opt, lr=0.1
@@ -130,10 +235,28 @@ def _batch(seed: int, world: int, rank: int) -> Batch:
     return full.slice(rank * b, (rank + 1) * b)
 
 
-def _train_without_sync(rank: int, world: int, kind: str, opt: str, pipeline: str) -> None:
-    cfg = _cfg(opt)
-    plan = plan_by_type(cfg.embedding.tables, world, world, kind)
-    model = DistributedModel(cfg, plan)
+def _train_without_sync(
+    rank: int,
+    world: int,
+    kind: str,
+    opt: str,
+    pipeline: str,
+    backend: str | None = None,
+    comm: dict[str, str] | None = None,
+) -> None:
+    """Four steps, the last three with host reads refused; ``kind`` "dlrm": the one-process
+    model (``build_dlrm``), else a sharding type; ``backend``: a GPU backend swapped in;
+    ``comm``: wire codecs (``CommConfig``). Either runs the device-side checks (``gpu_path``)."""
+    cfg = _cfg(opt, comm)
+    if kind == "dlrm":
+        model: Any = build_dlrm(cfg, DEVICE)
+    else:  # "<type>+dp": table "b" data-parallel
+        kind, _, dp = kind.partition("+")
+        types = {"b": "data_parallel"} if dp else None
+        plan = plan_by_type(cfg.embedding.tables, world, world, kind, types)
+        model = DistributedModel(cfg, plan)
+    if backend is not None:
+        model.ebc.backend = gpu_backend(backend)
     dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
     guard, sites, patched_steps = LossGuard(), set(), []
     tracker = DirtyRowTracker(model.ebc)  # checkpoints' dirty rows: marked inside the step
@@ -141,7 +264,7 @@ def _train_without_sync(rank: int, world: int, kind: str, opt: str, pipeline: st
     def step_fn(m, o, batch, step, bf16):  # noqa: ANN001, ANN202
         if step == 1:  # warm-up: first reads of host mirrors (the tables' step counters)
             return train_step(m, o, batch, step, bf16, guard=guard)
-        with no_host_sync(sites):
+        with no_host_sync(sites, DLRM_SITES if kind == "dlrm" else frozenset()):
             loss = train_step(m, o, batch, step, bf16, guard=guard)
         patched_steps.append(step)
         return loss
@@ -149,14 +272,18 @@ def _train_without_sync(rank: int, world: int, kind: str, opt: str, pipeline: st
     batches = [_batch(s, world, rank) for s in range(4)]
     pipe = make_pipeline(pipeline, model, dense_opt, batches, step_fn, device=rank_device(DEVICE))
     try:
-        step = 1
-        while pipe.progress(step) is not None:
-            step += 1
+        with gpu_path(backend or comm):
+            step = 1
+            while pipe.progress(step) is not None:
+                step += 1
     finally:
         pipe.close()
     guard.check()
     assert patched_steps == [2, 3, 4]
-    unknown = sites - OPS_SITES.get(model.ebc.backend.name, set())
+    name = model.ebc.backend.name
+    unknown = sites - OPS_SITES.get(name, set()) - DLRM_SITES
+    if getattr(model.ebc, "dp", None) is not None:
+        unknown -= DP_SITES.get(name, set())
     assert not unknown, f"new host reads in the kernel layer: {sorted(unknown)}"
     assert int(model.ebc.step) == 4  # the host mirror of the step counter kept it exact
     assert int(tracker.take()["mp"].sum()) > 0
@@ -168,17 +295,34 @@ def test_no_host_sync_one_process(pipeline):
 
 
 def _two_ranks(rank: int, world: int) -> None:
-    for kind, opt in [
-        ("table_wise", "adam"),
-        ("row_wise", "rowwise_adagrad"),
-        ("column_wise", "sgd"),
+    for kind, opt, backend in [
+        ("table_wise", "adam", None),
+        ("row_wise", "rowwise_adagrad", None),
+        ("column_wise", "sgd", None),
     ]:
-        _train_without_sync(rank, world, kind, opt, "overlapped")
+        _train_without_sync(rank, world, kind, opt, "overlapped", backend)
+    # A data-parallel table (its counts exchanged as host ints), and fp16 / fp8 / bf16 wire codecs
+    # with their device-side finite checks: pooled all-to-all, DP row gradients, dense all-reduce.
+    codecs = {"forward": "fp16", "backward": "fp8_e4m3", "allreduce": "bf16"}
+    _train_without_sync(rank, world, "row_wise+dp", "adam", "overlapped", "cuda", codecs)
 
 
 def test_no_host_sync_two_ranks():
-    # One spawn for the three sharding types (spawning dominates the time).
+    # One spawn for all the cases (spawning dominates the time).
     run_ranks(_two_ranks, 2)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("kind", ["dlrm", "table_wise+dp"])
+def test_no_host_sync_gpu_backends(kind, backend):
+    """The GPU backends on the per-step path: no host read at all (none in neorec/ops either)."""
+    _train_without_sync(0, 1, kind, "adam" if backend == "cuda" else "rowwise_adagrad",
+                        "overlapped", backend)  # fmt: skip
+
+
+def test_no_host_sync_one_process_dlrm():
+    """The one-process model (``build_dlrm``) with this machine's TBE backend."""
+    _train_without_sync(0, 1, "dlrm", "adam", "sequential")
 
 
 def test_host_sync_check_can_fail():
@@ -223,3 +367,148 @@ def test_cuda_refused_without_a_gpu(tmp_path):
 
     with pytest.raises(ConfigError, match="no CUDA device"):
         init_rank_group("cuda", 5)
+
+
+# ---- the GPU backends' device path, on CPU tensors ----------------------------------------------
+
+
+def _padded(c: Any) -> Any:
+    """``c`` with ids outside every bag before and after them (never read, never checked)."""
+    from test_tbe import Case
+
+    junk = torch.tensor([-5, 10**9, 3], dtype=c.indices.dtype)
+    return Case(
+        c.layout,
+        c.weights,
+        torch.cat([junk, c.indices, junk]),
+        c.offsets + 3,
+        torch.cat([torch.ones(3), c.psw, torch.full((3,), float("nan"))]),
+        c.grad,
+    )
+
+
+@pytest.mark.parametrize("backend", CPU_GPU_BACKENDS)
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+def test_gpu_backends_device_path_equals_reference(backend, kind):
+    from test_tbe import make_case
+
+    from neorec.ops.row_optim import RowOptimizer, zeros_state
+    from neorec.ops.tbe import PoolingMode, get_backend
+
+    be, ref = gpu_backend(backend), get_backend("reference")
+    c, p = make_case(5, batch=10, id_range=4), None  # long runs of duplicates
+    p = _padded(c)
+    opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=0.01)
+    lay = c.layout
+    res = []
+    for b_, case in ((ref, c), (be, p), (be, p)):
+        w = case.weights.clone()
+        st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
+        with gpu_path(b_.name if b_ is be else None):
+            out = b_.forward(lay, w, case.indices, case.offsets, case.psw, PoolingMode.MEAN)
+            for step in (1, 2):
+                b_.backward_update(lay, w, st, case.indices, case.offsets, case.psw,
+                                   PoolingMode.MEAN, case.grad, opt, step)  # fmt: skip
+        res.append((out, w, st))
+    (o_ref, w_ref, st_ref), (o, w, st), (o2, w2, st2) = res
+    assert torch.equal(o, o2) and torch.equal(w, w2), "two runs differ"
+    assert all(torch.equal(st[k], st2[k]) for k in st)
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
+    for k in st:
+        torch.testing.assert_close(st[k], st_ref[k], rtol=1e-6, atol=1e-7)
+    if backend == "triton":  # the device path keeps the interpreter's bitwise claims
+        assert torch.equal(o, o_ref)
+        if kind == "sgd":
+            assert torch.equal(w, w_ref)
+    assert not torch.equal(w, c.weights)
+    assert torch.equal(lay.table(w, 3), lay.table(c.weights, 3))  # table 3: no feature
+
+
+@pytest.mark.parametrize("backend", CPU_GPU_BACKENDS)
+def test_gpu_backends_device_asserts_refuse_bad_input(backend):
+    """Bad ids, offsets, gradients and per-id weights still raise on the device path (here at
+    once, ``_assert_async`` on CPU tensors), before anything is written."""
+    from test_tbe import make_case
+
+    from neorec.ops.row_optim import RowOptimizer, zeros_state
+    from neorec.ops.tbe import PoolingMode
+    from neorec.ops.tbe_checks import check_finite_weights, check_grad_output
+
+    be, c = gpu_backend(backend), make_case(9)
+    lay, b = c.layout, c.grad.shape[0]
+    pos = int(c.offsets[3 * b]) + 1  # feature 3 reads table 1 (7 rows)
+    bad_ids = c.indices.clone()
+    bad_ids[pos] = 7
+    bad_off = c.offsets.clone()
+    bad_off[b] = bad_off[b + 1] + 1
+    w = c.weights.clone()
+    st = zeros_state("adam", lay.total_rows, lay.total_elems, torch.device("cpu"))
+    with gpu_path(backend):
+        for ids, off, match in [
+            (bad_ids, c.offsets, "an id is out of range of its table"),
+            (c.indices, bad_off, "offsets are not F.B.1 non-decreasing"),
+            (c.indices, c.offsets + 1, "offsets are not"),
+        ]:
+            with pytest.raises(RuntimeError, match=match):
+                be.forward(lay, w, ids, off, None, PoolingMode.SUM)
+            with pytest.raises(RuntimeError, match=match):
+                be.backward_update(lay, w, st, ids, off, None, PoolingMode.SUM, c.grad,
+                                   RowOptimizer(kind="adam"), 1)  # fmt: skip
+        g = c.grad.clone()
+        g[2, 5] = float("inf")
+        with pytest.raises(RuntimeError, match="gradient of the pooled embeddings"):
+            check_grad_output(g, lay)
+        psw = c.psw.clone()
+        psw[4] = float("nan")
+        with pytest.raises(RuntimeError, match="per-id weight is not finite"):
+            check_finite_weights(psw)
+    assert torch.equal(w, c.weights) and all(not bool(v.ne(0).any()) for v in st.values())
+    # outside the device path (CPU tensors): the host checks, which name the culprit
+    with pytest.raises(IndexError, match=r"feature 3 \(table 1"):
+        be.forward(lay, w, bad_ids, c.offsets, None, PoolingMode.SUM)
+
+
+def test_codecs_refuse_non_finite_on_the_device_path():
+    """On the device path the float codecs' checks are device asserts (no host read), still
+    refusing inf/NaN and a static scale's overflow; on the host path a ``CodecError``."""
+    from neorec.distributed.codecs import CodecError, FloatCodec
+
+    x = torch.randn(6, 4)
+    x[2, 1] = float("nan")
+    big = torch.full((2, 3), 1e6)
+    for codec in (FloatCodec("fp16", "tensor"), FloatCodec("fp8_e4m3", "row")):
+        with device_checks_on_cpu(), no_host_sync(set()):
+            with pytest.raises(RuntimeError, match="non-finite value.*in the fwd"):
+                codec.encode(x, "fwd")
+            ok = codec.decode(codec.encode(x.nan_to_num(), "fwd"), 6, 4)
+        assert torch.all((ok - x.nan_to_num()).abs() <= codec.bound(x.nan_to_num()))
+        with pytest.raises(CodecError, match="1 non-finite"):
+            codec.encode(x, "fwd")
+    static = FloatCodec("fp16", "static", 1024.0)
+    with device_checks_on_cpu(), pytest.raises(RuntimeError, match="overflows fp16"):
+        static.encode(big, "bwd")
+    with pytest.raises(CodecError, match="overflows fp16"):
+        static.encode(big, "bwd")
+
+
+def test_one_process_step_counter_host_mirror_follows_writes():
+    """The one-process collection counts steps on the host after one read; a write to the
+    buffer (a restore, a reset) or a new buffer (a move) is read again."""
+    from neorec.modules.embedding import EmbeddingBagCollection
+    from neorec.ops.row_optim import RowOptimizer
+
+    ebc = EmbeddingBagCollection(TABLES, RowOptimizer(kind="adam"), backend="reference")
+    batch = _batch(0, 1, 0)
+
+    def step() -> int:
+        ebc(batch.sparse).sum().backward()
+        return int(ebc.step)
+
+    assert [step(), step()] == [1, 2]
+    ebc.load_state_dict({**ebc.state_dict(), "step": torch.tensor(6)})
+    assert step() == 7
+    ebc.reset_parameters()
+    assert step() == 1
+    ebc.step = torch.tensor(40)  # a new buffer (as ``.to(device)`` makes)
+    assert step() == 41

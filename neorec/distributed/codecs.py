@@ -15,7 +15,11 @@ carries its own scales, so a receiver needs nothing but the bytes and the shape:
 
 Every message is padded to 8 bytes so chunks of a concatenated buffer stay aligned for ``view``.
 Non-finite input (inf/NaN) is refused with ``CodecError`` naming the collective: on the wire it
-would silently become garbage (fp8 e4m3 saturates, int8 clamps).
+would silently become garbage (fp8 e4m3 saturates, int8 clamps). On a GPU that check (and a static
+scale's overflow check) is a device assert instead of a host read per message
+(``neorec.ops.tbe_checks.on_device``): the float codecs then encode and decode without a sync; the
+error is CUDA's device-side assert, raised at the next sync (the int8 codec still reads its scale
+units on the host, in ``neorec.ops.quant``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import Tensor
 
 from neorec.errors import NeorecError
 from neorec.ops.quant import IntRows, int_rowwise_dequantize, int_rowwise_quantize
+from neorec.ops.tbe_checks import on_device
 
 __all__ = ["CODECS", "CodecError", "Codec", "FloatCodec", "Int8RowCodec", "make_codec"]
 
@@ -67,14 +72,19 @@ def _bytes(t: Tensor) -> Tensor:
 
 
 def _check_finite(x: Tensor, codec: str, what: str) -> None:
-    # note: a host sync per message; the price of refusing garbage on the wire.
+    # On the host: a read per message (not a sync on the CPU). On a GPU: a device assert.
+    tail = (
+        f"in the {what or 'message'} of shape {tuple(x.shape)}; the model diverged before "
+        "communication (lower the learning rates) or the input holds inf/NaN"
+    )
+    if on_device(x):
+        torch._assert_async(
+            torch.isfinite(x).all(), f"{codec} codec: non-finite value(s) (inf/NaN) {tail}"
+        )
+        return
     bad = int((~torch.isfinite(x)).sum())
     if bad:
-        raise CodecError(
-            f"{codec} codec: {bad} non-finite value(s) (inf/NaN) in the {what or 'message'} "
-            f"of shape {tuple(x.shape)}; the model diverged before communication (lower the "
-            f"learning rates) or the input holds inf/NaN"
-        )
+        raise CodecError(f"{codec} codec: {bad} non-finite value(s) (inf/NaN) {tail}")
 
 
 class Codec:
@@ -150,7 +160,13 @@ class FloatCodec(Codec):
         _check_finite(x, self.name, what)
         factor, e = self._scale(x)
         scaled = x * factor
-        if e is None and float(scaled.abs().max()) > self.fmt.fmax:
+        if e is None and on_device(scaled):
+            torch._assert_async(
+                scaled.abs().max() <= self.fmt.fmax,
+                f"{self.name} codec: the {what or 'message'} overflows {self.name} under a static "
+                "scale; lower comm.loss_scale, or set it to 0 for automatic per-message scaling",
+            )
+        elif e is None and float(scaled.abs().max()) > self.fmt.fmax:
             raise CodecError(
                 f"{self.name} codec: the {what or 'message'} overflows {self.name} "
                 f"(max |x| * scale = {float(scaled.abs().max()):.3g} > {self.fmt.fmax:g}); "

@@ -41,16 +41,16 @@ def gather_dp_grads(
     group: dist.ProcessGroup | None,
     stats: CommStats,
     device: torch.device | None = None,
+    host_group: dist.ProcessGroup | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """Per DP table: (ids, grads) of every rank's touched rows, concatenated in rank order (the
     gradient rows sent as float32, or as ``codec``'s bytes). Buffers live on ``device`` (the
-    tables'); the counts are read on the host (data-parallel tables sync once per step)."""
+    tables'). The row counts are shapes here and go to the other ranks as Python ints over
+    ``host_group`` (a gloo group; default ``group``): no device tensor is read back."""
     dev = device if device is not None else torch.device("cpu")
     t_count = lay.num_tables
     mine = {t: (ids, g) for t, ids, g in grads}
-    counts = torch.zeros(t_count, dtype=torch.int64, device=dev)
-    for t, (ids, _) in mine.items():
-        counts[t] = ids.numel()
+    counts = [mine[t][0].numel() if t in mine else 0 for t in range(t_count)]
     ids_flat = (
         torch.cat([mine[t][0] for t in sorted(mine)])
         if mine
@@ -70,16 +70,16 @@ def gather_dp_grads(
             or [torch.empty(0, dtype=torch.uint8, device=dev)]
         )
 
-    def block_sizes(c: Tensor) -> list[int]:
+    def block_sizes(c: list[int]) -> list[int]:
         """Elements (or codec bytes) of each table's block in a rank's buffer."""
         if codec is None:
-            return [int(n) * d for n, d in zip(c.tolist(), dims)]
-        return [codec.nbytes(int(n), d) if n else 0 for n, d in zip(c.tolist(), dims)]
+            return [n * d for n, d in zip(c, dims)]
+        return [codec.nbytes(n, d) if n else 0 for n, d in zip(c, dims)]
 
     if world > 1:
-        all_counts = [torch.empty_like(counts) for _ in range(world)]
-        dist.all_gather(all_counts, counts, group=group)
-        n_ids = [int(c.sum()) for c in all_counts]
+        all_counts: list[list[int]] = [[] for _ in range(world)]
+        dist.all_gather_object(all_counts, counts, group=host_group or group)
+        n_ids = [sum(c) for c in all_counts]
         n_vals = [sum(block_sizes(c)) for c in all_counts]
         all_ids = all_gather_varlen(ids_flat, n_ids, group)
         all_vals = all_gather_varlen(vals_flat, n_vals, group)
@@ -93,14 +93,14 @@ def gather_dp_grads(
     out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
     out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
     for c, ids_r, vals_r in zip(all_counts, all_ids, all_vals):
-        id_parts = torch.split(ids_r, c.tolist())
+        id_parts = torch.split(ids_r, c)
         val_parts = torch.split(vals_r, block_sizes(c))
         for t in range(t_count):
             out_ids[t].append(id_parts[t])
-            if codec is None or not int(c[t]):
+            if codec is None or not c[t]:
                 out_g[t].append(val_parts[t].view(-1, dims[t]))
             else:
-                out_g[t].append(codec.decode(val_parts[t], int(c[t]), dims[t]))
+                out_g[t].append(codec.decode(val_parts[t], c[t], dims[t]))
     return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
 
 

@@ -468,8 +468,9 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
             PoolingMode.SUM, grad,
         )  # fmt: skip
         per_table = gather_dp_grads(
-            lay, grads, self.dp_codec, self.world, self.group, self.stats, self.device
-        )
+            lay, grads, self.dp_codec, self.world, self.group, self.stats, self.device,
+            self._host_group,
+        )  # fmt: skip
         step = self._next_step("dp_step")
         # Every rank's (id, row sum) pairs in rank order, added per row in that order and
         # applied once: the fused update of the backend, over all DP tables in a call or a few.

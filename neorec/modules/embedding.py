@@ -147,6 +147,7 @@ class EmbeddingBagCollection(nn.Module):
         self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
         self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
         self._hooks: list[UpdateHook] = []
+        self._host_step: tuple[Tensor, int, int] | None = None  # (step, its _version, value)
         self.reset_parameters(init_scale, seed)
 
     # ---- parameters ----------------------------------------------------------------------
@@ -207,6 +208,16 @@ class EmbeddingBagCollection(nn.Module):
         """Columns of the pooled output."""
         return self.layout.total_dim
 
+    def _next_step(self) -> int:
+        """``self.step + 1`` from a host copy of the (device) counter: read once, and again only
+        after something else wrote or replaced it (a restore, a reset, a move: the buffer or its
+        version changed)."""
+        seen, buf = self._host_step, self.step
+        if seen is None or seen[0] is not buf or seen[1] != buf._version:
+            seen = (buf, buf._version, int(buf))  # a host read: first step, or after a write
+            self._host_step = seen
+        return seen[2] + 1
+
     # ---- forward -------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [B, sum of dims], features in ``feature_names`` order.
@@ -226,7 +237,7 @@ class EmbeddingBagCollection(nn.Module):
                 return
             check_grad_output(grad_output, self.layout)
             check_finite_weights(psw)
-            step = int(self.step) + 1
+            step = self._next_step()
             self.backend.backward_update(
                 self.layout,
                 self.weights,
@@ -241,6 +252,7 @@ class EmbeddingBagCollection(nn.Module):
             )
             # Counted once the update went through: a refused batch leaves Adam's count alone.
             self.step.fill_(step)
+            self._host_step = (self.step, self.step._version, step)
             for hook in self._hooks:
                 hook(self.layout, indices, offsets)
 

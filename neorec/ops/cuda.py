@@ -1,27 +1,74 @@
-"""CUDA TBE backend: PyTorch ops on the GPU, deterministic (no atomics anywhere).
+"""CUDA TBE backend: PyTorch ops on the GPU, deterministic (no atomics anywhere), and no host read
+on the per-step path (every size is a shape: the batch's id count, F*B bags, the widest table).
 
-- forward: ``F.embedding_bag`` per feature (each output element is summed by one GPU thread in
-  bag order, no atomics); mean = sum / max(len, 1), as in the reference.
-- backward_update: per table, a *stable* sort of the looked-up ids groups each row's occurrences
-  in (feature, batch position) order; ``torch.segment_reduce`` sums each group (one thread per
-  output element walks its segment sequentially) and ``row_optim.apply_rows`` updates the distinct
-  rows, written back with an ``index_put`` of unique indices. No ``index_add_`` (atomic on CUDA),
-  no cumsum-differences (they cancel catastrophically), so two runs give identical bits.
+- forward: every id's row is gathered into an [n, max dim] block (columns past its table's dim are
+  zeros) and ``torch.segment_reduce`` sums each bag in position order from zero (one thread per
+  output element walks its bag, no atomics); mean = sum / max(len, 1), as in the reference. Ids
+  outside ``offsets[0] .. offsets[-1]`` fall in two extra segments that are dropped.
+- backward_update: each id's global row key (ids outside the bags sort last); a *stable* sort
+  groups each row's occurrences in (feature, batch position) order, the reference's summation
+  order; ``segment_reduce`` sums each group. Every occurrence then applies the optimizer to its
+  row from that sum (the duplicates of a row compute the same bits) and all are written back with
+  one ``index_put_`` per tensor: writes to one element carry identical values, so the result does
+  not depend on which lands last. No ``index_add_`` (atomic on CUDA), no cumsum-differences (they
+  cancel catastrophically), no ``unique`` (its size is a host read), so two runs give identical
+  bits.
 
-The ops are device-generic, so the same code also runs (slowly) on CPU tensors; tests use that to
-check its logic on machines without a GPU. ``get_backend("cuda")`` insists on CUDA weights.
+Checks: shapes on the host; the values of CUDA tensors by device asserts
+(``tbe_checks.assert_inputs_async``), of CPU tensors by the reference's host checks (they name
+the position). The ops are device-generic, so the same code also runs (slowly) on CPU tensors;
+tests use that to check its logic on machines without a GPU. ``get_backend("cuda")`` insists on
+CUDA weights.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from neorec.ops.row_optim import RowOptimizer, state_shapes
-from neorec.ops.tbe import PoolingMode, TBELayout, update_table_rows
+from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
+from neorec.ops.tbe import PoolingMode, TBELayout
+from neorec.ops.tbe_checks import (
+    TBEInputError,
+    assert_inputs_async,
+    bag_of_ids,
+    check_grad_shape,
+    check_ids,
+    check_offsets,
+    check_shapes,
+    on_device,
+)
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "segments"]
+
+
+def segments(sorted_key: Tensor, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Runs of equal keys in ``sorted_key`` [n] without a host read: (the length of the run that
+    starts at each position, 0 elsewhere; whether a position starts a run of a key below
+    ``sentinel``; the start of each position's run). Lengths sum to n."""
+    n = sorted_key.numel()
+    pos = torch.arange(n, device=sorted_key.device)
+    new = torch.ones(n, dtype=torch.bool, device=sorted_key.device)
+    new[1:] = sorted_key[1:] != sorted_key[:-1]
+    starts = torch.where(new, pos, n)
+    nxt = torch.cat([starts[1:], starts.new_full((1,), n)]).flip(0).cummin(0).values.flip(0)
+    count = torch.where(new, nxt - pos, 0)
+    first = torch.where(new, pos, 0).cummax(0).values
+    return count, new & (sorted_key < sentinel), first
+
+
+def _put(dst: Tensor, idx: Tensor, vals: Tensor, valid: Tensor) -> None:
+    """``dst[idx[valid]] = vals[valid]`` without a host read (``valid`` is data-dependent): an
+    invalid entry rewrites the first valid entry's element with that entry's value (or, with none
+    valid, element ``idx[0]`` with its own value). Valid entries naming one element must carry the
+    same value; then every write to an element does, and the result is deterministic."""
+    idx, vals, valid = idx.reshape(-1), vals.reshape(-1), valid.reshape(-1)
+    # The first valid entry (0 when there is none), as a 1-element index: indexing with a 0-dim
+    # tensor would read it on the host.
+    a = torch.argmax(valid.to(torch.uint8)).reshape(1)
+    tgt_a = idx[a]
+    val_a = torch.where(valid[a], vals[a], dst[tgt_a])
+    dst.index_put_((torch.where(valid, idx, tgt_a),), torch.where(valid, vals, val_a))
 
 
 class CudaBackend:
@@ -29,37 +76,21 @@ class CudaBackend:
 
     name = "cuda"
 
-    def _bounds(self, layout: TBELayout, indices: Tensor, offsets: Tensor) -> tuple[int, list[int]]:
-        """Batch size and each feature's [start, end) in ``indices`` (one host sync)."""
-        nf = layout.num_features
-        if indices.dim() != 1 or offsets.dim() != 1 or (offsets.numel() - 1) % max(nf, 1):
-            raise ValueError(
-                f"cuda TBE backend: need 1-D indices and F*B+1 offsets (F={nf}), got "
-                f"{tuple(indices.shape)} and {tuple(offsets.shape)}"
-            )
-        b = (offsets.numel() - 1) // nf
-        bounds = offsets[::b].tolist() if b > 0 else [int(offsets[0])] * (nf + 1)
-        self._check_ids(layout, indices, bounds)
-        return b, bounds
-
-    def _check_ids(self, layout: TBELayout, indices: Tensor, bounds: list[int]) -> None:
-        # An out-of-range id would be a device-side assert (or a silent wrong row): refuse first.
-        dev = indices.device
-        counts = torch.tensor(
-            [bounds[f + 1] - bounds[f] for f in range(len(bounds) - 1)], device=dev
-        )
-        rows = torch.tensor([layout.rows[t] for t in layout.feature_table], device=dev)
-        ids = indices[bounds[0] : bounds[-1]]
-        limit = torch.repeat_interleave(rows, counts, output_size=ids.numel())
-        bad = (ids < 0) | (ids >= limit)
-        if bool(bad.any()):
-            pos = int(bad.nonzero()[0]) + bounds[0]
-            f = max(i for i in range(len(bounds) - 1) if bounds[i] <= pos)
-            t = layout.feature_table[f]
-            raise IndexError(
-                f"feature {f} (table {t}, rows {layout.rows[t]}): id {int(indices[pos])} at "
-                f"position {pos} is out of range [0, {layout.rows[t]})"
-            )
+    def _check(
+        self,
+        layout: TBELayout,
+        weights: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+    ) -> tuple[int, Tensor]:
+        """B and each id's bag (``bag_of_ids``), once the inputs are checked."""
+        b = check_shapes(layout, weights, indices, offsets, per_sample_weights)
+        if on_device(indices):
+            return b, assert_inputs_async(layout, indices, offsets, b, self.name)
+        check_offsets(offsets, indices.numel(), layout.num_features)
+        check_ids(layout, indices, offsets, b)
+        return b, bag_of_ids(offsets, indices.numel())
 
     def forward(
         self,
@@ -71,29 +102,112 @@ class CudaBackend:
         pooling: PoolingMode,
     ) -> Tensor:
         """Pooled output [B, total_dim]."""
-        indices, offsets = indices.long(), offsets.long()
-        b, bounds = self._bounds(layout, indices, offsets)
-        out = torch.empty(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
-        for f, t in enumerate(layout.feature_table):
-            lo, hi = bounds[f], bounds[f + 1]
-            seg = offsets[f * b : (f + 1) * b + 1] - lo  # [B+1], starts at 0
-            psw = (
-                per_sample_weights[lo:hi].to(weights.dtype)
-                if per_sample_weights is not None
-                else None
-            )
-            pooled = F.embedding_bag(
-                indices[lo:hi],
-                layout.table(weights, t),
-                seg,
-                mode="sum",
-                per_sample_weights=psw,
-                include_last_offset=True,
-            )
-            if PoolingMode(pooling) == PoolingMode.MEAN:
-                lens = (seg[1:] - seg[:-1]).clamp(min=1).to(pooled.dtype)
-                pooled = pooled / lens.unsqueeze(1)
-            out[:, layout.out_offsets[f] : layout.out_offsets[f + 1]] = pooled
+        b, bag = self._check(layout, weights, indices, offsets, per_sample_weights)
+        nf, n = layout.num_features, indices.numel()
+        out = torch.zeros(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
+        if n == 0 or b == 0:
+            return out
+        meta = layout.meta(weights.device)
+        bag_c = bag.clamp(0, nf * b - 1)
+        inside = (bag >= 0) & (bag < nf * b)
+        t = meta["feature_table"][bag_c // b]
+        dim = meta["dims"][t]
+        dmax = max(layout.dims[t] for t in layout.feature_table)
+        cols = torch.arange(dmax, device=weights.device)
+        base = meta["elem_offsets"][t] + torch.where(inside, indices.long(), 0) * dim
+        valid = inside.unsqueeze(1) & (cols < dim.unsqueeze(1))
+        eidx = (base.unsqueeze(1) + cols).clamp(0, max(weights.numel() - 1, 0))
+        rows = torch.where(valid, weights[eidx], 0)  # [n, dmax]
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights.to(rows.dtype).unsqueeze(1)
+        off = offsets.long()
+        lengths = torch.cat([off[:1], off[1:] - off[:-1], n - off[-1:]])
+        pooled = torch.segment_reduce(rows, "sum", lengths=lengths, unsafe=True)[1:-1]
+        pooled = pooled.view(nf, b, dmax)
+        if PoolingMode(pooling) == PoolingMode.MEAN:
+            lens = (off[1:] - off[:-1]).clamp(min=1).to(pooled.dtype)
+            pooled = pooled / lens.view(nf, b, 1)
+        for f, t_f in enumerate(layout.feature_table):
+            out[:, layout.out_offsets[f] : layout.out_offsets[f + 1]] = pooled[
+                f, :, : layout.dims[t_f]
+            ]
+        return out
+
+    def _summed(
+        self,
+        layout: TBELayout,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+        bag: Tensor,
+        b: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The occurrences' row keys sorted (stable; past-the-rows keys for ids outside the
+        bags), each one's row sum [n, max dim] (zero-padded) and which start a row's run."""
+        nf, dev = layout.num_features, grad_output.device
+        meta = layout.meta(dev)
+        bag_c = bag.clamp(0, nf * b - 1)
+        inside = (bag >= 0) & (bag < nf * b)
+        f = bag_c // b
+        t = meta["feature_table"][f]
+        dim = meta["dims"][t]
+        cols = torch.arange(max(layout.dims[t] for t in layout.feature_table), device=dev)
+        # Each occurrence's gradient row: grad_output[sample, out_offsets[f] + cols].
+        gcol = ((bag_c - f * b) * layout.total_dim + meta["out_offsets"][f]).unsqueeze(1) + cols
+        gvalid = inside.unsqueeze(1) & (cols < dim.unsqueeze(1))
+        flat = grad_output.reshape(-1)
+        g = torch.where(gvalid, flat[gcol.clamp(0, max(flat.numel() - 1, 0))], 0)
+        off = offsets.long()
+        if PoolingMode(pooling) == PoolingMode.MEAN:
+            lens = (off[1:] - off[:-1]).clamp(min=1).to(g.dtype)
+            g = g / lens[bag_c].unsqueeze(1)
+        if per_sample_weights is not None:
+            g = g * per_sample_weights.to(g.dtype).unsqueeze(1)
+        total = layout.total_rows
+        key = torch.where(inside, meta["row_offsets"][t] + indices.long(), total)
+        # Stable: equal keys keep (feature, position) order, the reference's summation order.
+        sorted_key, perm = torch.sort(key, stable=True)
+        count, head, first = segments(sorted_key, total)
+        summed = torch.segment_reduce(g[perm], "sum", lengths=count, unsafe=True)[first]
+        return sorted_key, summed, head
+
+    def row_grads(
+        self,
+        layout: TBELayout,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]).
+
+        The sizes are data-dependent: one host read (the per-table counts) per call."""
+        nf, n = layout.num_features, indices.numel()
+        b = (offsets.numel() - 1) // nf
+        tables = sorted(set(layout.feature_table))
+        if n == 0 or b == 0:
+            ids0 = torch.zeros(0, dtype=torch.int64, device=indices.device)
+            return [(t, ids0, grad_output.new_zeros(0, layout.dims[t])) for t in tables]
+        bag = bag_of_ids(offsets, n)  # (unchecked, as the reference's)
+        key, summed, head = self._summed(
+            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
+        )
+        meta = layout.meta(grad_output.device)
+        key_c = key.clamp(0, max(layout.total_rows - 1, 0))
+        u_t = torch.bucketize(key_c, meta["row_offsets"][1:], right=True)
+        per_table = torch.bincount(u_t[head], minlength=layout.num_tables).tolist()  # the read
+        heads = torch.argsort((~head).to(torch.uint8), stable=True)[: sum(per_table)]
+        keys, grads = key[heads], summed[heads]
+        out, lo = [], 0
+        for t in range(layout.num_tables):
+            hi = lo + per_table[t]
+            if t in tables:
+                ids = keys[lo:hi] - layout.row_offsets[t]
+                out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
+            lo = hi
         return out
 
     def backward_update(
@@ -110,40 +224,37 @@ class CudaBackend:
         step: int,
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
-        indices, offsets = indices.long(), offsets.long()
-        b, bounds = self._bounds(layout, indices, offsets)
-        if tuple(grad_output.shape) != (b, layout.total_dim):
-            raise ValueError(
-                f"cuda TBE backend: grad_output shape {tuple(grad_output.shape)}, "
-                f"expected {(b, layout.total_dim)}"
-            )
+        b, bag = self._check(layout, weights, indices, offsets, per_sample_weights)
+        check_grad_shape(grad_output, layout, offsets)
         for k in state_shapes(opt.kind, layout.total_rows, layout.total_elems):
             if k not in state:
-                raise ValueError(f"cuda TBE backend: optimizer '{opt.kind}' needs state '{k}'")
-        ids_by_table: list[list[Tensor]] = [[] for _ in range(layout.num_tables)]
-        grads_by_table: list[list[Tensor]] = [[] for _ in range(layout.num_tables)]
-        arange_b = torch.arange(b, device=indices.device)
-        for f, t in enumerate(layout.feature_table):
-            lo, hi = bounds[f], bounds[f + 1]
-            if hi == lo:
-                continue
-            seg = offsets[f * b : (f + 1) * b + 1] - lo
-            lens = seg[1:] - seg[:-1]
-            bag = torch.repeat_interleave(arange_b, lens, output_size=hi - lo)
-            g = grad_output[:, layout.out_offsets[f] : layout.out_offsets[f + 1]][bag]  # [n, D]
-            if PoolingMode(pooling) == PoolingMode.MEAN:
-                g = g / lens.clamp(min=1).to(g.dtype)[bag].unsqueeze(1)
-            if per_sample_weights is not None:
-                g = g * per_sample_weights[lo:hi].unsqueeze(1).to(g.dtype)
-            ids_by_table[t].append(indices[lo:hi])
-            grads_by_table[t].append(g)
-        for t in range(layout.num_tables):
-            if not ids_by_table[t]:
-                continue
-            ids = torch.cat(ids_by_table[t])
-            # Stable: equal ids keep (feature, position) order, the reference's summation order.
-            sorted_ids, perm = torch.sort(ids, stable=True)
-            uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-            g_sorted = torch.cat(grads_by_table[t])[perm]
-            summed = torch.segment_reduce(g_sorted, "sum", lengths=counts, axis=0)
-            update_table_rows(layout, weights, state, t, uniq, summed, opt, step)
+                raise TBEInputError(f"cuda TBE backend: optimizer '{opt.kind}' needs state '{k}'")
+        n = indices.numel()
+        if n == 0 or b == 0 or layout.total_elems == 0:
+            return
+        sorted_key, summed, _ = self._summed(
+            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
+        )
+        meta, total = layout.meta(weights.device), layout.total_rows
+        cols = torch.arange(summed.shape[1], device=weights.device)
+        real = sorted_key < total
+        key_c = sorted_key.clamp(0, max(total - 1, 0))
+        u_t = torch.bucketize(key_c, meta["row_offsets"][1:], right=True)
+        u_dim = meta["dims"][u_t]
+        base = meta["elem_offsets"][u_t] + (key_c - meta["row_offsets"][u_t]) * u_dim
+        evalid = real.unsqueeze(1) & (cols < u_dim.unsqueeze(1))
+        eidx = (base.unsqueeze(1) + cols).clamp(0, layout.total_elems - 1)
+        w = torch.where(evalid, weights[eidx], 0)
+        st = {k: (s[key_c] if k == "momentum1" else s[eidx]) for k, s in state.items()}
+        if opt.kind == "rowwise_adagrad":  # mean(g*g) over the row's own columns
+            gw = summed + opt.weight_decay * w if opt.weight_decay else summed
+            st["momentum1"] += (gw * gw).sum(1) / u_dim.to(gw.dtype)
+            w = w - opt.lr * gw / (st["momentum1"].sqrt() + opt.eps).unsqueeze(1)
+        else:  # elementwise: the padded columns are computed and never written
+            apply_rows(opt, w, summed.to(w.dtype), st, step)
+        _put(weights, eidx, w, evalid)
+        for k, s in state.items():
+            if k == "momentum1":
+                _put(s, key_c, st[k], real)
+            else:
+                _put(s, eidx, st[k], evalid)

@@ -4,14 +4,22 @@ kernels. Same contract as ``reference`` and ``cpu`` (see ``ops/tbe.py``); fp32 w
 - forward (``_pool_kernel``): one program per (bag, block of columns) walks the bag's ids in
   order, ``acc = 0 + w[id0]*psw0 + w[id1]*psw1 + ...`` in float32; mean divides by
   ``max(len, 1)`` afterwards (correctly rounded). Empty bags give zeros.
-- backward: every looked-up id gets the global row key ``row_offsets[table] + id``; a *stable*
-  ``torch.sort`` (outside the kernels) groups each row's occurrences in (feature, position)
-  order, the reference's summation order. ``_segment_grad_kernel`` (one program per (distinct row,
-  block of columns)) sums each group in that order from zero, computing each occurrence's
-  gradient on the fly as ``grad_output[sample, cols] / len * psw`` (the reference's order of
-  operations); ``_row_update_kernel`` (one program per distinct row) applies SGD, exact row-wise
-  Adagrad or Adam (per-element state, bias correction from the module's step) in place. Distinct
-  rows: no two programs write the same row, no atomics, so two runs give the same bits.
+- backward: every looked-up id gets the global row key ``row_offsets[table] + id`` (ids outside
+  ``offsets[0] .. offsets[-1]`` a key past every row); a *stable* ``torch.sort`` (outside the
+  kernels) groups each row's occurrences in (feature, position) order, the reference's summation
+  order. The first occurrence of each row (its head) carries the run's length, the others 0.
+  ``_segment_grad_kernel`` (one program per (sorted occurrence, block of columns); only heads
+  loop) sums each run in that order from zero, computing each occurrence's gradient on the fly as
+  ``grad_output[sample, cols] / len * psw`` (the reference's order of operations);
+  ``_row_update_kernel`` (one program per sorted occurrence, heads only act) applies SGD, exact
+  row-wise Adagrad or Adam (per-element state, bias correction from the module's step) in place.
+  Distinct rows: no two programs write the same row, no atomics, so two runs give the same bits.
+
+No host read per step: the grids are sized by the batch's id count and bag count (shapes), not by
+its distinct rows, and the inputs of CUDA tensors are checked by device asserts
+(``tbe_checks.assert_inputs_async``; CPU tensors: the reference's host checks, which name the
+position). Only ``row_grads`` (data-parallel tables, column-wise row-wise Adagrad) returns
+data-dependent sizes: one read of the per-table row counts.
 
 Rounding: divisions and square roots are ``div_rn`` / ``sqrt_rn`` (IEEE, like torch's), and the
 kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
@@ -33,9 +41,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from neorec.ops.cuda import segments
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBEInputError, TBELayout
-from neorec.ops.tbe_checks import check_grad_shape
+from neorec.ops.tbe_checks import (
+    assert_inputs_async,
+    bag_of_ids,
+    check_grad_shape,
+    check_shapes,
+    on_device,
+)
 
 __all__ = ["TritonBackend", "INTERPRET"]
 
@@ -92,7 +107,6 @@ def _segment_grad_kernel(
     gbase_ptr,
     glen_ptr,
     psw_ptr,
-    seg_start_ptr,
     seg_count_ptr,
     u_dim_ptr,
     out_ptr,
@@ -101,24 +115,25 @@ def _segment_grad_kernel(
     MEAN: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One (distinct row, column block): the sum of the row's occurrence gradients, in the
-    sorted (feature, position) order, from zero."""
+    """One (sorted occurrence, column block): at a row's head, the sum of the row's occurrence
+    gradients in the sorted (feature, position) order, from zero; nothing elsewhere."""
     u = tl.program_id(0)
-    dim = tl.load(u_dim_ptr + u)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < dim
-    start = tl.load(seg_start_ptr + u)
-    end = start + tl.load(seg_count_ptr + u)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k in range(start, end):
-        g = tl.load(grad_ptr + tl.load(gbase_ptr + k) + cols, mask=mask, other=0.0)
-        if MEAN:
-            n = tl.maximum(tl.load(glen_ptr + k), 1).to(tl.float32)
-            g = tl.math.div_rn(g, tl.zeros([BLOCK_D], dtype=tl.float32) + n)
-        if HAS_PSW:
-            g = g * tl.load(psw_ptr + k)
-        acc = acc + g
-    tl.store(out_ptr + u.to(tl.int64) * out_stride + cols, acc, mask=mask)
+    count = tl.load(seg_count_ptr + u)
+    if count > 0:  # a head (an early exit elsewhere)
+        dim = tl.load(u_dim_ptr + u)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = cols < dim
+        start = u.to(tl.int64)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in range(start, start + count):
+            g = tl.load(grad_ptr + tl.load(gbase_ptr + k) + cols, mask=mask, other=0.0)
+            if MEAN:
+                n = tl.maximum(tl.load(glen_ptr + k), 1).to(tl.float32)
+                g = tl.math.div_rn(g, tl.zeros([BLOCK_D], dtype=tl.float32) + n)
+            if HAS_PSW:
+                g = g * tl.load(psw_ptr + k)
+            acc = acc + g
+        tl.store(out_ptr + u.to(tl.int64) * out_stride + cols, acc, mask=mask)
 
 
 @triton.jit
@@ -132,6 +147,7 @@ def _row_update_kernel(
     u_base_ptr,
     u_dim_ptr,
     u_key_ptr,
+    seg_count_ptr,
     lr,
     eps,
     wd,
@@ -145,36 +161,38 @@ def _row_update_kernel(
     HAS_WD: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One distinct row (whole): the row optimizer in place on weights and state."""
+    """One sorted occurrence: at a row's head, the row optimizer in place on the whole row's
+    weights and state; elsewhere nothing."""
     u = tl.program_id(0)
-    dim = tl.load(u_dim_ptr + u)
-    base = tl.load(u_base_ptr + u)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < dim
-    zero = tl.zeros([BLOCK_D], dtype=tl.float32)
-    g = tl.load(g_ptr + u.to(tl.int64) * g_stride + cols, mask=mask, other=0.0)
-    w = tl.load(w_ptr + base + cols, mask=mask, other=0.0)
-    if HAS_WD:
-        g = g + wd * w
-    if KIND == 0:
-        w = w - lr * g
-    elif KIND == 1:
-        key = tl.load(u_key_ptr + u)
-        sq = tl.sum(g * g, axis=0)
-        s = tl.load(m1_ptr + key) + tl.math.div_rn(sq, dim.to(tl.float32))
-        tl.store(m1_ptr + key, s)
-        w = w - tl.math.div_rn(lr * g, zero + (tl.sqrt_rn(s) + eps))
-    else:
-        m = tl.load(m_ptr + base + cols, mask=mask, other=0.0)
-        v = tl.load(v_ptr + base + cols, mask=mask, other=0.0)
-        m = m * b1 + omb1 * g
-        v = v * b2 + omb2 * g * g
-        tl.store(m_ptr + base + cols, m, mask=mask)
-        tl.store(v_ptr + base + cols, v, mask=mask)
-        m_hat = tl.math.div_rn(m, zero + bc1)
-        v_hat = tl.math.div_rn(v, zero + bc2)
-        w = w - tl.math.div_rn(lr * m_hat, tl.sqrt_rn(v_hat) + eps)
-    tl.store(w_ptr + base + cols, w, mask=mask)
+    if tl.load(seg_count_ptr + u) > 0:  # a head (an early exit elsewhere)
+        dim = tl.load(u_dim_ptr + u)
+        base = tl.load(u_base_ptr + u)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < dim
+        zero = tl.zeros([BLOCK_D], dtype=tl.float32)
+        g = tl.load(g_ptr + u.to(tl.int64) * g_stride + cols, mask=mask, other=0.0)
+        w = tl.load(w_ptr + base + cols, mask=mask, other=0.0)
+        if HAS_WD:
+            g = g + wd * w
+        if KIND == 0:
+            w = w - lr * g
+        elif KIND == 1:
+            key = tl.load(u_key_ptr + u)
+            sq = tl.sum(g * g, axis=0)
+            s = tl.load(m1_ptr + key) + tl.math.div_rn(sq, dim.to(tl.float32))
+            tl.store(m1_ptr + key, s)
+            w = w - tl.math.div_rn(lr * g, zero + (tl.sqrt_rn(s) + eps))
+        else:
+            m = tl.load(m_ptr + base + cols, mask=mask, other=0.0)
+            v = tl.load(v_ptr + base + cols, mask=mask, other=0.0)
+            m = m * b1 + omb1 * g
+            v = v * b2 + omb2 * g * g
+            tl.store(m_ptr + base + cols, m, mask=mask)
+            tl.store(v_ptr + base + cols, v, mask=mask)
+            m_hat = tl.math.div_rn(m, zero + bc1)
+            v_hat = tl.math.div_rn(v, zero + bc2)
+            w = w - tl.math.div_rn(lr * m_hat, tl.sqrt_rn(v_hat) + eps)
+        tl.store(w_ptr + base + cols, w, mask=mask)
 
 
 def _launch_opts() -> dict[str, Any]:
@@ -187,7 +205,9 @@ def _block(max_dim: int) -> int:
 
 
 class _Sorted:
-    """A batch's occurrences sorted by global row (stable) and its distinct rows."""
+    """A batch's occurrences sorted by global row (stable), one slot per occurrence: a row's
+    first occurrence (its head) holds the run's length in ``seg_count``, the others 0. Every size
+    is the batch's id count, so nothing is read back to the host."""
 
     def __init__(
         self,
@@ -195,31 +215,33 @@ class _Sorted:
         indices: Tensor,
         offsets: Tensor,
         per_sample_weights: Tensor | None,
+        bag: Tensor,
     ) -> None:
         dev = indices.device
         meta = layout.meta(dev)
         nf = layout.num_features
         b = (offsets.numel() - 1) // nf
+        nbags = nf * b
         offsets = offsets.long()
-        lo, hi = int(offsets[0]), int(offsets[-1])
         lengths = offsets[1:] - offsets[:-1]  # [F*B]
-        bag = torch.repeat_interleave(
-            torch.arange(nf * b, device=dev), lengths, output_size=hi - lo
-        )
-        f = bag // max(b, 1)
-        s = bag - f * b
+        inside = (bag >= 0) & (bag < nbags)
+        bag_c = bag.clamp(0, max(nbags - 1, 0))
+        f = bag_c // max(b, 1)
+        s = bag_c - f * b
         t = meta["feature_table"][f]
-        key = meta["row_offsets"][t] + indices[lo:hi].long()
+        total = layout.total_rows
+        key = torch.where(inside, meta["row_offsets"][t] + indices.long(), total)
         sorted_key, perm = torch.sort(key, stable=True)
-        self.uniq, counts = torch.unique_consecutive(sorted_key, return_counts=True)
-        self.seg_count = counts
-        self.seg_start = torch.cumsum(counts, 0) - counts
+        count, head, _ = segments(sorted_key, total)
+        self.seg_count = torch.where(head, count, 0)
+        self.head = head
         self.gbase = (s * layout.total_dim + meta["out_offsets"][f])[perm]
-        self.glen = lengths[bag][perm]
-        self.psw = per_sample_weights[lo:hi][perm] if per_sample_weights is not None else None
-        self.u_table = torch.bucketize(self.uniq, meta["row_offsets"][1:], right=True)
+        self.glen = lengths[bag_c][perm]
+        self.psw = per_sample_weights[perm] if per_sample_weights is not None else None
+        self.key = sorted_key.clamp(0, max(total - 1, 0))  # (past-the-rows keys: never heads)
+        self.u_table = torch.bucketize(self.key, meta["row_offsets"][1:], right=True)
         self.u_dim = meta["dims"][self.u_table]
-        local = self.uniq - meta["row_offsets"][self.u_table]
+        local = self.key - meta["row_offsets"][self.u_table]
         self.u_base = meta["elem_offsets"][self.u_table] + local * self.u_dim
         self.tables = sorted(set(layout.feature_table))
 
@@ -245,13 +267,19 @@ class TritonBackend:
         indices: Tensor,
         offsets: Tensor,
         per_sample_weights: Tensor | None,
-    ) -> None:
+    ) -> Tensor | None:
+        """Check the inputs: on the device for CUDA tensors (no host read; returns each id's bag,
+        ``bag_of_ids``), by the reference's host checks for CPU ones (returns None)."""
         if weights.dtype != torch.float32 or weights.dim() != 1 or not weights.is_contiguous():
             raise TBEInputError(
                 f"triton TBE backend: weights must be a flat contiguous float32 tensor, got "
                 f"dtype {weights.dtype} shape {tuple(weights.shape)}"
             )
+        b = check_shapes(layout, weights, indices, offsets, per_sample_weights)
+        if on_device(indices):
+            return assert_inputs_async(layout, indices, offsets, b, self.name)
         self._ref._check(layout, weights, indices, offsets, per_sample_weights)
+        return None
 
     def forward(
         self,
@@ -301,11 +329,13 @@ class TritonBackend:
         per_sample_weights: Tensor | None,
         pooling: PoolingMode,
         grad_output: Tensor,
+        bag: Tensor,
     ) -> tuple[_Sorted, Tensor]:
-        """The sorted batch and each distinct row's summed gradient [U, max dim] (padded)."""
-        srt = _Sorted(layout, indices, offsets, per_sample_weights)
+        """The sorted batch and at each head its row's summed gradient [n, max dim] (padded;
+        the rows of other occurrences are left zero)."""
+        srt = _Sorted(layout, indices, offsets, per_sample_weights, bag)
         max_dim = max((layout.dims[t] for t in srt.tables), default=1)
-        n_u = srt.uniq.numel()
+        n_u = indices.numel()
         summed = torch.zeros(n_u, max_dim, dtype=torch.float32, device=grad_output.device)
         if n_u:
             blk = _block(max_dim)
@@ -314,7 +344,6 @@ class TritonBackend:
                 srt.gbase,
                 srt.glen,
                 srt.psw if srt.psw is not None else grad_output,
-                srt.seg_start,
                 srt.seg_count,
                 srt.u_dim,
                 summed,
@@ -335,17 +364,27 @@ class TritonBackend:
         pooling: PoolingMode,
         grad_output: Tensor,
     ) -> list[tuple[int, Tensor, Tensor]]:
-        """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D])."""
+        """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]).
+
+        The sizes are data-dependent: one host read (the per-table counts) per call."""
+        bag = bag_of_ids(offsets, indices.numel())  # (unchecked, as the reference's)
         srt, summed = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output
+            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
         )
+        counts = torch.bincount(srt.u_table[srt.head], minlength=layout.num_tables)
+        # Heads first (they are sorted by key, hence by table), then the rest.
+        order = torch.argsort((~srt.head).to(torch.uint8), stable=True)
+        per_table = counts.tolist()  # the one host read: the outputs' sizes
+        heads = order[: sum(per_table)]
+        keys, grads = srt.key[heads], summed[heads]
         out = []
-        for t in srt.tables:
-            sel = srt.u_table == t
-            if not bool(sel.any()):
-                continue
-            ids = srt.uniq[sel] - layout.row_offsets[t]
-            out.append((t, ids, summed[sel, : layout.dims[t]].contiguous()))
+        lo = 0
+        for t in range(layout.num_tables):
+            hi = lo + per_table[t]
+            if t in srt.tables:
+                ids = keys[lo:hi] - layout.row_offsets[t]
+                out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
+            lo = hi
         return out
 
     def backward_update(
@@ -362,7 +401,9 @@ class TritonBackend:
         step: int,
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
-        self._check(layout, weights, indices, offsets, per_sample_weights)
+        bag = self._check(layout, weights, indices, offsets, per_sample_weights)
+        if bag is None:
+            bag = bag_of_ids(offsets, indices.numel())
         check_grad_shape(grad_output, layout, offsets)
         if grad_output.dtype != torch.float32:
             raise TBEInputError(f"grad_output must be float32, got {grad_output.dtype}")
@@ -370,9 +411,9 @@ class TritonBackend:
             if k not in state:
                 raise TBEInputError(f"triton TBE backend: optimizer '{opt.kind}' needs state '{k}'")
         srt, summed = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output
+            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
         )
-        n_u = srt.uniq.numel()
+        n_u = indices.numel()
         if not n_u:
             return
         m1 = state.get("momentum1", weights)
@@ -387,7 +428,8 @@ class TritonBackend:
             v,
             srt.u_base,
             srt.u_dim,
-            srt.uniq,
+            srt.key,
+            srt.seg_count,
             opt.lr,
             opt.eps,
             opt.weight_decay,
