@@ -170,10 +170,10 @@ DP_SITES = {
         "neorec/ops/row_optim.py:__post_init__",
     },
 }
-# Host reads left in the one-process model's step (``build_dlrm``; its step counter is a host
-# mirror): the batch is validated where it is, on the device once the pipeline copied it there
-# (the sharded path validates the host copy before its input distribution).
-DLRM_SITES = frozenset({"neorec/sparse.py:validate"})
+# Host reads left in the one-process model's step (``build_dlrm``): none. Its step counter is a
+# host mirror; the pipeline checks the batch's host copy before the step (as the sharded path
+# before its input distribution) and marks the copy the tables read as checked.
+DLRM_SITES: frozenset[str] = frozenset()
 GPU_BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(
     not _HAS_TRITON, reason="triton is not installed (or was imported without its interpreter)"
 ))]  # fmt: skip
@@ -512,3 +512,33 @@ def test_one_process_step_counter_host_mirror_follows_writes():
     assert step() == 1
     ebc.step = torch.tensor(40)  # a new buffer (as ``.to(device)`` makes)
     assert step() == 41
+
+
+@pytest.mark.parametrize("pipeline", ["sequential", "overlapped"])
+def test_one_process_batch_checked_on_the_host_before_the_step(pipeline):
+    """The pipeline checks the host copy (the step does not read the device): a bad id is still
+    one clear error naming the table, raised before any update."""
+    from neorec.sparse import SparseFeatureError
+
+    cfg = _cfg("sgd")
+    model = build_dlrm(cfg, DEVICE)
+    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    good, bad = _batch(0, 1, 0), _batch(1, 1, 0)
+    bad.sparse.values[0] = 10_000  # table "a" has 37 rows
+    before = model.ebc.weights.detach().clone()
+    steps: list[int] = []
+
+    def step_fn(m, o, batch, step, bf16):  # noqa: ANN001, ANN202
+        assert getattr(batch.sparse, "checked_for", None) is m.ebc
+        steps.append(step)
+        return train_step(m, o, batch, step, bf16)
+
+    pipe = make_pipeline(pipeline, model, opt, [good, bad], step_fn, device=rank_device(DEVICE))
+    try:  # (the overlapped pipeline stages batch 2 before it runs step 1: refused there)
+        with pytest.raises(SparseFeatureError, match=r"table 'a'\): id 10000 >= table rows"):
+            for step in (1, 2):
+                pipe.progress(step)
+    finally:
+        pipe.close()
+    assert steps == ([1] if pipeline == "sequential" else [])
+    assert not steps or not torch.equal(model.ebc.weights, before)

@@ -272,12 +272,17 @@ class EmbeddingBagCollection(nn.Module):
 def checked_batch(ebc: Any, sparse: SparseFeatures, ids: bool = False) -> SparseFeatures:
     """``sparse`` in ``ebc``'s feature order, refused with a ``SparseFeatureError`` unless well
     formed: lengths, finite per-id weights of the tables' dtype, and (``ebc.validate_ids`` or
-    ``ids``) ids within their tables. Vectorized: a few passes over the batch, no loop per id."""
+    ``ids``) ids within their tables. Vectorized: a few passes over the batch, no loop per id.
+    A batch marked ``checked_for = ebc`` (the training pipeline checks the host copy of a batch
+    it copies to a GPU, ``neorec.train.pipeline``) is not checked again on the device (no host
+    read in the step)."""
     if not isinstance(sparse, SparseFeatures):
         raise SparseFeatureError(
             f"{type(ebc).__name__} takes a SparseFeatures batch, got {type(sparse).__name__}"
         )
     sparse = sparse.reorder(ebc.feature_names)
+    if getattr(sparse, "checked_for", None) is ebc and not ids:
+        return sparse  # its host copy passed these checks before it was copied here
     rows = ebc._rows_by_feature if ebc.validate_ids or ids else None
     dtype = ebc.weights.dtype if ebc.weights.is_floating_point() else torch.float32
     if getattr(ebc, "row_format", None) is not None and ebc.row_format.precision != "fp32":

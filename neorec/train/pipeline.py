@@ -116,6 +116,8 @@ class TrainPipeline:
         stage = getattr(self.model, "stage_input_dist", None)
         if callable(stage):
             stage(batch.sparse, host.sparse)
+        else:
+            _check_on_host(self.model, host, batch)
         return batch
 
     def close(self) -> None:
@@ -173,6 +175,8 @@ class OverlappedTrainPipeline(TrainPipeline):
             stage = getattr(self.model, "stage_input_dist", None)
             if callable(stage):
                 stage(batch.sparse, host.sparse)
+            else:
+                _check_on_host(self.model, host, batch)
         return batch
 
     def _wait_side_stream(self, batch: Batch) -> None:
@@ -189,6 +193,18 @@ class OverlappedTrainPipeline(TrainPipeline):
     def close(self) -> None:
         """Stop the loader thread."""
         self._loader.close()
+
+
+def _check_on_host(model: Any, host: Batch, batch: Batch) -> None:
+    """Check the host copy of a batch a one-process model's tables will read (on the device, or
+    the same batch on the CPU) before the step, and mark the copy checked: its forward then reads
+    nothing back from the device."""
+    from neorec.modules.embedding import EmbeddingBagCollection, checked_batch
+
+    ebc = getattr(model, "ebc", None)
+    if type(ebc) is EmbeddingBagCollection and host.sparse.keys == ebc.feature_names:
+        checked_batch(ebc, host.sparse)  # raises SparseFeatureError naming the culprit
+        batch.sparse.checked_for = ebc  # type: ignore[attr-defined]
 
 
 def _to_device(batch: Batch, device: torch.device | None) -> Batch:
