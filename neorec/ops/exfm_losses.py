@@ -22,6 +22,7 @@ __all__ = ["exfm_losses", "native_lib", "NonFiniteFM"]
 
 _LOCK = threading.Lock()
 _LIB: dict[str, Any] = {}
+_COEFS: dict[tuple[float, ...], Tensor] = {}  # (read-only, so shared across steps)
 
 
 class NonFiniteFM(ValueError):
@@ -79,7 +80,7 @@ class _ExfmLosses(torch.autograd.Function):
         a = 0 if first is None else first.shape[0] - 1
         n = 0 if first is None else first.shape[1] - 1
         ostride = out.stride(0)
-        buf = torch.empty((h + 1) + (a + 1) * (n + 2) + (n + 1) + (a + 1))
+        buf = torch.empty((h + 1) + (a + 1) * (n + 2) + (n + 1) + (a + 1) * (n + 2))
         o = 0
         dhead, o = buf[o : o + h + 1], o + h + 1
         dfirst, o = buf[o : o + (a + 1) * (n + 1)], o + (a + 1) * (n + 1)
@@ -182,7 +183,9 @@ def exfm_losses(
         return None
     hw, hb = (head[0].contiguous(), head[1].contiguous()) if head else (None, None)
     fi, se = (adapter[0].contiguous(), adapter[1].contiguous()) if adapter else (None, None)
-    c = torch.tensor(coef, dtype=torch.float32)
+    c = _COEFS.get(coef)
+    if c is None:
+        c = _COEFS[coef] = torch.tensor(coef, dtype=torch.float32)
     res: tuple[Tensor, Tensor, Tensor] = _ExfmLosses.apply(
         out, hw, hb, fi, se, labels, fm, dense, c, float(temperature)
     )

@@ -19,11 +19,17 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float ex_sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
-
-static inline double ex_bce(float z, float y) {
-    float ls = fminf(z, 0.0f) - log1pf(expf(-fabsf(z))); /* logsigmoid(z) */
+/* BCE(z, y) = (1 - y) z - logsigmoid(z) (torch's formula), and *sig = sigmoid(z), from one exp. */
+static inline double ex_bce(float z, float y, float *sig) {
+    const float e = expf(-fabsf(z));
+    const float ls = fminf(z, 0.0f) - log1pf(e); /* logsigmoid(z) */
+    *sig = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
     return (double)((1.0f - y) * z - ls);
+}
+
+static inline float ex_sigmoid(float z) {
+    const float e = expf(-fabsf(z));
+    return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
 /*
@@ -41,44 +47,51 @@ int64_t exfm_losses_forward(int64_t B, const float *out, int64_t ostride, const 
                             const float *dense, const float *first, const float *second,
                             float *losses, float *total, float *unit, float *dhead, float *dfirst,
                             float *dsecond, float *adapted, float *scratch) {
-    const int64_t nx = n + 1, cols = 1 + H, nd = n - 2;
+    const int64_t nx = n + 1, cols = 1 + H, nd = n - 2, na = A + 1;
     double l_serv = 0, l_soft = 0, l_aux = 0, l_ad = 0;
     const float inv_b = 1.0f / (float)B, tt = T * T;
-    float *x = scratch, *pre = scratch + nx; /* [n + 1], [A + 1] */
+    const int soft = coef[1] != 0.0f || H == 0; /* (plain distillation reports it at weight 0) */
+    float *x = scratch, *pre = scratch + nx, *ft = scratch + nx + na; /* [n+1], [A+1], [n+1, A+1] */
     if (H) memset(dhead, 0, sizeof(float) * (size_t)(H + 1));
     if (A) {
-        memset(dfirst, 0, sizeof(float) * (size_t)((A + 1) * nx));
-        memset(dsecond, 0, sizeof(float) * (size_t)(A + 1));
+        memset(dfirst, 0, sizeof(float) * (size_t)(na * nx));
+        memset(dsecond, 0, sizeof(float) * (size_t)na);
+        /* first transposed: the hidden units' sums run side by side (vectorized over j), each
+           still summed in k order */
+        for (int64_t j = 0; j < na; j++)
+            for (int64_t k = 0; k < nx; k++) ft[k * na + j] = first[j * nx + k];
     }
     for (int64_t i = 0; i < B; i++) {
         const float z = out[i * ostride], y = labels[i], f = fm[i];
         if (!isfinite(f)) return i;
         float *u = unit + i * cols;
-        l_serv += ex_bce(z, y);
-        float dz = coef[0] * ((ex_sigmoid(z) - y) * inv_b);
-        {
-            const float q = ex_sigmoid(f / T);
-            l_soft += tt * ex_bce(z / T, q);
-            dz += coef[1] * (T * (ex_sigmoid(z / T) - q) * inv_b);
+        float sz;
+        l_serv += ex_bce(z, y, &sz);
+        float dz = coef[0] * ((sz - y) * inv_b);
+        const float q = (soft || !A) ? ex_sigmoid(f / T) : 0.0f; /* the FM's soft label */
+        if (soft) {
+            float szt = sz;
+            l_soft += tt * (T == 1.0f ? ex_bce(z, q, &szt) : ex_bce(z / T, q, &szt));
+            dz += coef[1] * (T * (szt - q) * inv_b);
         }
         u[0] = dz;
-        float target = f;
+        float target_q = q;
         if (A) {
             x[0] = f;
             x[1] = z;
             for (int64_t k = 0; k < nd; k++) x[2 + k] = dense[i * nd + k];
             x[n] = 1.0f;
-            for (int64_t j = 0; j <= A; j++) {
-                const float *row = first + j * nx;
-                float s = 0.0f;
-                for (int64_t k = 0; k < nx; k++) s += row[k] * x[k];
-                pre[j] = s;
+            for (int64_t j = 0; j < na; j++) pre[j] = 0.0f;
+            for (int64_t k = 0; k < nx; k++) {
+                const float xk = x[k], *col = ft + k * na;
+                for (int64_t j = 0; j < na; j++) pre[j] += col[j] * xk;
             }
             float o = pre[A] + second[A];
             for (int64_t j = 0; j < A; j++) o += (pre[j] > 0.0f ? pre[j] : 0.0f) * second[j];
             adapted[i] = o;
-            l_ad += ex_bce(o, y);
-            const float g = (ex_sigmoid(o) - y) * inv_b;
+            float so;
+            l_ad += ex_bce(o, y, &so);
+            const float g = (so - y) * inv_b;
             for (int64_t j = 0; j < A; j++) {
                 if (pre[j] > 0.0f) {
                     const float gj = g * second[j];
@@ -90,15 +103,15 @@ int64_t exfm_losses_forward(int64_t B, const float *out, int64_t ostride, const 
             float *dlin = dfirst + A * nx;
             for (int64_t k = 0; k < nx; k++) dlin[k] += g * x[k];
             dsecond[A] += g;
-            target = o;
+            target_q = T == 1.0f ? so : ex_sigmoid(o / T);
         }
         if (H) {
             const float *h = out + i * ostride + 1;
             float a = b[0];
             for (int64_t k = 0; k < H; k++) a += h[k] * w[k];
-            const float q = ex_sigmoid(target / T);
-            l_aux += tt * ex_bce(a / T, q);
-            const float ga = T * (ex_sigmoid(a / T) - q) * inv_b;
+            float sa;
+            l_aux += tt * (T == 1.0f ? ex_bce(a, target_q, &sa) : ex_bce(a / T, target_q, &sa));
+            const float ga = T * (sa - target_q) * inv_b;
             const float gu = coef[2] * ga;
             for (int64_t k = 0; k < H; k++) {
                 dhead[k] += ga * h[k];
