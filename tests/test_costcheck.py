@@ -37,6 +37,9 @@ def test_costcheck_small(tmp_path: Path) -> None:
     assert data["max_abs_error"] == pytest.approx(max(errs), abs=1e-3)
     assert data["random_max_abs_error"] == pytest.approx(abs(r["error"]), abs=1e-3)
     assert data["cost_model"]["kind"] == "analytical"  # this topology has no learned model
+    # the analytical baseline's errors on the same measurements: here the model itself
+    assert data["analytical_mean_abs_error"] == pytest.approx(data["mean_abs_error"], abs=2e-3)
+    assert r["analytical_ms"] == pytest.approx(r["predicted_ms"], rel=1e-3)
 
 
 def test_measure_tbe_small() -> None:

@@ -1,6 +1,8 @@
-"""The learned cost model's calibration (``neorec plan --calibrate --budget-s S``): random
-placements of random table mixes measured on this machine's gloo ranks with the real sharded
-runtime, then the fit (``neorec.sharding.learned_placements``). Split from
+"""The learned cost model's calibration (``neorec plan --calibrate --budget-s S``): the designed
+set of placements (``neorec.sharding.learned_placements.designed_jobs``: whole-plan kinds and
+the greedy baselines' and planner's plans of bench-like mixes, planner-task-like mixes, random
+mixes and placements) measured on this machine's gloo ranks with the real sharded runtime, each
+placement ``REPEATS`` times (median), until the budget is spent; then the fit. Split from
 ``neorec.bench.calibrate`` (the analytical constants)."""
 
 from __future__ import annotations
@@ -17,34 +19,49 @@ __all__ = ["DEFAULT_BUDGET_S", "calibrate_learned"]
 DEFAULT_BUDGET_S = 300.0
 """Wall-clock budget of ``neorec plan --calibrate`` (micro-benchmarks and placements)."""
 _FIT_RESERVE_S = 5.0  # left for the fit after the last placement
+REPEATS = 3
+"""Measurements per placement (their median is the sample): one measurement's noise is of the
+order of the model's error."""
+_JOBS_PER_S = 6.0  # more measurements than the budget can take (2-3 a second here)
 
 
 def calibrate_learned(
-    topo: Topology, deadline: float, seed: int = 0, progress: bool = True, samples_out: str = ""
+    topo: Topology,
+    deadline: float,
+    seed: int = 0,
+    progress: bool = True,
+    samples_out: str = "",
+    repeats: int = REPEATS,
 ) -> tuple[Any, list[dict]]:
-    """Measure random placements of random table mixes (``random_jobs``) on this machine's gloo
-    ranks with the real sharded runtime (``bench dist --embedding-only``'s measurement) until
-    ``deadline`` (``time.time()``), then fit the learned model on ``topo``'s analytical
-    predictions: (``LearnedCostModel``, samples; written first to ``samples_out`` when given).
+    """Measure the designed set of placements (``designed_jobs``, each ``repeats`` times in a
+    row) on this machine's gloo ranks with the real sharded runtime (``bench dist
+    --embedding-only``'s measurement) until ``deadline`` (``time.time()``; no placement starts
+    after it), then fit the learned model on ``topo``'s analytical predictions:
+    (``LearnedCostModel``, samples; written first to ``samples_out`` when given).
     ``LearnedModelError`` when too few were measured to validate a fit."""
     from neorec.bench.dist import run_jobs
     from neorec.sharding.learned_placements import (
+        designed_jobs,
         fit,
-        random_jobs,
-        sample_from_job,
+        samples_from_rows,
         save_samples,
     )
 
     world = max(2, min(topo.ranks_per_host, os.cpu_count() or 1))
-    jobs = random_jobs(600, world, world, seed)
     left = deadline - _FIT_RESERVE_S - time.time()
+    n_jobs = int(left * _JOBS_PER_S) if left > 0 else 0
+    jobs = designed_jobs(topo, world, world, n_jobs, seed, repeats) if n_jobs else []
     if progress:
-        print(f"measuring random placements on {world} gloo ranks for up to {max(0, left):.0f} s")
+        print(
+            f"measuring the designed placements on {world} gloo ranks for up to "
+            f"{max(0, left):.0f} s, each {repeats} times (blocks in turn: random mixes, bench-like "
+            "whole-plan kinds + baselines + planner, random mixes, planner tasks)"
+        )
     rows = run_jobs(jobs, world, deadline - _FIT_RESERVE_S, iters=20, warmup=3, progress=progress)
-    samples = [sample_from_job(jobs[r["job"]], r) for r in rows]
+    samples = samples_from_rows(jobs, rows)
     if samples_out:  # before the fit: kept even when too few to fit
         save_samples(samples_out, samples)
-        print(f"{len(samples)} placement samples written to {samples_out}")
+        print(f"{len(samples)} placement samples ({len(rows)} measurements) -> {samples_out}")
     return fit(topo.with_world(world, world), samples), samples
 
 

@@ -11,7 +11,8 @@ Next to the fixed plans, ``--random-plans N`` random placements of random table 
 ``--random-seed``; calibration uses other seeds, so these mixes and shard geometries are held
 out) are measured the same way; ``mean_abs_error`` / ``max_abs_error`` cover both sets (the JSON
 also splits them). With a topology that carries a learned cost model fitted on this machine
-(``neorec plan --calibrate``), predictions are the learned model's (``--cost-model``).
+(``neorec plan --calibrate``), predictions are the learned model's (``--cost-model``), and the
+analytical model's errors on the same measurements are reported next to them (its baseline).
 
 The topology comes from ``--topology FILE`` or is calibrated here (``neorec.bench.calibrate``)
 once per round, just before the round measures every plan: on a shared host the load from other
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     measured_rows: list[dict[str, Any]] = []
     random_rows: list[dict[str, Any]] = []
     random_preds: list[list[dict[str, float]]] = []
+    random_ana: list[list[dict[str, float]]] = []
     for rnd in range(rounds):
         if rnd and not args.topology:
             topo, _ = calibrate(world, rph, optimizer=cfg.embedding.optimizer)
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         measured_rows.extend(bench_dist.run_ranks(a, plans))
         if jobs:
             random_preds.append([predict_job(topo, j, model) for j in jobs])
+            random_ana.append([predict_job(topo, j, None) for j in jobs])
             random_rows.extend(
                 bench_dist.run_jobs(jobs, world, float("inf"), a.iters, a.warmup, progress=False)
             )
@@ -220,11 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                 "error": round(err, 4),
             }
         )
-    rand = _random_results(jobs, random_rows, random_preds)
+    rand = _random_results(jobs, random_rows, random_preds, random_ana)
     fixed_errs = [abs(r["error"]) for r in rows]
     rand_errs = [abs(r["error"]) for r in rand]
     errs = fixed_errs + rand_errs
     mean_err, max_err = sum(errs) / len(errs), max(errs)
+    # The analytical model's errors on the same measurements (the baseline of a learned model).
+    ana_errs = [abs(r["analytical_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows + rand]
+    ana_mean, ana_max = sum(ana_errs) / len(ana_errs), max(ana_errs)
     print(
         f"bench costcheck: {world} gloo ranks, {a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
         f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}, {cfg.embedding.optimizer}"
@@ -267,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         if errs_of:
             mean_of = sum(errs_of) / len(errs_of)
             print(f"{label}: mean |error| {100 * mean_of:.1f}%, max {100 * max(errs_of):.1f}%")
+    if model is not None:
+        print(
+            f"the analytical model on the same measurements: mean |error| {100 * ana_mean:.1f}%, "
+            f"max {100 * ana_max:.1f}%"
+        )
     print(
         f"mean |error| {100 * mean_err:.1f}%, max {100 * max_err:.1f}% over all "
         f"(targets: mean {100 * TARGET_MEAN_ERROR:.0f}%, max {100 * TARGET_MAX_ERROR:.0f}%; "
@@ -288,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "topologies": [t.to_dict() for t in topos[1:]],
         "mean_abs_error": round(mean_err, 4),
         "max_abs_error": round(max_err, 4),
+        "analytical_mean_abs_error": round(ana_mean, 4),
+        "analytical_max_abs_error": round(ana_max, 4),
         "fixed_mean_abs_error": round(sum(fixed_errs) / len(fixed_errs), 4),
         "fixed_max_abs_error": round(max(fixed_errs), 4),
         **(
@@ -317,8 +330,10 @@ def _random_results(
     jobs: list[dict[str, Any]],
     rows: list[dict[str, Any]],
     preds: list[list[dict[str, float]]],
+    ana: list[list[dict[str, float]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per random plan: median over rounds of the predicted and measured ms, and the error."""
+    """Per random plan: median over rounds of the predicted (and analytical) and measured ms,
+    and the error."""
     out = []
     for i, job in enumerate(jobs):
         meas = [r["ms_per_step"] for r in rows if r["job"] == i]
@@ -326,6 +341,7 @@ def _random_results(
             continue
         m = statistics.median(meas)
         p = statistics.median(pr[i]["step"] for pr in preds)
+        pa = statistics.median(pr[i]["step"] for pr in (ana or preds))
         types: dict[str, int] = {}
         for t in job["plan"]["tables"]:
             types[t["type"]] = types.get(t["type"], 0) + 1
@@ -339,6 +355,7 @@ def _random_results(
                 "optimizer": job["optimizer"],
                 "alpha": job["alpha"],
                 "predicted_ms": round(p, 3),
+                "analytical_ms": round(pa, 3),
                 "measured_ms": m,
                 "measured_min_ms": min(meas),
                 "measured_max_ms": max(meas),

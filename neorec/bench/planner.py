@@ -23,12 +23,13 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner, PlanningError
+from neorec.sharding.planner_baselines import BASELINES, greedy_baseline, plan_key
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     ShardingPlan,
@@ -135,44 +136,6 @@ def _topology(ranks: int, mem_limit_gb: float) -> Topology:
     )
 
 
-Key = Callable[[TableSpec], float]
-BASELINES: dict[str, Key | None] = {
-    "random": None,
-    "size_greedy": lambda t: float(t.rows * t.dim),
-    "dim_greedy": lambda t: float(t.dim),
-    "lookup_greedy": lambda t: t.dim * t.pooling_factor,
-    "size_lookup_greedy": lambda t: t.dim * t.pooling_factor * math.log10(t.rows),
-}
-
-
-def greedy_baseline(
-    name: str, tables: Sequence[TableSpec], cm: CostModel, seed: int = 0
-) -> ShardingPlan | None:
-    """Whole tables sorted by the baseline's key onto the least-key-loaded rank that fits."""
-    topo = cm.topo
-    w, cap = topo.world_size, topo.device_capacity_bytes
-    key = BASELINES[name]
-    rng = random.Random(seed)
-    order = list(tables)
-    if key is None:
-        rng.shuffle(order)
-    else:
-        order.sort(key=lambda t: (-key(t), t.name))
-    load, mem = [0.0] * w, [0.0] * w
-    plans = []
-    for t in order:
-        need = _tw_bytes(cm, t)
-        fits = [r for r in range(w) if mem[r] + need <= cap]
-        if not fits:
-            return None
-        r = rng.choice(fits) if key is None else min(fits, key=lambda r: (load[r], r))
-        load[r] += key(t) if key is not None else 0.0
-        mem[r] += need
-        plans.append(table_wise(t, r))
-    by_name = {p.name: p for p in plans}
-    return ShardingPlan(w, topo.ranks_per_host, [by_name[t.name] for t in tables])
-
-
 def _options(t: TableSpec, world: int) -> list[TablePlan]:
     """Every way the planner may shard ``t`` on one host of ``world`` ranks (placement aside)."""
     ranks = list(range(world))
@@ -273,12 +236,21 @@ def main(argv: list[str] | None = None) -> int:
         "--topology", default="", help="--measure: topology JSON (calibrated; its learned model)"
     )
     ap.add_argument("--repeats", type=int, default=3, help="--measure: rounds (median)")
+    ap.add_argument(
+        "--cost-model",
+        choices=("auto", "learned", "analytical"),
+        default="auto",
+        help="--measure: the model the planner scores plans with (auto: the topology's learned "
+        "one when fitted here)",
+    )
     args = ap.parse_args(argv)
     if args.write_paper_scale:
         write_tables_csv(paper_scale_tables(), args.write_paper_scale)
         return 0
     if args.measure:
-        return measure_tasks(args.measure_tasks, args.topology, args.repeats, args.seed)
+        return measure_tasks(
+            args.measure_tasks, args.topology, args.repeats, args.seed, args.cost_model
+        )
     pool = make_pool(seed=args.seed)
     summaries = []
     for ranks in args.ranks:
@@ -312,11 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure_tasks(n_tasks: int, topology: str = "", repeats: int = 3, seed: int = 0) -> int:
+def measure_tasks(
+    n_tasks: int, topology: str = "", repeats: int = 3, seed: int = 0, cost_model: str = "auto"
+) -> int:
     """``--measure``: ``n_tasks`` small random table mixes (4-8 tables) on 2 gloo ranks here; the
-    planner's plan (scored by the topology's learned model when it has one fitted here) and
-    every greedy baseline's plan, each measured for real (``bench dist --embedding-only``'s
-    sharded step, medians over ``repeats`` rounds); prints ms/step and one JSON line."""
+    planner's plan (scored by the topology's learned model when it has one fitted here; its
+    candidates include the baselines' plans) and every greedy baseline's plan, each distinct plan
+    measured for real (``bench dist --embedding-only``'s sharded step, medians over ``repeats``
+    rounds; plans that differ only by which rank is which are one plan); prints ms/step and one
+    JSON line. A planner plan identical to the best baseline's is a tie (the same measurement),
+    not a win."""
     from neorec.bench.dist import run_jobs
     from neorec.sharding.learned_cost import specs_dicts
     from neorec.sharding.learned_placements import random_mix
@@ -332,53 +309,79 @@ def measure_tasks(n_tasks: int, topology: str = "", repeats: int = 3, seed: int 
             tables, batch, _ = random_mix(rng, f"task{ti}")
         opt = "rowwise_adagrad"
         cm = CostModel(topo, batch, opt)
-        res = Planner(topo, batch, opt, allow_host=False).plan(tables)
+        res = Planner(topo, batch, opt, allow_host=False, cost_model=cost_model).plan(tables)
+        model = res.scoring.model if res.scoring else None
         plans: dict[str, ShardingPlan] = {"planner": res.plan}
         for name in BASELINES:
-            plan = greedy_baseline(name, tables, cm, seed=ti)
+            # seed 0: the random baseline's plan is the one among the planner's candidates
+            plan = greedy_baseline(name, tables, cm, seed=0)
             if plan is not None:
                 plans[name] = plan
-        tasks.append({"task": ti, "tables": len(tables), "batch": batch, "scoring": res.scoring})
+        job_of: dict[str, int] = {}
+        keys: dict[str, int] = {}  # plans equal up to which rank is which: measured once
         for label, plan in plans.items():
+            key = plan_key(plan.to_dict())
+            if key in keys:
+                job_of[label] = keys[key]
+                continue
+            job_of[label] = keys[key] = len(jobs)
             jobs.append(
                 {
                     "task": ti,
-                    "label": label,
                     "tables": specs_dicts(tables),
                     "batch": batch,
                     "optimizer": opt,
                     "alpha": tables[0].zipf_alpha,
                     "plan": plan.to_dict(),
-                    "predicted_ms": 1000 * cm.evaluate(plan, tables).max_time_s,
                 }
             )
+        pred = {
+            k: model.predict_ms(cm, v, tables)["step"]
+            if model
+            else 1000 * cm.evaluate(v, tables).max_time_s
+            for k, v in plans.items()
+        }
+        tasks.append(
+            {
+                "task": ti,
+                "tables": len(tables),
+                "batch": batch,
+                "scoring": res.scoring,
+                "job_of": job_of,
+                "predicted_ms": pred,
+            }
+        )
     rows: list[dict[str, Any]] = []
     for rnd in range(max(1, repeats)):
-        # Each round starts at another plan (reversed every other round), so no plan is always
-        # measured first (or right after the same neighbour) on a host whose load drifts.
+        # The first round in order, each other one in another (seeded) order, so no plan is
+        # always measured first, or right after the same neighbour, on a host whose load drifts.
         order = list(range(len(jobs)))
-        order = order[rnd % len(order) :] + order[: rnd % len(order)]
-        if rnd % 2:
-            order.reverse()
+        if rnd:
+            random.Random(rnd).shuffle(order)
         got = run_jobs([jobs[i] for i in order], world, float("inf"), 30, 3, progress=False)
         rows.extend({**r, "job": order[r["job"]]} for r in got)
     out: list[dict[str, Any]] = []
     print(f"MEASURED: {n_tasks} tasks on {world} gloo ranks here; topology: {topo.name}")
     print(
         f"{'task':>4} {'tables':>6} {'planner ms':>11} {'best baseline':>20} {'ms':>8} {'gain':>7}"
+        f"  {'pred planner / best':>20}"
     )
     for t in tasks:
-        ms: dict[str, float] = {}
-        for i, j in enumerate(jobs):
-            if j["task"] == t["task"]:
-                vals = [r["ms_per_step"] for r in rows if r["job"] == i]
-                ms[j["label"]] = statistics.median(vals)
+        med = {
+            i: statistics.median(r["ms_per_step"] for r in rows if r["job"] == i)
+            for i in set(t["job_of"].values())
+        }
+        ms = {k: med[i] for k, i in t["job_of"].items()}
         base = {k: v for k, v in ms.items() if k != "planner"}
         best = min(base, key=lambda k: (base[k], k))
         gain = 1 - ms["planner"] / base[best]
+        same = [k for k in base if t["job_of"][k] == t["job_of"]["planner"]]
+        tie = any(base[k] == base[best] for k in same)  # the best baseline's plan itself
+        pr = t["predicted_ms"]
         print(
             f"{t['task']:>4} {t['tables']:>6} {ms['planner']:>11.2f} {best:>20} "
-            f"{base[best]:>8.2f} {gain:>7.1%}"
+            f"{base[best]:>8.2f} {gain:>7.1%}  {pr['planner']:>9.2f} / {pr[best]:<9.2f}"
+            + (f" (planner = {', '.join(same)})" if same else "")
         )
         out.append(
             {
@@ -390,11 +393,18 @@ def measure_tasks(n_tasks: int, topology: str = "", repeats: int = 3, seed: int 
                 "best_baseline": best,
                 "best_baseline_ms": base[best],
                 "baselines_ms": base,
+                "predicted_ms": {k: round(v, 3) for k, v in pr.items()},
+                "planner_same_as": same,
+                "tie": tie,
                 "gain": gain,
             }
         )
-    wins = sum(o["gain"] > 0 for o in out)
-    print(f"planner faster than the best (measured) baseline on {wins}/{len(out)} tasks")
+    wins = sum(o["gain"] > 0 and not o["tie"] for o in out)
+    ties = sum(o["tie"] for o in out)
+    print(
+        f"planner faster than the best (measured) baseline on {wins}/{len(out)} tasks, "
+        f"the same plan on {ties}, slower on {len(out) - wins - ties}"
+    )
     print(
         json.dumps({"bench": "planner_measure", "world": world, "repeats": repeats, "tasks": out})
     )

@@ -1,12 +1,23 @@
 """The designed set of placements the learned cost model is fitted and validated on, the
 calibration samples (files) and the fit itself.
 
-Random table mixes (2-8 tables: rows, dims, pooling, one Zipf skew, batch, optimizer) and random
-valid placements of them (a sharding type per table, random ranks and shard geometry), as jobs
-``neorec.bench.dist.run_jobs`` measures; a seed picks the mixes, so other seeds are held out
-(``neorec bench costcheck --random-plans``). ``fit`` scores every candidate regressor of
-``neorec.sharding.learned_cost`` by grouped cross-validation (folds hold out whole table mixes)
-and keeps the best per target. Split out of ``neorec.sharding.learned_cost``.
+The designed set (``designed_jobs``) cycles through three kinds of blocks, each block measured
+``repeats`` times in a row (a sample is the median of its placement's measurements):
+
+- ``bench``: a mix drawn like ``bench costcheck``'s tables (4-8 tables of 2.5e4-1.26e5 rows, dims
+  16-64, pooling 5-30, Zipf skew, often all alike) placed whole-plan by kind as costcheck places
+  them (all table-wise, row-wise, column-wise, table-row-wise, data-parallel, a mixed cycle),
+  plus the greedy baselines' plans and the planner's (analytical) plan;
+- ``task``: a random mix of 4-8 tables (``bench planner --measure``'s kind of task) placed by the
+  greedy baselines, the planner and one random placement;
+- ``random``: three random mixes (2-8 tables: rows, dims, pooling, one Zipf skew, batch,
+  optimizer), two random valid placements each (a sharding type per table, random ranks and
+  shard geometry).
+
+A seed picks the mixes, so other seeds are held out (``neorec bench costcheck --random-plans``,
+``bench planner --measure``). ``fit`` scores every candidate regressor of
+``neorec.sharding.learned_features`` by grouped cross-validation (folds hold out whole table
+mixes) and keeps the best per target. Split out of ``neorec.sharding.learned_cost``.
 """
 
 from __future__ import annotations
@@ -22,21 +33,27 @@ import numpy as np
 
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import (
-    _CANDIDATES,
-    _EPS_MS,
     TARGETS,
     LearnedCostModel,
     LearnedModelError,
-    _predict,
     machine_description,
-    plan_features,
     specs_dicts,
 )
+from neorec.sharding.learned_features import CANDIDATES as _CANDIDATES
+from neorec.sharding.learned_features import EPS_MS as _EPS_MS
+from neorec.sharding.learned_features import plan_features
+from neorec.sharding.learned_features import predict as _predict
+from neorec.sharding.planner_baselines import plan_key
 from neorec.sharding.tables import OPTIMIZERS
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan
 
 __all__ = [
+    "DESIGN_CYCLE",
+    "bench_like_mix",
+    "kind_plans",
+    "designed_jobs",
+    "samples_from_rows",
     "random_mix",
     "random_placement",
     "random_jobs",
@@ -129,6 +146,165 @@ def random_jobs(
                 }
             )
     return jobs
+
+
+DESIGN_CYCLE = ("random", "bench", "random", "task")
+"""Blocks of ``designed_jobs`` in turn (a bench block has ~10 placements, a task block ~6, a
+random one 6: of the placements ~35% bench-like, ~20% planner-task-like, ~45% random; of the
+time about half goes to the bench-like ones, whose tables are the largest)."""
+
+
+def bench_like_mix(rng: Any, mix: str) -> tuple[list[TableSpec], int, str]:
+    """A mix drawn like ``bench costcheck``'s tables: 4-8 tables of 2.5e4-1.26e5 rows (log-
+    uniform), dims 16-64, pooling 5-30, one Zipf skew, all tables alike half the time; global
+    batch 512 or (mostly) 1024; row-wise Adagrad mostly."""
+    n = rng.randint(4, 8)
+    alpha = rng.choice((0.0, 0.8, 1.05, 1.05, 1.2))
+    same = rng.random() < 0.5
+
+    def draw() -> tuple[int, int, float]:
+        return (
+            int(10 ** rng.uniform(4.4, 5.1)),
+            rng.choice((16, 32, 32, 64)),
+            float(rng.choice((5, 10, 15, 20, 20, 25, 30))),
+        )
+
+    first = draw()
+    tables = []
+    for i in range(n):
+        rows, dim, pool = first if same else draw()
+        tables.append(
+            TableSpec(name=f"{mix}_t{i}", rows=rows, dim=dim, pooling_factor=pool, zipf_alpha=alpha)
+        )
+    batch = rng.choice((512, 1024, 1024, 1024))
+    opt = rng.choices(OPTIMIZERS, (0.1, 0.8, 0.1))[0]
+    return tables, batch, opt
+
+
+def kind_plans(
+    rng: Any, tables: Sequence[TableSpec], world: int, rph: int
+) -> list[tuple[str, ShardingPlan]]:
+    """Whole-plan kinds as ``bench costcheck`` places them (``plan_by_type``): every table
+    table-wise (round robin), row-wise, column-wise (one slice per rank), table-row-wise (when
+    hosts have > 1 rank), data-parallel, and a mixed cycle of types from a random offset."""
+    from neorec.sharding.types import plan_by_type
+
+    kinds = ["table_wise", "row_wise", "column_wise", "data_parallel"]
+    kinds += ["table_row_wise"] if rph > 1 else []
+    out = [(k, plan_by_type(tables, world, rph, k)) for k in kinds]
+    cycle = ["row_wise", "table_wise", "column_wise", "data_parallel"]
+    cycle += ["table_row_wise"] if rph > 1 else []
+    off = rng.randrange(len(cycle))
+    types = {t.name: cycle[(i + off) % len(cycle)] for i, t in enumerate(tables)}
+    out.append(("mixed", plan_by_type(tables, world, rph, "table_wise", types)))
+    return out
+
+
+def searched_plans(
+    topo: Topology, tables: Sequence[TableSpec], batch: int, opt: str
+) -> list[tuple[str, ShardingPlan]]:
+    """The greedy baselines' plans and the planner's (analytical model), duplicates dropped."""
+    from neorec.sharding.planner import Planner
+    from neorec.sharding.planner_baselines import baseline_candidates
+
+    p = Planner(topo, batch, opt, allow_host=False, cost_model="analytical")
+    out = [("planner", p.plan(tables).plan), *baseline_candidates(p, tables)]
+    uniq: list[tuple[str, ShardingPlan]] = []
+    for label, plan in out:
+        if all(plan.tables != q.tables for _, q in uniq):
+            uniq.append((label, plan))
+    return uniq
+
+
+def _job(mix: str, tables: Sequence[TableSpec], batch: int, opt: str, design: str, plan) -> dict:
+    return {
+        "mix": mix,
+        "design": design,
+        "tables": specs_dicts(tables),
+        "batch": batch,
+        "optimizer": opt,
+        "alpha": tables[0].zipf_alpha,
+        "plan": plan.to_dict(),
+    }
+
+
+def designed_jobs(
+    topo: Topology, world: int, rph: int, n_jobs: int, seed: int = 0, repeats: int = 3
+) -> list[dict[str, Any]]:
+    """About ``n_jobs`` measurements of the designed set (see the module docstring): blocks of
+    placements cycling through ``DESIGN_CYCLE``, each block's jobs ``repeats`` times in a row
+    (every job carries its ``placement`` id; ``samples_from_rows`` takes the median). Cut off by
+    a time budget, a run still has whole blocks of every kind."""
+    import random
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    rng = random.Random(seed)
+    topo = topo.with_world(world, rph)
+    jobs: list[dict[str, Any]] = []
+    block = 0
+    while len(jobs) < n_jobs:
+        kind = DESIGN_CYCLE[block % len(DESIGN_CYCLE)]
+        mix = f"d{seed}b{block}"
+        block += 1
+        todo: list[dict[str, Any]] = []
+        if kind == "bench":
+            tables, batch, opt = bench_like_mix(rng, mix)
+            plans = kind_plans(rng, tables, world, rph)
+            plans += searched_plans(topo, tables, batch, opt)
+            todo += [_job(mix, tables, batch, opt, label, p) for label, p in plans]
+        elif kind == "task":
+            tables, batch, _ = random_mix(rng, mix)
+            while len(tables) < 4:
+                tables, batch, _ = random_mix(rng, mix)
+            opt = "rowwise_adagrad"
+            plans = searched_plans(topo, tables, batch, opt)
+            plans.append(("random", random_placement(rng, tables, world, rph)))
+            todo += [_job(mix, tables, batch, opt, label, p) for label, p in plans]
+        else:
+            for m in range(3):
+                tables, batch, opt = random_mix(rng, f"{mix}m{m}")
+                for _ in range(2):
+                    p = random_placement(rng, tables, world, rph)
+                    todo.append(_job(f"{mix}m{m}", tables, batch, opt, "random", p))
+        uniq: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        for j in todo:  # a kind's plan can be a baseline's (all table-wise, round robin)
+            key = j["mix"] + plan_key(j["plan"])  # one plan up to which rank is which
+            if key not in seen:
+                seen.add(key)
+                uniq.append({**j, "placement": f"{mix}p{len(uniq)}"})
+        for _ in range(repeats):
+            jobs.extend(uniq)
+    return jobs
+
+
+def samples_from_rows(jobs: Sequence[dict[str, Any]], rows: Sequence[dict]) -> list[dict]:
+    """One sample per measured placement (``run_jobs`` rows of ``jobs``): its job and the median
+    of its measurements per target, with their count (``repeats``) and spread (``step_range``)."""
+    import statistics
+
+    by: dict[str, list[dict]] = {}
+    order: list[str] = []
+    for r in rows:
+        pid = str(jobs[r["job"]].get("placement", r["job"]))
+        if pid not in by:
+            by[pid] = []
+            order.append(pid)
+        by[pid].append(r)
+    out = []
+    for pid in order:
+        rs = by[pid]
+        job = jobs[rs[0]["job"]]
+        med = {
+            k: statistics.median(float(r[k]) for r in rs)
+            for k in ("ms_per_step", "fwd_ms", "bwd_ms", "comm_wait_ms")
+        }
+        s = sample_from_job(job, med)
+        steps = [float(r["ms_per_step"]) for r in rs]
+        s.update(repeats=len(rs), step_range=[min(steps), max(steps)])
+        out.append(s)
+    return out
 
 
 def sample_from_job(job: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:

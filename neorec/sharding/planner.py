@@ -29,6 +29,9 @@ Steps (all deterministic, pure Python):
 5. **Improve**: local search on the slowest rank: move a shard, swap two shards, or re-split a
    table (by columns or rows), accepted only when the slowest rank gets faster without any other
    rank getting as slow.
+6. **Baselines**: the greedy baselines' plans (``planner_baselines``; whole tables onto the
+   least-loaded rank by a key) are candidates too: the plan returned is never worse than theirs
+   by the model that scores it.
 
 The objective is the slowest rank's predicted time (``CostModel``), subject to every rank's device,
 host and SSD memory. Predictions are a simulation, not measurements. Every shard's cost is its own
@@ -52,6 +55,7 @@ from typing import Any
 
 from neorec.sharding.cost_model import CACHE_MIN_BATCHES, CostModel, TableSpec, cache_rows
 from neorec.sharding.learned_cost import resolve
+from neorec.sharding.planner_baselines import baseline_candidates
 from neorec.sharding.planner_local import _Search
 from neorec.sharding.planner_parts import (
     _CACHED_TYPES,
@@ -177,9 +181,18 @@ class Planner:
                     best = (obj, iters, s.to_plan())
                 continue
             cands.append(s.to_plan())
+        # The greedy baselines' plans are candidates too, scored by the same model: the plan
+        # returned is never worse than theirs by that model.
+        baselines = [b for _, b in baseline_candidates(self, tables)]
         if learned is not None:
-            best, n = self._learned_pick(cands, tables)
+            best, n = self._learned_pick(cands, tables, baselines)
             iters += n
+        elif best is not None and baselines:
+            top = self.cm.evaluate(best[2], tables).max_time_s  # as evaluated, like theirs
+            for b in baselines:
+                obj = self.cm.evaluate(b, tables).max_time_s
+                if obj < top * (1 - 1e-9):
+                    best, top = (obj, iters, b), obj
         assert best is not None
         plan = best[2]
         plan.validate()
@@ -210,26 +223,32 @@ class Planner:
         )
 
     def _learned_pick(
-        self, cands: list[ShardingPlan], tables: Sequence[TableSpec]
+        self,
+        cands: list[ShardingPlan],
+        tables: Sequence[TableSpec],
+        baselines: Sequence[ShardingPlan] = (),
     ) -> tuple[tuple[float, int, ShardingPlan], int]:
         """The candidate with the lowest learned step time, then improved by ``_learned_moves``,
-        within a trust region: a plan is eligible only while its analytical step is within
-        (1 + the learned model's held-out mean |error|) of the best analytical candidate's (the
-        learned model is not trusted further from the plans the analytical model vouches for).
-        Returns ((learned seconds, 0, plan), moves made)."""
+        within a trust region: a searched plan is eligible only while its analytical step is
+        within (1 + the learned model's held-out mean |error|) of the best analytical candidate's
+        (the learned model is not trusted further from the plans the analytical model vouches
+        for); the greedy ``baselines`` always are. Returns ((learned seconds, 0, plan), moves)."""
         learned = self.scoring.model
         assert learned is not None
+        n_search = len(cands)
+        cands = [*cands, *baselines]
         costs = [self.cm.evaluate(c, tables) for c in cands]
         tau = float(learned.validation["step"]["mean_abs_error"])
         limit = min(c.max_time_s for c in costs) * (1 + tau)
         best: tuple[float, int, ShardingPlan] | None = None
-        for cand, cost in zip(cands, costs):
-            if cost.max_time_s > limit * (1 + 1e-9):
+        for i, (cand, cost) in enumerate(zip(cands, costs)):
+            if i < n_search and cost.max_time_s > limit * (1 + 1e-9):
                 continue
             obj = learned.step_s(self.cm, cand, tables, cost)
             if best is None or obj < best[0] * (1 - 1e-9):
                 best = (obj, 0, cand)
         assert best is not None
+        limit = max(limit, self.cm.evaluate(best[2], tables).max_time_s)
         plan, score, moves = self._learned_moves(best[2], tables, best[0], limit)
         return (score, 0, plan), moves
 

@@ -1,0 +1,77 @@
+"""``neorec bench planner --measure``'s bookkeeping, with the measurement faked: each distinct
+plan is measured once per round, a planner plan identical to the best baseline's is a tie (not
+a win), the random baseline is the one among the planner's candidates (seed 0)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import neorec.bench.dist as bench_dist
+from neorec.bench.planner import measure_tasks
+
+
+def test_measure_counts_ties_and_measures_each_plan_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[list[dict[str, Any]]] = []
+
+    times: dict[str, float] = {}
+
+    def fake_run_jobs(jobs: list[dict], nproc: int, deadline: float, *a: Any, **k: Any) -> list:
+        calls.append(jobs)
+        # a plan's time is fixed at its first sight; the first round is in job order, where
+        # each task's first job is the planner's plan: the fastest of its task
+        seen_tasks: set[int] = set()
+        for i, j in enumerate(jobs):
+            key = json.dumps(j["plan"]["tables"], sort_keys=True)
+            if key not in times:
+                times[key] = 11.0 + i if j["task"] in seen_tasks else 10.0
+            seen_tasks.add(j["task"])
+        return [
+            {"job": i, "ms_per_step": times[json.dumps(j["plan"]["tables"], sort_keys=True)]}
+            for i, j in enumerate(jobs)
+        ]
+
+    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical") == 0
+    out = capsys.readouterr().out
+    data = json.loads(out.strip().splitlines()[-1])
+    assert data["bench"] == "planner_measure" and len(data["tasks"]) == 3
+    assert len(calls) == 2  # one run per round
+    for jobs in calls:  # every distinct plan once per round
+        keys = [json.dumps(j["plan"]["tables"], sort_keys=True) for j in jobs]
+        assert len(keys) == len(set(keys))
+    for t in data["tasks"]:
+        assert t["best_baseline_ms"] == min(t["baselines_ms"].values())
+        assert t["planner_ms"] == 10.0
+        # the planner's plan is the fastest: a tie when a baseline made the same plan, else a win
+        assert t["tie"] == bool(t["planner_same_as"])
+        assert t["gain"] == (0.0 if t["tie"] else pytest.approx(1 - 10.0 / t["best_baseline_ms"]))
+        for same in t["planner_same_as"]:
+            assert t["baselines_ms"][same] == t["planner_ms"]
+        assert set(t["predicted_ms"]) == {"planner", *t["baselines_ms"]}
+    wins = sum(t["gain"] > 0 and not t["tie"] for t in data["tasks"])
+    ties = sum(t["tie"] for t in data["tasks"])
+    assert f"on {wins}/3 tasks, the same plan on {ties}" in out
+
+
+def test_plan_key_is_one_plan_up_to_rank_labels() -> None:
+    from neorec.sharding.planner_baselines import plan_key
+    from neorec.sharding.tables import TableSpec
+    from neorec.sharding.types import ShardingPlan, column_wise, row_wise, table_wise
+
+    ts = [TableSpec(name=f"k{i}", rows=100 * (i + 1), dim=8) for i in range(3)]
+
+    def tw(ranks: list[int], world: int = 2, rph: int = 2) -> dict:
+        return ShardingPlan(world, rph, [table_wise(t, r) for t, r in zip(ts, ranks)]).to_dict()
+
+    assert plan_key(tw([0, 1, 1])) == plan_key(tw([1, 0, 0]))  # mirror images: one plan
+    assert plan_key(tw([0, 1, 1])) != plan_key(tw([0, 0, 1]))  # another split of the tables
+    assert plan_key(tw([0, 1, 1], 2, 1)) != plan_key(tw([1, 0, 0], 2, 1))  # two hosts: kept
+    cw = [column_wise(ts[0], [0, 1]), row_wise(ts[1], [0, 1])]
+    cw_mirror = [column_wise(ts[0], [1, 0]), row_wise(ts[1], [0, 1])]
+    a, b = (ShardingPlan(2, 2, p).to_dict() for p in (cw, cw_mirror))
+    assert plan_key(a) != plan_key(b)  # the row-wise table's halves sit differently
