@@ -62,6 +62,36 @@ def test_bounds_are_tight():
     assert bool(((y - x).abs() <= 0.5 * step.unsqueeze(1) * (1 + 2**-8)).all())
 
 
+def test_int8_device_units_equal_the_host_ones():
+    """The int8 codec's scale units, computed on the device (no host read), are the host's
+    ``int_rowwise_quantize`` units bit for bit (powers of two, subnormals, zeros, 2^k +- 1 ulp),
+    and so are its codes; decoding with device units gives the host dequantization's bits."""
+    from neorec.ops import quant
+    from neorec.ops.quant import (
+        dequantize_rows,
+        int_rowwise_dequantize,
+        int_rowwise_quantize,
+        int_rowwise_quantize_device,
+    )
+
+    p2 = torch.tensor([2.0**k for k in range(-140, 120, 7)])
+    edges = torch.cat([p2, torch.nextafter(p2, p2 * 2), torch.nextafter(p2, p2 * 0)])
+    g = torch.Generator().manual_seed(4)
+    cases = [nasty(), torch.zeros(3, 5), torch.zeros(0, 4), torch.randn(50, 9, generator=g) * 1e-3]
+    cases += [torch.stack([edges, -edges * 0.5, edges * 0.25], 1), edges.view(-1, 1)]
+    for v in edges.tolist() + [0.0, 1e-45, 3.0e38]:  # each value the largest of its call
+        x = torch.tensor([[-v, v]])
+        host = torch.tensor(quant._pow2_unit(x[0]), dtype=torch.float32)  # (2^128: inf)
+        assert torch.equal(quant._pow2_unit_device(x[0]), host), v
+    for x in cases:
+        q = int_rowwise_quantize(x, 8)
+        qd, units = int_rowwise_quantize_device(x, 8)
+        assert units.tolist() == [q.scale_unit, q.offset_unit]
+        assert torch.equal(qd.packed, q.packed) and torch.equal(qd.scale, q.scale)
+        assert torch.equal(qd.offset, q.offset)
+        assert torch.equal(dequantize_rows(qd, units), int_rowwise_dequantize(q))
+
+
 @pytest.mark.parametrize("name", LOSSY)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_refused_with_clear_error(name, bad):

@@ -1,8 +1,10 @@
 """The device-generic runtime (``train.device``): a CUDA request refused cleanly on this CPU machine,
 the process group backend following the device, the deferred NaN guard, and no host sync inside a
 training step: the sharded path (one process, and 2 gloo ranks table-wise / row-wise /
-column-wise; a data-parallel table and fp16 / fp8 / bf16 wire codecs), and the one-process model,
-with this machine's TBE backend and with the GPU backends.
+column-wise; data-parallel tables, fp16 / fp8 / bf16 / int8 wire codecs, fp8 tables), DMT towers
+and the one-process model, with this machine's TBE backend and with the GPU backends; the padded
+data-parallel exchange and the towers' staged input equal to the host path's (the kernel-level
+device paths: test_device_paths).
 
 The host-sync check patches the methods that read a tensor back to the host (``item``, ``cpu``,
 ``tolist``, ``numpy``, ``__int__``, ``__bool__``, ``__float__``; and indexing with an integer
@@ -157,13 +159,10 @@ OPS_SITES: dict[str, set[str]] = {
     "cuda": set(),
     "triton": set(),
 }
-# Data-parallel tables: the one read of their row sums' counts per step (the distinct rows each
-# rank touched: the size of what it all-gathers; the counts then go to the other ranks as Python
-# ints over the host group, no device read).
+# Data-parallel tables: the GPU backends read nothing (padded blocks with device counts,
+# ``row_grads_padded``); the cpu backend's host path reads its row sums' counts (not syncs).
 DP_SITES = {
-    "cuda": {"neorec/ops/cuda.py:row_grads"},
-    "triton": {"neorec/ops/triton_tbe.py:row_grads"},
-    "cpu": {  # (CPU reads, not syncs)
+    "cpu": {
         "neorec/ops/cpu.py:<genexpr>",
         "neorec/ops/cpu.py:<listcomp>",
         "neorec/ops/cpu.py:backward_update",
@@ -189,9 +188,10 @@ def gpu_backend(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def gpu_path(on: object) -> Iterator[None]:
-    """When ``on``: the device-side checks on CPU tensors (the GPU backends', the codecs'), and
-    triton's interpreter on (when the kernels were built for it)."""
+def gpu_path(on: object, device_checks: bool = True) -> Iterator[None]:
+    """When ``on``: the device-side checks on CPU tensors (the GPU backends', the codecs'; unless
+    not ``device_checks``: the host path), and triton's interpreter on (when the kernels were
+    built for it)."""
     if not on:
         yield
         return
@@ -199,7 +199,7 @@ def gpu_path(on: object) -> Iterator[None]:
     if INTERPRETED:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        with device_checks_on_cpu():
+        with device_checks_on_cpu() if device_checks else contextlib.nullcontext():
             yield
     finally:
         if old is None:
@@ -208,12 +208,15 @@ def gpu_path(on: object) -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = old
 
 
-def _cfg(opt: str, comm: dict[str, str] | None = None) -> Config:
+def _cfg(opt: str, comm: dict[str, str] | None = None, precision: str = "fp32") -> Config:
     return Config(
         comm=CommConfig(**(comm or {})),
         model=ModelConfig(num_dense=3, bottom_mlp=[4, 4], top_mlp=[4, 1]),
         embedding=EmbeddingConfig(
-            tables=[TableConfig(**vars(t)) for t in TABLES], optimizer=opt, lr=0.1
+            tables=[TableConfig(**vars(t)) for t in TABLES],
+            optimizer=opt,
+            lr=0.1,
+            precision=precision,
         ),
         data=DataConfig(batch_size=B),
         train=TrainConfig(dense_optimizer="sgd", dense_lr=0.1, seed=3, device=DEVICE),
@@ -243,19 +246,26 @@ def _train_without_sync(
     pipeline: str,
     backend: str | None = None,
     comm: dict[str, str] | None = None,
-) -> None:
-    """Four steps, the last three with host reads refused; ``kind`` "dlrm": the one-process
-    model (``build_dlrm``), else a sharding type; ``backend``: a GPU backend swapped in;
-    ``comm``: wire codecs (``CommConfig``). Either runs the device-side checks (``gpu_path``)."""
-    cfg = _cfg(opt, comm)
+) -> Any:
+    """Four steps, the last three with host reads refused (returns the model); ``kind`` "dlrm":
+    the one-process model (``build_dlrm``), "towers": DMT towers (2 ranks), else a sharding type
+    ("+dp": table "b" data-parallel; "@fp8" etc.: low-precision tables); ``backend``: a GPU
+    backend swapped in (under the low-precision rows too); ``comm``: wire codecs
+    (``CommConfig``). Either runs the device-side checks (``gpu_path``)."""
+    kind, _, precision = kind.partition("@")
+    cfg = _cfg(opt, comm, precision or "fp32")
     if kind == "dlrm":
         model: Any = build_dlrm(cfg, DEVICE)
+    elif kind == "towers":
+        model = _tower_model(cfg)
     else:  # "<type>+dp": table "b" data-parallel
         kind, _, dp = kind.partition("+")
         types = {"b": "data_parallel"} if dp else None
         plan = plan_by_type(cfg.embedding.tables, world, world, kind, types)
         model = DistributedModel(cfg, plan)
-    if backend is not None:
+    if backend is not None and precision:  # (the low-precision rows' inner kernel)
+        model.ebc.backend.inner = gpu_backend(backend)
+    elif backend is not None:
         model.ebc.backend = gpu_backend(backend)
     dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
     guard, sites, patched_steps = LossGuard(), set(), []
@@ -287,6 +297,48 @@ def _train_without_sync(
     assert not unknown, f"new host reads in the kernel layer: {sorted(unknown)}"
     assert int(model.ebc.step) == 4  # the host mirror of the step counter kept it exact
     assert int(tracker.take()["mp"].sum()) > 0
+    return model
+
+
+def _tower_model(cfg: Config) -> Any:
+    """DMT towers (SPTT) on 2 ranks (2 hosts of 1): tables a, c on tower 0, b on tower 1,
+    identity tower modules."""
+    from torch import nn
+
+    from neorec.distributed.towers import DistributedTowerModel, tower_features
+    from neorec.modules.dlrm import DenseArch
+
+    groups = [["a", "c"], ["b"]]
+    feats = tower_features(cfg.embedding.tables, groups)
+
+    class Identity(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.out_vectors = n
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    def build_dense():  # noqa: ANN202
+        towers = nn.ModuleList(Identity(len(f)) for f in feats)
+        return towers, DenseArch(cfg.model, sum(len(f) for f in feats), 4)
+
+    return DistributedTowerModel(cfg, groups, build_dense)
+
+
+def _towers_staged_equals_unstaged(rank: int, world: int) -> None:
+    """DMT towers: the step reads nothing back when the pipeline staged the batch (the ids
+    exchange to the towers and the tower collection's input distribution on the host), and
+    trains bitwise as the unstaged forward (which exchanges the ids on the device)."""
+    staged = _train_without_sync(rank, world, "towers", "adam", "overlapped")
+    cfg = _cfg("adam")
+    model = _tower_model(cfg)
+    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    for step in range(1, 5):
+        train_step(model, opt, _batch(step - 1, world, rank), step)
+    assert torch.equal(model.ebc.weights, staged.ebc.weights)
+    assert all(torch.equal(p, q) for p, q in zip(model.dense_parameters(),
+                                                 staged.dense_parameters()))  # fmt: skip
 
 
 @pytest.mark.parametrize("pipeline", ["sequential", "overlapped"])
@@ -305,6 +357,61 @@ def _two_ranks(rank: int, world: int) -> None:
     # with their device-side finite checks: pooled all-to-all, DP row gradients, dense all-reduce.
     codecs = {"forward": "fp16", "backward": "fp8_e4m3", "allreduce": "bf16"}
     _train_without_sync(rank, world, "row_wise+dp", "adam", "overlapped", "cuda", codecs)
+    _dp_padded_equals_host_path(rank, world)
+    _towers_staged_equals_unstaged(rank, world)
+
+
+def _without_feature(batch: Batch, name: str) -> Batch:
+    """``batch`` with every bag of feature ``name`` emptied."""
+    sp, b = batch.sparse, batch.sparse.batch_size
+    f = sp.keys.index(name)
+    off = sp.offsets()
+    lo, hi = int(off[f * b]), int(off[(f + 1) * b])
+    lengths = sp.lengths.clone()
+    lengths[f * b : (f + 1) * b] = 0
+    sparse = SparseFeatures(sp.keys, torch.cat([sp.values[:lo], sp.values[hi:]]), lengths)
+    return Batch(batch.dense, sparse, batch.labels)
+
+
+def _dp_padded_equals_host_path(rank: int, world: int) -> None:
+    """Data-parallel tables on the device path (padded blocks, device counts, no host read)
+    update the replicas bitwise as the host path's exchange (distinct rows as host counts): the
+    same backend (cuda, on CPU tensors) on both, so only the exchange differs. Two DP tables, one
+    of which rank 1 sends nothing of at step 2, neither any rank at step 3; float32 rows and the int8 wire codec (the
+    padding's zero rows leave its scales as they are)."""
+    types = {"b": "data_parallel", "c": "data_parallel"}
+    for comm, opt in [(None, "adam"), ({"allreduce": "int8"}, "rowwise_adagrad")]:
+        res = []
+        for device_path in (False, True):
+            cfg = _cfg(opt, comm)
+            model = DistributedModel(
+                cfg, plan_by_type(cfg.embedding.tables, world, world, "table_wise", types)
+            )
+            ebc = model.ebc
+            ebc.backend = gpu_backend("cuda")
+            dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
+            tracker, guard = DirtyRowTracker(ebc), LossGuard()
+            start = ebc.dp_weights.detach().clone()
+            with gpu_path(device_path):
+                for step in (1, 2, 3):
+                    batch = _batch(step, world, rank)
+                    if step == 2 and rank == 1:
+                        batch = _without_feature(batch, "c")
+                    for f in ("b", "b2", "c") if step == 3 else ():  # no DP row on any rank
+                        batch = _without_feature(batch, f)
+                    model.stage_input_dist(batch.sparse, batch.sparse)
+                    # (step 1: the first read of the step counters' host mirrors)
+                    patched = device_path and step > 1
+                    with no_host_sync(set()) if patched else contextlib.nullcontext():
+                        train_step(model, dense_opt, batch, step, guard=guard)
+            guard.check()
+            state = {k: v.detach().clone() for k, v in ebc._state("dp_").items()}
+            res.append((ebc.dp_weights.detach().clone(), state, tracker.take()["dp"]))
+        (w0, st0, dirty0), (w1, st1, dirty1) = res
+        assert not torch.equal(w0, start)
+        assert torch.equal(w0, w1), f"{comm}: the replicas differ"
+        assert all(torch.equal(st0[k], st1[k]) for k in st0)
+        assert torch.equal(dirty0, dirty1) and bool(dirty0.any())
 
 
 def test_no_host_sync_two_ranks():
@@ -313,7 +420,7 @@ def test_no_host_sync_two_ranks():
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("kind", ["dlrm", "table_wise+dp"])
+@pytest.mark.parametrize("kind", ["dlrm", "table_wise+dp", "table_wise@fp8"])
 def test_no_host_sync_gpu_backends(kind, backend):
     """The GPU backends on the per-step path: no host read at all (none in neorec/ops either)."""
     _train_without_sync(0, 1, kind, "adam" if backend == "cuda" else "rowwise_adagrad",
@@ -367,129 +474,6 @@ def test_cuda_refused_without_a_gpu(tmp_path):
 
     with pytest.raises(ConfigError, match="no CUDA device"):
         init_rank_group("cuda", 5)
-
-
-# ---- the GPU backends' device path, on CPU tensors ----------------------------------------------
-
-
-def _padded(c: Any) -> Any:
-    """``c`` with ids outside every bag before and after them (never read, never checked)."""
-    from test_tbe import Case
-
-    junk = torch.tensor([-5, 10**9, 3], dtype=c.indices.dtype)
-    return Case(
-        c.layout,
-        c.weights,
-        torch.cat([junk, c.indices, junk]),
-        c.offsets + 3,
-        torch.cat([torch.ones(3), c.psw, torch.full((3,), float("nan"))]),
-        c.grad,
-    )
-
-
-@pytest.mark.parametrize("backend", CPU_GPU_BACKENDS)
-@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
-def test_gpu_backends_device_path_equals_reference(backend, kind):
-    from test_tbe import make_case
-
-    from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, get_backend
-
-    be, ref = gpu_backend(backend), get_backend("reference")
-    c, p = make_case(5, batch=10, id_range=4), None  # long runs of duplicates
-    p = _padded(c)
-    opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=0.01)
-    lay = c.layout
-    res = []
-    for b_, case in ((ref, c), (be, p), (be, p)):
-        w = case.weights.clone()
-        st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
-        with gpu_path(b_.name if b_ is be else None):
-            out = b_.forward(lay, w, case.indices, case.offsets, case.psw, PoolingMode.MEAN)
-            for step in (1, 2):
-                b_.backward_update(lay, w, st, case.indices, case.offsets, case.psw,
-                                   PoolingMode.MEAN, case.grad, opt, step)  # fmt: skip
-        res.append((out, w, st))
-    (o_ref, w_ref, st_ref), (o, w, st), (o2, w2, st2) = res
-    assert torch.equal(o, o2) and torch.equal(w, w2), "two runs differ"
-    assert all(torch.equal(st[k], st2[k]) for k in st)
-    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
-    for k in st:
-        torch.testing.assert_close(st[k], st_ref[k], rtol=1e-6, atol=1e-7)
-    if backend == "triton":  # the device path keeps the interpreter's bitwise claims
-        assert torch.equal(o, o_ref)
-        if kind == "sgd":
-            assert torch.equal(w, w_ref)
-    assert not torch.equal(w, c.weights)
-    assert torch.equal(lay.table(w, 3), lay.table(c.weights, 3))  # table 3: no feature
-
-
-@pytest.mark.parametrize("backend", CPU_GPU_BACKENDS)
-def test_gpu_backends_device_asserts_refuse_bad_input(backend):
-    """Bad ids, offsets, gradients and per-id weights still raise on the device path (here at
-    once, ``_assert_async`` on CPU tensors), before anything is written."""
-    from test_tbe import make_case
-
-    from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode
-    from neorec.ops.tbe_checks import check_finite_weights, check_grad_output
-
-    be, c = gpu_backend(backend), make_case(9)
-    lay, b = c.layout, c.grad.shape[0]
-    pos = int(c.offsets[3 * b]) + 1  # feature 3 reads table 1 (7 rows)
-    bad_ids = c.indices.clone()
-    bad_ids[pos] = 7
-    bad_off = c.offsets.clone()
-    bad_off[b] = bad_off[b + 1] + 1
-    w = c.weights.clone()
-    st = zeros_state("adam", lay.total_rows, lay.total_elems, torch.device("cpu"))
-    with gpu_path(backend):
-        for ids, off, match in [
-            (bad_ids, c.offsets, "an id is out of range of its table"),
-            (c.indices, bad_off, "offsets are not F.B.1 non-decreasing"),
-            (c.indices, c.offsets + 1, "offsets are not"),
-        ]:
-            with pytest.raises(RuntimeError, match=match):
-                be.forward(lay, w, ids, off, None, PoolingMode.SUM)
-            with pytest.raises(RuntimeError, match=match):
-                be.backward_update(lay, w, st, ids, off, None, PoolingMode.SUM, c.grad,
-                                   RowOptimizer(kind="adam"), 1)  # fmt: skip
-        g = c.grad.clone()
-        g[2, 5] = float("inf")
-        with pytest.raises(RuntimeError, match="gradient of the pooled embeddings"):
-            check_grad_output(g, lay)
-        psw = c.psw.clone()
-        psw[4] = float("nan")
-        with pytest.raises(RuntimeError, match="per-id weight is not finite"):
-            check_finite_weights(psw)
-    assert torch.equal(w, c.weights) and all(not bool(v.ne(0).any()) for v in st.values())
-    # outside the device path (CPU tensors): the host checks, which name the culprit
-    with pytest.raises(IndexError, match=r"feature 3 \(table 1"):
-        be.forward(lay, w, bad_ids, c.offsets, None, PoolingMode.SUM)
-
-
-def test_codecs_refuse_non_finite_on_the_device_path():
-    """On the device path the float codecs' checks are device asserts (no host read), still
-    refusing inf/NaN and a static scale's overflow; on the host path a ``CodecError``."""
-    from neorec.distributed.codecs import CodecError, FloatCodec
-
-    x = torch.randn(6, 4)
-    x[2, 1] = float("nan")
-    big = torch.full((2, 3), 1e6)
-    for codec in (FloatCodec("fp16", "tensor"), FloatCodec("fp8_e4m3", "row")):
-        with device_checks_on_cpu(), no_host_sync(set()):
-            with pytest.raises(RuntimeError, match="non-finite value.*in the fwd"):
-                codec.encode(x, "fwd")
-            ok = codec.decode(codec.encode(x.nan_to_num(), "fwd"), 6, 4)
-        assert torch.all((ok - x.nan_to_num()).abs() <= codec.bound(x.nan_to_num()))
-        with pytest.raises(CodecError, match="1 non-finite"):
-            codec.encode(x, "fwd")
-    static = FloatCodec("fp16", "static", 1024.0)
-    with device_checks_on_cpu(), pytest.raises(RuntimeError, match="overflows fp16"):
-        static.encode(big, "bwd")
-    with pytest.raises(CodecError, match="overflows fp16"):
-        static.encode(big, "bwd")
 
 
 def test_one_process_step_counter_host_mirror_follows_writes():

@@ -17,9 +17,9 @@ Every message is padded to 8 bytes so chunks of a concatenated buffer stay align
 Non-finite input (inf/NaN) is refused with ``CodecError`` naming the collective: on the wire it
 would silently become garbage (fp8 e4m3 saturates, int8 clamps). On a GPU that check (and a static
 scale's overflow check) is a device assert instead of a host read per message
-(``neorec.ops.tbe_checks.on_device``): the float codecs then encode and decode without a sync; the
-error is CUDA's device-side assert, raised at the next sync (the int8 codec still reads its scale
-units on the host, in ``neorec.ops.quant``).
+(``neorec.ops.tbe_checks.on_device``): every codec then encodes and decodes without a sync (int8's
+scale units stay on the device too); the error is CUDA's device-side assert, raised at the next
+sync.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ import torch
 from torch import Tensor
 
 from neorec.errors import NeorecError
-from neorec.ops.quant import IntRows, int_rowwise_dequantize, int_rowwise_quantize
+from neorec.ops.quant import (
+    IntRows,
+    dequantize_rows,
+    int_rowwise_quantize,
+    int_rowwise_quantize_device,
+)
 from neorec.ops.tbe_checks import on_device
 
 __all__ = ["CODECS", "CodecError", "Codec", "FloatCodec", "Int8RowCodec", "make_codec"]
@@ -227,11 +232,9 @@ class Int8RowCodec(Codec):
         if n * d == 0:
             return out
         _check_finite(x.detach(), self.name, what)
-        q = int_rowwise_quantize(x, 8)
+        q, units = int_rowwise_quantize_device(x, 8)  # (the units stay on the device)
         parts = [
-            _bytes(
-                torch.tensor([q.scale_unit, q.offset_unit], dtype=torch.float32, device=x.device)
-            ),
+            _bytes(units),
             _bytes(q.scale),
             _bytes(q.offset),
             q.packed.reshape(-1),
@@ -248,8 +251,7 @@ class Int8RowCodec(Codec):
         scale = buf[8 : 8 + 2 * n].clone().view(torch.float16)
         offset = buf[8 + 2 * n : 8 + 4 * n].clone().view(torch.float16)
         packed = buf[8 + 4 * n : 8 + 4 * n + n * d].view(n, d)
-        q = IntRows(packed, scale, offset, float(units[0]), float(units[1]), 8, d)
-        return int_rowwise_dequantize(q)
+        return dequantize_rows(IntRows(packed, scale, offset, 0.0, 0.0, 8, d), units)
 
     def bound(self, x: Tensor) -> Tensor:
         """Half the row's quantization step (plus float32 rounding of code * scale + offset)."""

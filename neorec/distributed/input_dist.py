@@ -60,6 +60,7 @@ class LocalInput:
     dp_weights: Tensor | None
     inv_lengths: Tensor | None  # [b, F] 1/len for mean pooling
     batch_size: int  # local b
+    dp_counts: tuple[int, ...] = ()  # ids per data-parallel table (host ints: distinct-row bounds)
 
 
 class InputDist:
@@ -164,7 +165,9 @@ class InputDist:
                 recv_val = a_val.wait().to(torch.int64)
                 recv_w = a_w.wait() if a_w is not None else None
                 wts = recv_w[d_gather] if recv_w is not None else None
-                return LocalInput(recv_val[d_gather], d_off, wts, dp_idx, dp_off, dp_w, d_inv, b)
+                return LocalInput(
+                    recv_val[d_gather], d_off, wts, dp_idx, dp_off, dp_w, d_inv, b, dp[3]
+                )
 
             return Awaitable(finish)
 
@@ -206,12 +209,19 @@ class InputDist:
                 out[u] = (counts[k], pieces[k] - u.shard.row_start, w)
         return out
 
-    def _dp_input(self, sparse: SparseFeatures) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _dp_input(
+        self, sparse: SparseFeatures
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple[int, ...]]:
         if self.dp is None:
             e = torch.empty(0, dtype=torch.int64)
-            return e, torch.zeros(1, dtype=torch.int64), None
+            return e, torch.zeros(1, dtype=torch.int64), None, ()
         sub = sparse.select([self.feature_names[f] for f in self.dp.features])
-        return sub.values.to(torch.int64), sub.offsets(), sub.weights
+        tables = self.dp.layout.feature_table
+        per_f = sub.lengths.reshape(len(tables), sparse.batch_size).sum(1).tolist()
+        counts = [0] * self.dp.layout.num_tables
+        for f, t in enumerate(tables):
+            counts[t] += per_f[f]
+        return sub.values.to(torch.int64), sub.offsets(), sub.weights, tuple(counts)
 
     def _inv_lengths(self, sparse: SparseFeatures) -> Tensor:
         lens = sparse.lengths.view(len(self.feature_names), -1).t().to(torch.float32)  # [b, F]

@@ -12,9 +12,16 @@ from neorec.distributed.codecs import Codec
 from neorec.distributed.comm import CommStats
 from neorec.modules.embedding import init_rows
 from neorec.ops.memory import table_empty
+from neorec.ops.padded_rows import PaddedRows
 from neorec.ops.tbe import TBELayout
 
-__all__ = ["Replicas", "gather_dp_grads", "all_gather_varlen"]
+__all__ = [
+    "Replicas",
+    "gather_dp_grads",
+    "gather_dp_grads_padded",
+    "dp_bounds",
+    "all_gather_varlen",
+]
 
 
 class Replicas:
@@ -102,6 +109,75 @@ def gather_dp_grads(
             else:
                 out_g[t].append(codec.decode(val_parts[t], c[t], dims[t]))
     return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
+
+
+def dp_bounds(mine: tuple[int, ...], world: int, host_group: dist.ProcessGroup | None) -> list[int]:
+    """Per DP table, the largest id count of any rank's batch (host ints, exchanged over the
+    gloo ``host_group``): the block size every rank sends in ``gather_dp_grads_padded``."""
+    if world == 1:
+        return list(mine)
+    every: list[tuple[int, ...]] = [() for _ in range(world)]
+    dist.all_gather_object(every, mine, group=host_group)
+    return [max(c) for c in zip(*every)]
+
+
+def gather_dp_grads_padded(
+    lay: TBELayout,
+    grads: list[PaddedRows],
+    codec: Codec | None,
+    world: int,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> list[tuple[int, Tensor, Tensor, Tensor]]:
+    """``gather_dp_grads`` without a host read (the device path): every rank sends each DP table t
+    as one block of the same host-known size (``PaddedRows`` of ``dp_bounds``: its distinct rows,
+    then zeros; the count rides with the ids), so both all-gathers have equal sizes and the
+    receivers mask the padding with the counts. Per table: (t, ids, grads, valid), every rank's
+    block in rank order; the valid pairs are ``gather_dp_grads``' (the padding's zero rows do not
+    change any codec's scales), for ``apply_padded_row_grads``."""
+    t_count, dims = lay.num_tables, lay.dims
+    bounds = [ids.numel() for _, ids, _, _ in grads]
+    if [t for t, *_ in grads] != list(range(t_count)):
+        raise ValueError("gather_dp_grads_padded: one block per table, in table order")
+    ids_flat = torch.cat([ids for _, ids, _, _ in grads] + [c for *_, c in grads])
+    sent = [g for _, ids, g, _ in grads if ids.numel()]
+    if codec is None:
+        vals_flat = torch.cat([g.reshape(-1) for g in sent] or [ids_flat.new_zeros(0).float()])
+        sizes = [n * d for n, d in zip(bounds, dims)]
+    else:
+        vals_flat = torch.cat(
+            [codec.encode(g, "data-parallel row gradients") for g in sent]
+            or [ids_flat.new_zeros(0).to(torch.uint8)]
+        )
+        sizes = [codec.nbytes(n, d) if n else 0 for n, d in zip(bounds, dims)]
+    if world > 1:
+        all_ids = [torch.empty_like(ids_flat) for _ in range(world)]
+        all_vals = [torch.empty_like(vals_flat) for _ in range(world)]
+        dist.all_gather(all_ids, ids_flat, group=group)
+        dist.all_gather(all_vals, vals_flat, group=group)
+        item = 4 if codec is None else 1
+        stats.add("dp_allgather", (world - 1) * (8 * ids_flat.numel() + item * vals_flat.numel()))
+    else:
+        all_ids, all_vals = [ids_flat], [vals_flat]
+    out_ids: list[list[Tensor]] = [[] for _ in range(t_count)]
+    out_g: list[list[Tensor]] = [[] for _ in range(t_count)]
+    out_ok: list[list[Tensor]] = [[] for _ in range(t_count)]
+    for ids_r, vals_r in zip(all_ids, all_vals):
+        id_parts = torch.split(ids_r, [*bounds, t_count])
+        counts = id_parts[-1]
+        val_parts = torch.split(vals_r, sizes)
+        for t in range(t_count):
+            n = bounds[t]
+            out_ids[t].append(id_parts[t])
+            out_ok[t].append(torch.arange(n, device=ids_r.device) < counts[t : t + 1])
+            if codec is None or not n:
+                out_g[t].append(val_parts[t].view(n, dims[t]))
+            else:
+                out_g[t].append(codec.decode(val_parts[t], n, dims[t]))
+    return [
+        (t, torch.cat(out_ids[t]), torch.cat(out_g[t]), torch.cat(out_ok[t]))
+        for t in range(t_count)
+    ]
 
 
 def all_gather_varlen(t: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> list[Tensor]:

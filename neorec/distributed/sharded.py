@@ -19,7 +19,7 @@ one process with W*b samples (up to float reassociation).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -38,11 +38,17 @@ from neorec.distributed.comm import (
     ordered_all_reduce,
 )
 from neorec.distributed.input_dist import InputDist, LocalInput, _Unit
-from neorec.distributed.replicas import Replicas, gather_dp_grads
+from neorec.distributed.replicas import (
+    Replicas,
+    dp_bounds,
+    gather_dp_grads,
+    gather_dp_grads_padded,
+)
 from neorec.errors import ConfigError
 from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
 from neorec.ops.cpu import CpuBackend
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
+from neorec.ops.padded_rows import PaddedRows, apply_padded_row_grads
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     PoolingMode,
@@ -53,6 +59,7 @@ from neorec.ops.tbe import (
     tbe_lookup,
     update_table_rows,
 )
+from neorec.ops.tbe_checks import on_device
 from neorec.sharding.types import Shard, ShardingPlan, ShardingType
 from neorec.sparse import SparseFeatures
 
@@ -463,6 +470,10 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         """
         assert self.dp is not None
         lay = self.dp.layout
+        padded = getattr(self.backend, "row_grads_padded", None)  # (the GPU backends')
+        if padded is not None and on_device(local.dp_indices) and local.dp_counts:
+            self._dp_update_padded(local, grad, padded)
+            return
         grads = row_grads(
             self.backend, lay, local.dp_indices, local.dp_offsets, local.dp_weights,
             PoolingMode.SUM, grad,
@@ -494,6 +505,47 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
             indices = torch.cat(bags) if bags else torch.empty(0, dtype=torch.int64)
             for hook in self._hooks:
                 hook(lay, indices, offsets)
+
+    def _dp_update_padded(
+        self, local: LocalInput, grad: Tensor, padded: Callable[..., list[PaddedRows]]
+    ) -> None:
+        """``_dp_update`` without a host read (the device path: GPU backends): each rank's rows
+        of a table travel in a block sized by the largest id count of any rank's batch (host ints
+        from the staged input), with their count; receivers mask the padding. The same pairs in
+        the same order as ``_dp_update``, so the same update."""
+        assert self.dp is not None
+        lay = self.dp.layout
+        bounds = dp_bounds(local.dp_counts, self.world, self._host_group)
+        grads = padded(
+            lay, local.dp_indices, local.dp_offsets, local.dp_weights, PoolingMode.SUM, grad,
+            bounds,
+        )  # fmt: skip
+        per_table = gather_dp_grads_padded(
+            lay, grads, self.dp_codec, self.world, self.group, self.stats
+        )
+        step = self._next_step("dp_step")
+        apply_padded_row_grads(
+            self.backend, lay, self.dp_weights, self._state("dp_"), per_table, self.optimizer, step
+        )
+        self._set_step("dp_step", step)
+        if self._hooks:
+            # Every row any rank's batch changed (as ``_dp_update``), duplicates allowed: a
+            # table's block on its first feature, the padding replaced by its first valid row
+            # (a table with a block has a row: a rank that sent ids sent one).
+            first = {t: f for f, t in reversed(list(enumerate(lay.feature_table)))}
+            bags: list[Tensor] = []
+            for f, t in enumerate(lay.feature_table):
+                _, ids, _, valid = per_table[t]
+                if first[t] != f or not ids.numel():
+                    bags.append(ids[:0])
+                    continue
+                a = torch.argmax(valid.to(torch.uint8)).reshape(1)
+                bags.append(torch.where(valid, ids, ids[a]))
+            offsets = torch.zeros(len(bags) + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(torch.tensor([b.numel() for b in bags]), 0)
+            indices = torch.cat(bags)
+            for hook in self._hooks:
+                hook(lay, indices, offsets.to(self.device))
 
     # ---- inspection ------------------------------------------------------------------------
     def gather_table(self, name: str) -> Tensor:

@@ -138,6 +138,11 @@ class DistributedTowerModel(nn.Module):
             for h in range(towers)
         ]
         self.xgroup = dist.new_group()  # the peer exchanges, apart from DDP's collectives
+        # the ids exchange staged on the host (``stage_input_dist``): over gloo (a twin of
+        # ``xgroup`` when the tables live on a GPU)
+        on_gpu = cfg.train.device != "cpu"
+        self._host_xgroup = dist.new_group(backend="gloo") if on_gpu else self.xgroup
+        self._staged: list[tuple[SparseFeatures, SparseFeatures]] = []
         sub = _tower_config(cfg, self.groups[self.host])
         plan = resolve_plan(sub, self.rph, self.rph)
         torch.manual_seed(cfg.train.seed)  # same dense init as the unsharded TowerDLRM
@@ -161,11 +166,26 @@ class DistributedTowerModel(nn.Module):
         )
 
     # ---- forward ---------------------------------------------------------------------------
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """Prepare a later ``forward(dense, sparse)`` on the host (the pipelines call this before
+        the step, ``host`` the batch's copy before its host-to-device copy): the ids exchange to
+        the towers (over gloo), then the tower collection's own input distribution from that
+        host tower batch. The step then reads nothing back from the device."""
+        if host is None:
+            host = sparse if sparse.values.device.type == "cpu" else sparse.to("cpu")
+        tower = self._send_ids(host, self._host_xgroup)
+        self.ebc.stage_input_dist(tower, tower)
+        self._staged.append((sparse, tower))
+
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [b] for this rank's samples."""
         check_dense_input(dense, sparse, self.arch)
         b = sparse.batch_size
-        batch = self._send_ids(sparse)
+        staged = [i for i, (s, _) in enumerate(self._staged) if s is sparse]
+        if staged:
+            batch = self._staged.pop(staged[0])[1]
+        else:  # not staged: exchanged now (a host read of the lengths received)
+            batch = self._send_ids(sparse, self.xgroup)
         pooled = self.ebc(batch)  # [H*b, F_h*D]: host-local all-to-alls only
         pooled = ScaleGrad.apply(pooled, 1.0 / self.hosts)
         k_h = self._out_k[self.host]
@@ -175,9 +195,9 @@ class DistributedTowerModel(nn.Module):
         ]
         return self.dense_arch(dense, pooled)  # type: ignore[no-any-return]
 
-    def _send_ids(self, sparse: SparseFeatures) -> SparseFeatures:
+    def _send_ids(self, sparse: SparseFeatures, group: Any) -> SparseFeatures:
         """This host's tower batch: its features' bags of every peer's samples, peers in host
-        order (``H * b`` samples)."""
+        order (``H * b`` samples), exchanged over ``group``."""
         b = sparse.batch_size
         mine = self.features[self.host]
         subs = [sparse.select(f) for f in self.features]
@@ -187,7 +207,7 @@ class DistributedTowerModel(nn.Module):
             len(self.features[j // self.rph]) * b if p else 0 for j, p in enumerate(self._peers)
         ]
         len_recv = [len(mine) * b if p else 0 for p in self._peers]
-        got_len = all_to_all(send_len, len_send, len_recv, self.xgroup, self.stats, "tower_lengths")
+        got_len = all_to_all(send_len, len_send, len_recv, group, self.stats, "tower_lengths")
         recv_len = got_len.wait().to(torch.int64)
         per_src = torch.split(recv_len, [n for n in len_recv if n])
         val_send = [0] * world
@@ -198,11 +218,11 @@ class DistributedTowerModel(nn.Module):
             val_recv[j] = int(per_src[t].sum())
         # ids travel as int32 when every table fits (lossless, half the bytes), as in input_dist
         values = torch.cat([s.values.to(self._id_dtype) for s in subs])
-        got_val = all_to_all(values, val_send, val_recv, self.xgroup, self.stats, "tower_ids")
+        got_val = all_to_all(values, val_send, val_recv, group, self.stats, "tower_ids")
         weights = None
         if sparse.weights is not None:
             w = torch.cat([s.weights for s in subs if s.weights is not None])
-            weights = all_to_all(w, val_send, val_recv, self.xgroup, self.stats, "tower_ids")
+            weights = all_to_all(w, val_send, val_recv, group, self.stats, "tower_ids")
         blocks = recv_len.view(self.hosts, len(mine), b)
         idx, offsets, wts = source_major_to_unit_major(
             blocks, got_val.wait().to(torch.int64), weights.wait() if weights is not None else None

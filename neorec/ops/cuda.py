@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from neorec.ops.padded_rows import PaddedRows, pad_heads
 from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
 from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.ops.tbe_checks import (
@@ -184,7 +185,8 @@ class CudaBackend:
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]).
 
-        The sizes are data-dependent: one host read (the per-table counts) per call."""
+        The sizes are data-dependent: one host read (the per-table counts) per call
+        (``row_grads_padded`` has none)."""
         nf, n = layout.num_features, indices.numel()
         b = (offsets.numel() - 1) // nf
         tables = sorted(set(layout.feature_table))
@@ -209,6 +211,28 @@ class CudaBackend:
                 out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
             lo = hi
         return out
+
+    def row_grads_padded(
+        self,
+        layout: TBELayout,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+        bounds: list[int],
+    ) -> list[PaddedRows]:
+        """``row_grads`` in a block of ``bounds[t]`` rows per table t, the count on the device
+        (``padded_rows.pad_heads``): no host read."""
+        nf, n = layout.num_features, indices.numel()
+        b = (offsets.numel() - 1) // nf
+        if n == 0 or b == 0:
+            return pad_heads(layout, None, None, None, bounds, grad_output.device)
+        bag = bag_of_ids(offsets, n)  # (unchecked, as the reference's)
+        key, summed, head = self._summed(
+            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
+        )
+        return pad_heads(layout, key, head, summed, bounds, grad_output.device)
 
     def backward_update(
         self,

@@ -33,6 +33,7 @@ from torch import Tensor
 from neorec.errors import ConfigError
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode, TBEInputError, TBELayout, check_ids, check_offsets
+from neorec.ops.tbe_checks import on_device
 
 __all__ = [
     "PRECISIONS",
@@ -84,12 +85,21 @@ def _i32(c: int) -> int:
     return c - (1 << 32) if c >= 1 << 31 else c
 
 
+def _step_key(step: int, seed: int) -> int:
+    """The int32 that (seed, step) add to every hash (``_hash32``)."""
+    return _i32((step * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF)
+
+
 def _hash32(elem: Tensor, step: int, seed: int) -> Tensor:
     """32 random bits (int32) per element from (seed, step, element index): lowbias32 in
     wrapping int32 arithmetic (the index's high half folded in first)."""
+    return _hash32_k(elem, _step_key(step, seed))
+
+
+def _hash32_k(elem: Tensor, k: int | Tensor) -> Tensor:
+    """``_hash32`` with its (seed, step) key given (an int32 per element, or one for all)."""
     e = elem.to(torch.int64)
     x = (e ^ (e >> 32)).to(torch.int32)
-    k = _i32((step * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF)
     x = x * _i32(0x9E3779B1) + k
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 0x7FEB352D
@@ -122,9 +132,8 @@ def _bits_stochastic(x: Tensor, dtype: torch.dtype, bits32: Tensor) -> Tensor:
     mask = (1 << drop) - 1
     b = x.contiguous().view(torch.int32)
     y = ((b + (bits32 & mask)) & ~mask).view(torch.float32).to(dtype)
-    if not bool(torch.isfinite(x.sum())):  # (rare) inf / nan: those round to nearest
-        y = torch.where(torch.isfinite(x), y, x.to(dtype))
-    return y
+    # inf / nan round to nearest (always selected: no host read of whether there are any)
+    return torch.where(torch.isfinite(x), y, x.to(dtype))
 
 
 _GRID = {  # mantissa bits, exponent of the smallest (subnormal) spacing
@@ -347,29 +356,35 @@ class LowpRowsBackend:
         self.fmt = fmt
         self.rounding = rounding
         self.seed = seed
-        self._cached: tuple[tuple[Any, ...], tuple[int, ...], _WorkingSet] | None = None
+        self._cached: tuple[tuple[Any, ...], tuple[int, ...], Any] | None = None
         self.keys = list(keys) if keys is not None else None
         """Per table of the layout, its place in a global table (see ``RowFormat.encode``)."""
         self.name = f"{inner.name}+{fmt.precision}"
 
     def working_set(
         self, layout: TBELayout, weights: Tensor, indices: Tensor, offsets: Tensor
-    ) -> _WorkingSet:
+    ) -> Any:
         """Decode the distinct rows the batch reads (ids checked first: nothing is read for a
-        bad batch)."""
+        bad batch): a ``_WorkingSet``, or on the device path a ``lowp_device.DeviceSet``."""
         if weights.numel() != self.fmt.numel(layout) or weights.dtype != self.fmt.dtype:
             raise TBEInputError(
                 f"{self.fmt.precision} weights must be {self.fmt.dtype} with "
                 f"{self.fmt.numel(layout)} elements, got {weights.dtype} with {weights.numel()}"
             )
-        b = check_offsets(offsets, indices.numel(), layout.num_features)
-        check_ids(layout, indices, offsets, b)
         # The same tensors (held, so no new tensor can reuse their memory), unchanged since.
         key = (layout, weights, indices, offsets)
         versions = (weights._version, indices._version, offsets._version)
         c = self._cached
         if c is not None and all(x is y for x, y in zip(c[0], key)) and c[1] == versions:
             return c[2]  # this batch's forward decoded the same, unchanged rows
+        if on_device(indices):  # every size a shape, device-side checks: no host read
+            from neorec.ops.lowp_device import device_working_set
+
+            dws = device_working_set(self.fmt, layout, weights, indices, offsets, self.name)
+            self._cached = (key, versions, dws)
+            return dws
+        b = check_offsets(offsets, indices.numel(), layout.num_features)
+        check_ids(layout, indices, offsets, b)
         dev = indices.device
         idx = indices.to(torch.int64)
         # One sort of global row numbers (table start + id): distinct rows of every table, in
@@ -427,6 +442,19 @@ class LowpRowsBackend:
         """The inner fused update on the decoded rows and their fp32 state; rows encoded back."""
         ws = self.working_set(layout, weights, indices, offsets)
         self._cached = None  # its rows are about to change
+        if not isinstance(ws, _WorkingSet):  # the device path (``lowp_device``)
+            from neorec.ops import lowp_device as d
+
+            dst = {k: d.device_gather_state(layout, k, s, ws) for k, s in state.items()}
+            self.inner.backward_update(
+                ws.layout, ws.weights, dst, ws.indices, offsets, per_sample_weights, pooling,
+                grad_output, opt, step,
+            )  # fmt: skip
+            d.device_write_back(
+                self.fmt, layout, weights, state, ws, dst, self.rounding, step, self.seed,
+                self.keys,
+            )  # fmt: skip
+            return
         st = {k: _gather(layout, k, s, ws) for k, s in state.items()}
         self.inner.backward_update(
             ws.layout, ws.weights, st, ws.indices, offsets, per_sample_weights, pooling,

@@ -25,6 +25,8 @@ __all__ = [
     "IntRows",
     "int_rowwise_quantize",
     "int_rowwise_dequantize",
+    "int_rowwise_quantize_device",
+    "dequantize_rows",
     "int_rowwise_bytes_per_row",
     "greedy_row_range",
     "pack_int_codes",
@@ -138,15 +140,30 @@ def _pow2_unit(v: Tensor) -> float:
     return 2.0 ** math.ceil(math.log2(m)) if m > 0 else 1.0
 
 
-def _fp16(value: float, n: int) -> Tensor:
-    return torch.full((n,), value, dtype=torch.float16)
+def _pow2_unit_device(v: Tensor) -> Tensor:
+    """``_pow2_unit`` as a 0-dim float32 tensor on ``v``'s device, without a host read (the same
+    value: frexp's exponent, one less for an exact power of two); inf/nan: a device assert."""
+    m = v.abs().amax() if v.numel() else v.new_zeros(())
+    torch._assert_async(torch.isfinite(m), "cannot quantize rows holding inf or nan")
+    mant, e = torch.frexp(m)
+    e = torch.where(mant == 0.5, e - 1, e)
+    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), e.float()), 1.0)
 
 
-def int_rowwise_quantize(x: Tensor, bits: int, adaptive_range: bool = False) -> IntRows:
-    """Quantize rows ``x`` [n, d] to ``bits``-bit codes, per-row asymmetric uniform."""
+def _fp16(value: float, n: int, device: torch.device) -> Tensor:
+    return torch.full((n,), value, dtype=torch.float16, device=device)
+
+
+def _quantize(
+    x: Tensor, bits: int, adaptive_range: bool, on_device: bool
+) -> tuple[Tensor, Tensor, Tensor, float | Tensor, float | Tensor]:
+    """(packed codes, fp16 scale, fp16 offset, scale unit, offset unit); the units are Python
+    floats (a host read), or 0-dim tensors when ``on_device`` (none)."""
     _check_bits(bits)
     x = x.detach().float()
     n, d = x.shape
+    dev = x.device
+    unit = _pow2_unit_device if on_device else _pow2_unit
     levels = 1 << bits
     if adaptive_range and n:
         lo, hi = greedy_row_range(x, bits)
@@ -155,29 +172,54 @@ def int_rowwise_quantize(x: Tensor, bits: int, adaptive_range: bool = False) -> 
         hi = x.max(1).values if n else x.new_zeros(0)
     # Offset rounded down and scale rounded up (from the rounded offset), so the grid still spans
     # [lo, hi]: fp16 rounding then only widens the step a little instead of clipping values.
-    o_unit = _pow2_unit(lo)
+    o_unit = unit(lo)
     offset_h = (lo / o_unit).to(torch.float16)
     offset_h = torch.where(
-        offset_h.float() * o_unit > lo, torch.nextafter(offset_h, _fp16(-math.inf, n)), offset_h
+        offset_h.float() * o_unit > lo,
+        torch.nextafter(offset_h, _fp16(-math.inf, n, dev)),
+        offset_h,
     )
     offset = offset_h.float() * o_unit
     need = ((hi - offset) / (levels - 1)).clamp(min=0)
-    s_unit = _pow2_unit(need)
+    s_unit = unit(need)
     scale_h = (need / s_unit).to(torch.float16)
     scale_h = torch.where(
-        scale_h.float() * s_unit < need, torch.nextafter(scale_h, _fp16(math.inf, n)), scale_h
+        scale_h.float() * s_unit < need, torch.nextafter(scale_h, _fp16(math.inf, n, dev)), scale_h
     )
     scale = scale_h.float() * s_unit
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
     codes = ((x - offset.unsqueeze(1)) / safe).round_().clamp_(0, levels - 1)
     codes = torch.where(scale.unsqueeze(1) > 0, codes, torch.zeros_like(codes))
     packed = pack_int_codes(codes.to(torch.int32), bits)
-    return IntRows(packed, scale_h, offset_h, s_unit, o_unit, bits, d)
+    return packed, scale_h, offset_h, s_unit, o_unit
+
+
+def int_rowwise_quantize(x: Tensor, bits: int, adaptive_range: bool = False) -> IntRows:
+    """Quantize rows ``x`` [n, d] to ``bits``-bit codes, per-row asymmetric uniform."""
+    packed, scale_h, offset_h, s_unit, o_unit = _quantize(x, bits, adaptive_range, False)
+    return IntRows(packed, scale_h, offset_h, float(s_unit), float(o_unit), bits, x.shape[1])
+
+
+def int_rowwise_quantize_device(x: Tensor, bits: int) -> tuple[IntRows, Tensor]:
+    """``int_rowwise_quantize`` without a host read: the same codes, scales and offsets, and the
+    units as float32 [2] (scale unit, offset unit) on ``x``'s device (the ``IntRows``' own unit
+    fields are left 0.0); inf/nan is a device assert."""
+    packed, scale_h, offset_h, s_unit, o_unit = _quantize(x, bits, False, True)
+    units = torch.stack([torch.as_tensor(s_unit), torch.as_tensor(o_unit)]).float()
+    return IntRows(packed, scale_h, offset_h, 0.0, 0.0, bits, x.shape[1]), units
+
+
+def dequantize_rows(q: IntRows, units: Tensor | None = None) -> Tensor:
+    """Float32 rows [n, dim] from ``q``, with its unit fields or ``units`` (float32 [2]: scale
+    unit, offset unit, on the device: no host read)."""
+    codes = unpack_int_codes(q.packed, q.bits, q.dim).float()
+    s_unit = q.scale_unit if units is None else units[0:1]
+    o_unit = q.offset_unit if units is None else units[1:2]
+    scale = q.scale.float() * s_unit
+    offset = q.offset.float() * o_unit
+    return codes * scale.unsqueeze(1) + offset.unsqueeze(1)
 
 
 def int_rowwise_dequantize(q: IntRows) -> Tensor:
     """Float32 rows [n, dim] from ``IntRows``."""
-    codes = unpack_int_codes(q.packed, q.bits, q.dim).float()
-    scale = q.scale.float() * q.scale_unit
-    offset = q.offset.float() * q.offset_unit
-    return codes * scale.unsqueeze(1) + offset.unsqueeze(1)
+    return dequantize_rows(q)

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -45,6 +45,8 @@ from neorec.ops.tbe_checks import (
     check_per_sample_weights,
 )
 
+_Item = TypeVar("_Item", bound=tuple[Any, ...])
+
 __all__ = [
     "PoolingMode",
     "TBELayout",
@@ -55,6 +57,7 @@ __all__ = [
     "tbe_lookup",
     "update_table_rows",
     "apply_row_grads",
+    "group_calls",
     "TBEInputError",
     "TBEIdError",
     "NonFiniteGradientError",
@@ -334,22 +337,7 @@ def apply_row_grads(
     Tables go in as few calls as keep the padded output gradient within twice the payload (a
     call's bags per table are its largest table's pair count).
     """
-    items = sorted(
-        ((t, ids, g) for t, ids, g in grads if ids.numel()), key=lambda x: (-x[1].numel(), x[0])
-    )
-    groups: list[list[tuple[int, Tensor, Tensor]]] = []
-    for it in items:
-        if groups:
-            grp = [*groups[-1], it]
-            bags = grp[0][1].numel()
-            width = sum(layout.dims[t] for t, _, _ in grp)
-            payload = sum(ids.numel() * layout.dims[t] for t, ids, _ in grp)
-            if bags * width <= 2 * payload:
-                groups[-1] = grp
-                continue
-        groups.append([it])
-    for grp in groups:
-        grp.sort(key=lambda x: x[0])  # features in table order
+    for grp in group_calls(layout, [it for it in grads if it[1].numel()]):
         lay = TBELayout(
             rows=layout.rows, dims=layout.dims, feature_table=tuple(t for t, _, _ in grp)
         )
@@ -366,6 +354,23 @@ def apply_row_grads(
             lay, weights, state, indices, offsets.to(weights.device), None, PoolingMode.SUM,
             grad_out, opt, step,
         )  # fmt: skip
+
+
+def group_calls(layout: TBELayout, items: Sequence[_Item]) -> list[list[_Item]]:
+    """``items`` (table, ids, ...) grouped into fused-update calls (each in table order): as few
+    as keep a call's padded output gradient (its largest pair count times its width) within twice
+    the payload."""
+    groups: list[list[_Item]] = []
+    for it in sorted(items, key=lambda x: (-x[1].numel(), x[0])):
+        if groups:
+            grp = [*groups[-1], it]
+            width = sum(layout.dims[x[0]] for x in grp)
+            payload = sum(x[1].numel() * layout.dims[x[0]] for x in grp)
+            if grp[0][1].numel() * width <= 2 * payload:
+                groups[-1] = grp
+                continue
+        groups.append([it])
+    return [sorted(grp, key=lambda x: x[0]) for grp in groups]
 
 
 def update_table_rows(

@@ -18,8 +18,8 @@ kernels. Same contract as ``reference`` and ``cpu`` (see ``ops/tbe.py``); fp32 w
 No host read per step: the grids are sized by the batch's id count and bag count (shapes), not by
 its distinct rows, and the inputs of CUDA tensors are checked by device asserts
 (``tbe_checks.assert_inputs_async``; CPU tensors: the reference's host checks, which name the
-position). Only ``row_grads`` (data-parallel tables, column-wise row-wise Adagrad) returns
-data-dependent sizes: one read of the per-table row counts.
+position). Only ``row_grads`` (column-wise row-wise Adagrad) returns data-dependent sizes: one
+read of the per-table row counts; ``row_grads_padded`` (data-parallel tables) none.
 
 Rounding: divisions and square roots are ``div_rn`` / ``sqrt_rn`` (IEEE, like torch's), and the
 kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
@@ -42,6 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from neorec.ops.cuda import segments
+from neorec.ops.padded_rows import PaddedRows, pad_heads
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBEInputError, TBELayout
 from neorec.ops.tbe_checks import (
@@ -366,7 +367,8 @@ class TritonBackend:
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]).
 
-        The sizes are data-dependent: one host read (the per-table counts) per call."""
+        The sizes are data-dependent: one host read (the per-table counts) per call
+        (``row_grads_padded`` has none)."""
         bag = bag_of_ids(offsets, indices.numel())  # (unchecked, as the reference's)
         srt, summed = self._summed(
             layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
@@ -386,6 +388,26 @@ class TritonBackend:
                 out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
             lo = hi
         return out
+
+    def row_grads_padded(
+        self,
+        layout: TBELayout,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        pooling: PoolingMode,
+        grad_output: Tensor,
+        bounds: list[int],
+    ) -> list[PaddedRows]:
+        """``row_grads`` in a block of ``bounds[t]`` rows per table t, the count on the device
+        (``padded_rows.pad_heads``): no host read."""
+        if indices.numel() == 0:
+            return pad_heads(layout, None, None, None, bounds, grad_output.device)
+        bag = bag_of_ids(offsets, indices.numel())  # (unchecked, as the reference's)
+        srt, summed = self._summed(
+            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
+        )
+        return pad_heads(layout, srt.key, srt.head, summed, bounds, grad_output.device)
 
     def backward_update(
         self,

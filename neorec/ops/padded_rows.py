@@ -1,0 +1,110 @@
+"""Row gradients in blocks of host-known sizes: data-parallel tables without a host read.
+
+``row_grads`` returns each table's distinct rows: a data-dependent size, so one host read per
+step on a GPU. The GPU backends' ``row_grads_padded`` returns each table's rows in a block whose
+size is known on the host (``bound``: at least the table's id count in the batch, which bounds its
+distinct rows): the rows in id order, then zeros, with their count as a device tensor. The
+data-parallel exchange all-gathers such blocks (``replicas.gather_dp_grads_padded``) and
+``apply_padded_row_grads`` applies the valid (id, gradient) pairs, masked on the device: the same
+sums in the same order as ``apply_row_grads`` of the valid pairs alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from neorec.ops.row_optim import RowOptimizer
+from neorec.ops.tbe import PoolingMode, TBELayout, group_calls
+
+__all__ = ["PaddedRows", "pad_heads", "apply_padded_row_grads"]
+
+PaddedRows = tuple[int, Tensor, Tensor, Tensor]
+"""(table, ids [bound], row sums [bound, dim], count [1] int64): the first ``count`` are rows."""
+
+
+def pad_heads(
+    layout: TBELayout,
+    key: Tensor | None,
+    head: Tensor | None,
+    summed: Tensor | None,
+    bounds: Sequence[int],
+    device: torch.device,
+) -> list[PaddedRows]:
+    """Per table t, a ``PaddedRows`` of ``bounds[t]`` rows from a batch's sorted occurrences:
+    ``key`` [n] their global rows (ascending), ``head`` [n] whether one is the first occurrence of
+    a row of the layout, ``summed`` [n, max dim] at each head its row's gradient sum (None: no
+    occurrence). No host read: every size is a bound or n. A bound below the table's distinct rows
+    is a device assert."""
+    dims, nt = layout.dims, layout.num_tables
+    if len(bounds) != nt:
+        raise ValueError(f"pad_heads: {len(bounds)} bounds for {nt} tables")
+    if key is None or head is None or summed is None or key.numel() == 0:
+        return [
+            (
+                t,
+                torch.zeros(bounds[t], dtype=torch.int64, device=device),
+                torch.zeros(bounds[t], dims[t], device=device),
+                torch.zeros(1, dtype=torch.int64, device=device),
+            )
+            for t in range(nt)
+        ]
+    n = key.numel()
+    order = torch.argsort((~head).to(torch.uint8), stable=True)  # heads first, in key order
+    pos = torch.arange(n, device=device)
+    keys = torch.where(pos < head.sum(), key[order].long(), layout.total_rows)
+    rows = summed[order]
+    edges = torch.searchsorted(keys, layout.meta(device)["row_offsets"])  # each table's first
+    out, fits = [], []
+    for t in range(nt):
+        k = torch.arange(bounds[t], device=device)
+        count = (edges[t + 1] - edges[t]).reshape(1)
+        valid = k < count
+        p = (edges[t] + k).clamp(max=n - 1)
+        ids = torch.where(valid, keys[p] - layout.row_offsets[t], 0)
+        g = torch.where(valid.unsqueeze(1), rows[p, : dims[t]], 0)
+        out.append((t, ids, g, count))
+        fits.append(count <= bounds[t])
+    torch._assert_async(
+        torch.cat(fits).all(), "row_grads_padded: a table has more distinct rows than its bound"
+    )
+    return out
+
+
+def apply_padded_row_grads(
+    backend: Any,
+    layout: TBELayout,
+    weights: Tensor,
+    state: dict[str, Tensor],
+    grads: Sequence[tuple[int, Tensor, Tensor, Tensor]],
+    opt: RowOptimizer,
+    step: int,
+) -> None:
+    """``apply_row_grads`` of (table, ids [n], grads [n, dim], valid [n] bool) where only the
+    valid pairs count, in the order given, without a host read: a call's bags are the pairs
+    (length 1 when valid, else 0) and a stable sort moves the valid ids to the front; the others
+    lie past the last bag, never read (the backend must allow that: cuda, triton)."""
+    dev = weights.device
+    items = [it for it in grads if it[1].numel()]
+    for grp in group_calls(layout, items):
+        lay = TBELayout(
+            rows=layout.rows, dims=layout.dims, feature_table=tuple(it[0] for it in grp)
+        )
+        bags = max(it[1].numel() for it in grp)
+        lengths = torch.zeros(len(grp), bags, dtype=torch.int64, device=dev)
+        grad_out = torch.zeros(bags, lay.total_dim, dtype=weights.dtype, device=dev)
+        for f, (_, ids, g, valid) in enumerate(grp):
+            lengths[f, : ids.numel()] = valid
+            cols = slice(lay.out_offsets[f], lay.out_offsets[f + 1])
+            grad_out[: ids.numel(), cols] = torch.where(valid.unsqueeze(1), g, 0)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths.view(-1), 0, out=offsets[1:])
+        valid_all = torch.cat([it[3] for it in grp])
+        order = torch.argsort((~valid_all).to(torch.uint8), stable=True)
+        indices = torch.cat([it[1] for it in grp])[order]
+        backend.backward_update(
+            lay, weights, state, indices, offsets, None, PoolingMode.SUM, grad_out, opt, step
+        )
