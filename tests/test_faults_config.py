@@ -204,6 +204,8 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "data.fm_staleness": ("int", 0, 999_999),
     "data.vertical_bias": ("float", -10, False, 10),
     "data.vertical_shift": ("float", 0, False, 1),
+    "data.id_shrink_visits": ("float", 0, False, 1e12),
+    "data.id_weight": ("float", 0, False, 100),
     "train.epochs": ("int", 1),
     "train.steps": ("int", 0),
     "train.dense_optimizer": ("choice", ("sgd", "adagrad", "adam")),

@@ -116,6 +116,44 @@ def test_teacher_drifts(tmp_path: Path) -> None:
     assert s3.teacher_metrics_under(s0, "eval", 64) == s3.teacher_metrics("eval", 64)
 
 
+def test_id_shrink_visits_and_weight(tmp_path: Path) -> None:
+    """data.id_shrink_visits H: per-id teacher vectors shrunk by sqrt(v / (v + H)), then
+    multiplied by data.id_weight; the defaults (4000, 1) are the stream as before (same
+    fingerprint as before the knobs existed)."""
+    from neorec.data.stream import stream_fingerprint
+
+    base, low = stream_cfg(tmp_path), stream_cfg(tmp_path, "data.id_shrink_visits=100")
+    assert stream_fingerprint(base) == "c23818eb0865996b"  # recorded before the knob
+    same = stream_cfg(tmp_path, "data.id_shrink_visits=4000", "data.id_weight=1")
+    heavy = stream_cfg(tmp_path, "data.id_weight=3")
+    assert stream_fingerprint(same) == stream_fingerprint(base) != stream_fingerprint(low)
+    assert stream_fingerprint(heavy) not in (stream_fingerprint(base), stream_fingerprint(low))
+    a, b, c = _gen(base, 2), _gen(same, 2), _gen(low, 2)
+    (ba, pa), (bb, pb), (bc, pc) = (g.batch_with_probs("train", 1, 64) for g in (a, b, c))
+    assert torch.equal(pa, pb) and _same(ba, bb)
+    # same samples (dense, ids), other labels' probabilities: only the teacher changed
+    assert torch.equal(ba.sparse.values, bc.sparse.values) and torch.equal(ba.dense, bc.dense)
+    assert not torch.equal(pa, pc)
+    ids = torch.arange(active_rows(base.embedding.tables[0].rows))
+    v = c._row_prob(0, ids) * (200_000 * base.embedding.tables[0].pooling_factor)
+    torch.testing.assert_close(c._row_scale(0, ids), (v / (v + 100)).sqrt().float())
+    torch.testing.assert_close(a._row_scale(0, ids), (v / (v + 4000)).sqrt().float())
+    torch.testing.assert_close(_gen(heavy, 2)._row_scale(0, ids), 3 * a._row_scale(0, ids))
+    none = _gen(stream_cfg(tmp_path, "data.id_shrink_visits=0"), 2)
+    assert torch.equal(none._row_scale(0, ids), torch.ones(ids.numel()))
+    # weight 0: no per-id signal at all, the teacher's logit is its dense part alone
+    flat = _gen(stream_cfg(tmp_path, "data.id_weight=0", "data.drift=0", "data.id_churn=0"), 2)
+    z = torch.randn(8, flat.num_dense, generator=torch.Generator().manual_seed(0))
+    ids0 = torch.zeros(int(b.tables[0].pooling_factor) * 8, dtype=torch.int64)
+    want = 1.2 * (z @ flat._dense_w)  # _DENSE_WEIGHT x the dense term
+    lengths = torch.full((len(flat.keys), 8), int(b.tables[0].pooling_factor))
+    got = flat._raw_logit(z, lengths, [ids0 for _ in flat.keys])
+    torch.testing.assert_close(got, want.float())
+    for bad in ("data.id_shrink_visits=-1", "data.id_weight=-1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            stream_cfg(tmp_path, bad)
+
+
 def test_trainer_trains_a_window(tmp_path: Path) -> None:
     cfg = stream_cfg(tmp_path, "data.window=3", "train.steps=3")
     trainer = Trainer(cfg)

@@ -107,6 +107,15 @@ class DataConfig:
     vertical_shift: float = field(default=0.0, metadata=rule(0, 1))
     """Stream: this vertical's teacher dense weights are ``sqrt(1 - s^2) w + s u`` with u a fixed
     seeded direction (a feature-dependent FM / VM gap); 0 = the stream's own teacher."""
+    id_shrink_visits: float = field(default=4000.0, metadata=rule(0, 1e12))
+    """Stream: each id's teacher vector is shrunk by sqrt(v / (v + this)), v = the id's expected
+    visits in 200,000 samples. 4000 = the synthetic teacher's (only ids seen thousands of times
+    carry much of their own effect); lower = rarer ids carry theirs too, so exact per-id rows
+    matter (``neorec bench dynamic`` uses 100); 0 = no shrinking."""
+    id_weight: float = field(default=1.0, metadata=rule(0, 100))
+    """Stream: each id's teacher vector is multiplied by this (after the shrink): the per-id
+    terms of the label's logit grow against the dense ones (the within-group pair term by its
+    square); 1 = the synthetic teacher's."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")

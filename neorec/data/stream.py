@@ -15,6 +15,12 @@ w = 0, 1, ... (``data.window`` of ``data.windows``):
   r = ``data.drift`` and ``fresh_t`` drawn like the initial weights (seeded by (seed, t)), so
   their scale stays put. Per-row vectors do not drift (entities change through churn). The bias
   is solved per window for a CTR of about 0.25 on a window-independent calibration batch.
+- **Id effects.** ``data.id_shrink_visits`` (H) replaces the synthetic teacher's 4000 in the
+  shrink sqrt(v / (v + H)) of each id's teacher vector (v: the id's expected visits in 200,000
+  samples): lower H = rarer ids carry their own effect, so exact per-id rows matter (a hashed
+  table's collisions cost more). ``data.id_weight`` multiplies every id's vector after the shrink
+  (the per-id terms of the logit grow against the dense ones). H = 4000 and weight 1 are the
+  stream as before, bitwise (same fingerprints).
 - **Splits.** Each window has its own train split (``data.window_samples``) and eval split
   (``data.eval_samples``), from seeds of (seed, window, split, batch index, batch size). With
   drift 0 and churn 0 every window has bitwise the same teacher (only the samples differ).
@@ -55,8 +61,10 @@ from neorec.data.ids import (
     zipf_rank_prob,
 )
 from neorec.data.synthetic import (
+    _REF_SAMPLES,
     _SCALE_CACHE_ROWS,
     _SPLITS,
+    _VISITS_HALF,
     TEACHER_DIM,
     SyntheticClickData,
     _mix_int,
@@ -222,6 +230,22 @@ class DriftingClickData(SyntheticClickData):
             return self._scale_cache[t][slots]
         return self._row_scale_uncached(t, slots)
 
+    def _row_scale_uncached(self, t: int, ids: Tensor) -> Tensor:
+        """The shrink of slots ``ids`` (below) times ``data.id_weight``."""
+        w = float(self.data.id_weight)
+        s = self._shrink(t, ids)
+        return s if w == 1.0 else s * w
+
+    def _shrink(self, t: int, ids: Tensor) -> Tensor:
+        """The teacher's shrink sqrt(v / (v + H)) of slots ``ids``, H = data.id_shrink_visits."""
+        half = float(self.data.id_shrink_visits)
+        if half == _VISITS_HALF:
+            return super()._row_scale_uncached(t, ids)  # the stream as before, bitwise
+        if half == 0.0:
+            return torch.ones(ids.shape, dtype=torch.float32)
+        visits = self._row_prob(t, ids) * (_REF_SAMPLES * self.tables[t].pooling_factor)
+        return (visits / (visits + half)).sqrt().float()
+
     def _row_prob(self, t: int, ids: Tensor) -> Tensor:
         """Probability that a lookup of table ``t`` is each of slots ``ids`` (float64)."""
         table, dist, a = self.tables[t], self.data.id_distribution, self._active[t]
@@ -250,7 +274,7 @@ def teacher_metrics_by_window(
 # ---- DAS: FM logits as side files -------------------------------------------------------------
 def stream_fingerprint(cfg: Config) -> str:
     """16 hex digits naming what defines the stream's samples (seed, ids, teacher, drift, churn,
-    batch size, tables, dense features): side files of another stream are refused."""
+    id shrink, batch size, tables, dense features): side files of another stream are refused."""
     d = cfg.data
     desc = {
         "seed": d.seed,
@@ -270,6 +294,8 @@ def stream_fingerprint(cfg: Config) -> str:
     }
     if d.vertical_bias or d.vertical_shift:  # a vertical's labels (absent: fingerprints as before)
         desc["vertical"] = [d.vertical_bias, d.vertical_shift]
+    if d.id_shrink_visits != _VISITS_HALF or d.id_weight != 1.0:  # likewise (defaults: absent)
+        desc["id_effects"] = [d.id_shrink_visits, d.id_weight]
     text = json.dumps(desc, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
