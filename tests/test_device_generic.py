@@ -3,8 +3,8 @@ the process group backend following the device, the deferred NaN guard, and no h
 training step: the sharded path (one process, and 2 gloo ranks table-wise / row-wise /
 column-wise; data-parallel tables, fp16 / fp8 / bf16 / int8 wire codecs, fp8 tables), DMT towers
 and the one-process model, with this machine's TBE backend and with the GPU backends; the padded
-data-parallel exchange and the towers' staged input equal to the host path's (the kernel-level
-device paths: test_device_paths).
+data-parallel exchange, column-wise tables under row-wise Adagrad (padded row blocks) and the
+towers' staged input equal to the host path's (the kernel-level device paths: test_device_paths).
 
 The host-sync check patches the methods that read a tensor back to the host (``item``, ``cpu``,
 ``tolist``, ``numpy``, ``__int__``, ``__bool__``, ``__float__``; and indexing with an integer
@@ -358,6 +358,7 @@ def _two_ranks(rank: int, world: int) -> None:
     codecs = {"forward": "fp16", "backward": "fp8_e4m3", "allreduce": "bf16"}
     _train_without_sync(rank, world, "row_wise+dp", "adam", "overlapped", "cuda", codecs)
     _dp_padded_equals_host_path(rank, world)
+    _cw_rowwise_padded_equals_host_path(rank, world)
     _towers_staged_equals_unstaged(rank, world)
 
 
@@ -412,6 +413,44 @@ def _dp_padded_equals_host_path(rank: int, world: int) -> None:
         assert torch.equal(w0, w1), f"{comm}: the replicas differ"
         assert all(torch.equal(st0[k], st1[k]) for k in st0)
         assert torch.equal(dirty0, dirty1) and bool(dirty0.any())
+
+
+def _cw_rowwise_padded_equals_host_path(rank: int, world: int) -> None:
+    """Column-wise tables under row-wise Adagrad on the device path (row blocks bounded by the id
+    counts, padded sums of squares all-reduced, masked writes: no host read, none in neorec/ops)
+    update bitwise as the host path (distinct rows, a host read) with the same backend (cuda, on
+    CPU tensors), and as this machine's backend up to float reassociation. Tables a, b
+    column-wise (sharing one owner group), c table-wise on rank 0 (beside the slices); weight
+    decay; rank 1 sends no id of "a" at step 2, no rank at step 3 (an empty block)."""
+    res = []
+    for backend, device_path in (("cuda", False), ("cuda", True), (None, False)):
+        cfg = _cfg("rowwise_adagrad")
+        cfg.embedding.weight_decay = 0.01
+        plan = plan_by_type(cfg.embedding.tables, world, world, "column_wise", {"c": "table_wise"})
+        model = DistributedModel(cfg, plan)
+        ebc = model.ebc
+        if backend is not None:
+            ebc.backend = gpu_backend(backend)
+        dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
+        sites: set[str] = set()
+        guard, start = LossGuard(), ebc.weights.detach().clone()
+        with gpu_path(backend, device_checks=device_path):
+            for step in (1, 2, 3):
+                batch = _batch(step, world, rank)
+                if step == 3 or (step == 2 and rank == 1):
+                    batch = _without_feature(batch, "a")
+                model.stage_input_dist(batch.sparse, batch.sparse)
+                patched = device_path and step > 1  # (step 1: the step counters' first read)
+                with no_host_sync(sites) if patched else contextlib.nullcontext():
+                    train_step(model, dense_opt, batch, step, guard=guard)
+        guard.check()
+        assert not sites, f"host reads in the kernel layer: {sorted(sites)}"
+        res.append((ebc.weights.detach().clone(), ebc.momentum1.detach().clone()))
+    (w0, s0), (w1, s1), (w2, s2) = res
+    assert not torch.equal(w0, start)
+    assert torch.equal(w0, w1) and torch.equal(s0, s1), "device path differs from the host path"
+    torch.testing.assert_close(w2, w0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s2, s0, rtol=1e-6, atol=1e-6)
 
 
 def test_no_host_sync_two_ranks():

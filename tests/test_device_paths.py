@@ -1,8 +1,8 @@
 """The GPU backends' device path on CPU tensors (``tbe_checks.device_checks_on_cpu``; triton under
 its interpreter): equal to the reference and the host path (the TBE kernels, the padded row
-gradients of data-parallel tables, the low-precision rows' working set), device asserts that
-refuse bad input, the codecs' device-side checks; with no host read (``no_host_sync`` of
-test_device_generic)."""
+gradients of data-parallel tables and their masked updates, the low-precision rows' working set),
+device asserts that refuse bad input, the codecs' device-side checks; with no host read
+(``no_host_sync`` of test_device_generic)."""
 
 from __future__ import annotations
 
@@ -123,6 +123,44 @@ def test_padded_row_grads_equal_row_grads(backend):
     assert not torch.equal(w0, c.weights)
     assert torch.equal(w0, w1) and all(torch.equal(st0[k], st1[k]) for k in st0)
     assert not sites, sites
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+def test_update_table_rows_padded_writes_only_valid_rows(kind):
+    """``update_table_rows_padded`` of a block is ``update_table_rows`` of its valid entries,
+    bitwise, without a host read: padding naming a valid row (row 0) or any row, junk gradients
+    there, and a block with no valid entry (nothing written)."""
+    from neorec.ops.padded_rows import update_table_rows_padded
+    from neorec.ops.row_optim import RowOptimizer, zeros_state
+    from neorec.ops.tbe import TBELayout, update_table_rows
+
+    lay = TBELayout(rows=(6, 5), dims=(3, 2), feature_table=(0, 1))
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(lay.total_elems, generator=g)
+    ids = torch.tensor([0, 2, 5, 0, 4, 0])  # valid: the first three
+    grads = torch.randn(6, 3, generator=g)
+    valid = torch.arange(6) < 3
+    opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=0.01)
+    res = []
+    for padded in (False, True):
+        w = w0.clone()
+        st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
+        for k in st:
+            st[k].uniform_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        sites: set[str] = set()
+        with no_host_sync(sites):
+            if padded:
+                update_table_rows_padded(lay, w, st, 0, ids, grads, valid, opt, 2)
+                none = torch.zeros(4, dtype=torch.bool)  # table 1: no valid entry
+                update_table_rows_padded(lay, w, st, 1, ids[2:] % 5, grads[2:, :2], none, opt, 2)
+            else:
+                update_table_rows(lay, w, st, 0, ids[:3], grads[:3], opt, 2)
+        assert not sites, sites
+        res.append((w, st))
+    (w_a, st_a), (w_b, st_b) = res
+    assert not torch.equal(w_a, w0)
+    assert torch.equal(w_a, w_b) and all(torch.equal(st_a[k], st_b[k]) for k in st_a)
+    assert torch.equal(lay.table(w_b, 1), lay.table(w0, 1))  # (and its state: as unpadded)
 
 
 @pytest.mark.parametrize("backend", CPU_GPU_BACKENDS)

@@ -5,8 +5,9 @@ Split out of ``neorec.distributed.sharded`` (``ShardedEmbeddingBagCollection`` i
 batch, before its step: the batch's checks (``checked_batch``: lengths, per-id weights, ids in
 range), the split of the ids by shard (row-wise bucketing), the lengths all-to-all (over gloo: the
 collection's group on the CPU, a gloo twin of it when the tables live on a GPU), every split size of
-the ids all-to-all, and the permutation of the received ids into unit-major order. The device then
-only sends the ids and gathers them: no host sync in the step (``train.device``).
+the ids all-to-all, the permutation of the received ids into unit-major order, and the id counts
+per table (bounds of the device path's row blocks: ``LocalInput.dp_counts``, ``mp_counts``). The
+device then only sends the ids and gathers them: no host sync in the step (``train.device``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from neorec.distributed.comm import Awaitable, Chain, CommStats, all_to_all, unit_major_order
 from neorec.modules.embedding import checked_batch
-from neorec.ops.tbe import PoolingMode
+from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.sharding.types import Shard
 from neorec.sparse import SparseFeatures
 
@@ -61,6 +62,9 @@ class LocalInput:
     inv_lengths: Tensor | None  # [b, F] 1/len for mean pooling
     batch_size: int  # local b
     dp_counts: tuple[int, ...] = ()  # ids per data-parallel table (host ints: distinct-row bounds)
+    mp_counts: tuple[int, ...] = ()
+    """Ids per local table (``layout``'s: model-parallel shards) in ``indices``: host ints, bounds
+    of their distinct rows; a column-wise table's are equal on every slice owner (the same ids)."""
 
 
 class InputDist:
@@ -68,6 +72,7 @@ class InputDist:
 
     units_by_owner: list[list[_Unit]]
     local_units: list[_Unit]
+    layout: TBELayout  # the local tables: local_units in order
     world: int
     group: Any
     _host_group: Any
@@ -135,6 +140,9 @@ class InputDist:
         val_counts = [int(x.sum()) for x in torch.split(send_len, len_splits)]
         blocks = recv_len.to(torch.int64).view(self.world, len(self.local_units), b)
         recv_counts = blocks.sum(dim=(1, 2)).tolist()
+        mp_counts = [0] * self.layout.num_tables
+        for t, n in zip(self.layout.feature_table, blocks.sum(dim=(0, 2)).tolist(), strict=True):
+            mp_counts[t] += n
         gather, offsets = unit_major_order(blocks)
         send_val = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         send_val = send_val.to(self._id_dtype)
@@ -166,8 +174,9 @@ class InputDist:
                 recv_w = a_w.wait() if a_w is not None else None
                 wts = recv_w[d_gather] if recv_w is not None else None
                 return LocalInput(
-                    recv_val[d_gather], d_off, wts, dp_idx, dp_off, dp_w, d_inv, b, dp[3]
-                )
+                    recv_val[d_gather], d_off, wts, dp_idx, dp_off, dp_w, d_inv, b, dp[3],
+                    tuple(mp_counts),
+                )  # fmt: skip
 
             return Awaitable(finish)
 

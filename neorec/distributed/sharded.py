@@ -20,7 +20,6 @@ one process with W*b samples (up to float reassociation).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,8 +34,8 @@ from neorec.distributed.comm import (
     CommStats,
     Done,
     ScaleGrad,
-    ordered_all_reduce,
 )
+from neorec.distributed.cw_rowwise import build_cw_groups, update_with_cw_rowwise
 from neorec.distributed.input_dist import InputDist, LocalInput, _Unit
 from neorec.distributed.replicas import (
     Replicas,
@@ -46,7 +45,6 @@ from neorec.distributed.replicas import (
 )
 from neorec.errors import ConfigError
 from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
-from neorec.ops.cpu import CpuBackend
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
 from neorec.ops.padded_rows import PaddedRows, apply_padded_row_grads
 from neorec.ops.row_optim import RowOptimizer
@@ -57,7 +55,6 @@ from neorec.ops.tbe import (
     get_backend,
     row_grads,
     tbe_lookup,
-    update_table_rows,
 )
 from neorec.ops.tbe_checks import on_device
 from neorec.sharding.types import Shard, ShardingPlan, ShardingType
@@ -118,7 +115,8 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
         self._build_units()
         self._build_local(seed, init_scale)
-        self._build_cw_groups()
+        # Owner subgroups of the column-wise tables, for exact row-wise Adagrad (cw_rowwise).
+        self._cw_groups, self._cw_ranks = build_cw_groups(self)
         # Input metadata (lengths) is exchanged on the host: over this group on a gloo group,
         # over a gloo twin of it when the tables live on a GPU (NCCL groups carry device tensors).
         self._host_group = group
@@ -251,34 +249,6 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
                 )
         return precs[0]
 
-    def _build_cw_groups(self) -> None:
-        """Subgroups of the owners of each column-wise table, for exact row-wise Adagrad.
-
-        Row-wise Adagrad needs mean(g^2) over the whole row, but a column slice sees only its
-        columns: slice owners add their partial sums of squares (same distinct rows on every slice,
-        since every slice receives every bag of the table).
-        """
-        self._cw_groups: dict[int, dist.ProcessGroup | None] = {}
-        self._cw_ranks: dict[int, tuple[int, ...]] = {}
-        if self.optimizer.kind != "rowwise_adagrad":
-            return
-        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for ti, t in enumerate(self.tables):
-            p = self.plan.table(t.name)
-            if p.sharding_type is not ShardingType.COLUMN_WISE:
-                continue
-            ranks = tuple(sorted(set(p.ranks())))
-            if ranks not in made:  # one group per owner set, shared by its tables
-                made[ranks] = None
-                if len(ranks) > 1 and dist.is_initialized():
-                    # new_group is collective over the world: every rank calls it, in table order.
-                    made[ranks] = dist.new_group(
-                        ranks=list(ranks), backend=dist.get_backend(self.group)
-                    )
-            if self.rank in ranks:
-                self._cw_groups[ti] = made[ranks]
-                self._cw_ranks[ti] = ranks
-
     def _state(self, prefix: str = "") -> dict[str, Tensor]:
         names = ("momentum1", "exp_avg", "exp_avg_sq")
         return {k: getattr(self, prefix + k) for k in names if hasattr(self, prefix + k)}
@@ -301,7 +271,7 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
                 return
             step = self._next_step("step")
             if self._cw_groups:
-                self._update_with_cw_rowwise(local, grad, step)
+                update_with_cw_rowwise(self, local, grad, step)
             else:
                 self.backend.backward_update(
                     self.layout,
@@ -359,72 +329,6 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
             )
             out = out * scale
         return Done(out)
-
-    def _update_with_cw_rowwise(self, local: LocalInput, grad: Tensor, step: int) -> None:
-        """Update whose column-wise tables use full-row mean(g^2) (see _build_cw_groups).
-
-        With the cpu kernel the other local tables take the fused update and only the column-wise
-        slices come back as summed row gradients; other backends sum every table's rows first.
-        """
-        lay, opt, state = self.layout, self.optimizer, self._state()
-        cw_local = [lt for lt, (t, _) in enumerate(self.local_tables) if t in self._cw_groups]
-        if isinstance(self.backend, CpuBackend):
-            grads = self.backend.backward_update(
-                lay,
-                self.weights,
-                state,
-                local.indices,
-                local.offsets,
-                local.weights,
-                PoolingMode.SUM,
-                grad,
-                opt,
-                step,
-                emit_tables=cw_local,
-            )
-        else:
-            grads = row_grads(
-                self.backend,
-                lay,
-                local.indices,
-                local.offsets,
-                local.weights,
-                PoolingMode.SUM,
-                grad,
-            )
-        eff: dict[int, tuple[Tensor, Tensor]] = {}
-        for lt, ids, g in grads:
-            w = lay.table(self.weights, lt)[ids]
-            eff[lt] = (ids, g + opt.weight_decay * w if opt.weight_decay else g)
-        # Per table, this rank's partial sum of squares of each distinct row (every slice owner
-        # has the same distinct rows); the tables of one owner set share one rank-ordered sum.
-        parts: dict[int, Tensor] = {}
-        for ti in self._cw_groups:
-            mine = [lt for lt, (t, _) in enumerate(self.local_tables) if t == ti and lt in eff]
-            part = sum((eff[lt][1] ** 2).sum(1) for lt in mine)
-            parts[ti] = part if isinstance(part, Tensor) else torch.zeros(0, device=self.device)
-        mean_sq: dict[int, Tensor] = {}
-        by_ranks: dict[tuple[int, ...], list[int]] = {}
-        for ti in self._cw_groups:
-            by_ranks.setdefault(self._cw_ranks[ti], []).append(ti)
-        for tis in by_ranks.values():
-            group = self._cw_groups[tis[0]]
-            flat = torch.cat([parts[ti] for ti in tis])
-            total = ordered_all_reduce(flat, group, self.stats) if group is not None else flat
-            for ti, tot in zip(tis, torch.split(total, [parts[ti].numel() for ti in tis])):
-                mean_sq[ti] = tot / self.tables[ti].dim
-        s_all = state["momentum1"]
-        for lt, (ids, g) in eff.items():
-            ti = self.local_tables[lt][0]
-            w_t = lay.table(self.weights, lt)
-            rows = lay.row_offsets[lt] + ids
-            if ti in mean_sq:
-                s = s_all[rows] + mean_sq[ti]
-                w_t[ids] = w_t[ids] - opt.lr * g / (s.sqrt() + opt.eps).unsqueeze(1)
-                s_all[rows] = s
-            else:  # weight decay is already in g
-                no_wd = replace(opt, weight_decay=0.0)
-                update_table_rows(lay, self.weights, state, lt, ids, g, no_wd, step)
 
     def _next_step(self, name: str) -> int:
         """``self.<name> + 1`` from a host copy of the (device) counter: read once, and again

@@ -6,7 +6,9 @@ size is known on the host (``bound``: at least the table's id count in the batch
 distinct rows): the rows in id order, then zeros, with their count as a device tensor. The
 data-parallel exchange all-gathers such blocks (``replicas.gather_dp_grads_padded``) and
 ``apply_padded_row_grads`` applies the valid (id, gradient) pairs, masked on the device: the same
-sums in the same order as ``apply_row_grads`` of the valid pairs alone.
+sums in the same order as ``apply_row_grads`` of the valid pairs alone. ``put_valid`` and
+``update_table_rows_padded`` write only a block's valid entries (column-wise tables under row-wise
+Adagrad: ``distributed.cw_rowwise``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from neorec.ops.row_optim import RowOptimizer
+from neorec.ops.row_optim import RowOptimizer, apply_rows
 from neorec.ops.tbe import PoolingMode, TBELayout, group_calls
 
-__all__ = ["PaddedRows", "pad_heads", "apply_padded_row_grads"]
+__all__ = [
+    "PaddedRows",
+    "pad_heads",
+    "apply_padded_row_grads",
+    "put_valid",
+    "update_table_rows_padded",
+]
 
 PaddedRows = tuple[int, Tensor, Tensor, Tensor]
 """(table, ids [bound], row sums [bound, dim], count [1] int64): the first ``count`` are rows."""
@@ -108,3 +116,42 @@ def apply_padded_row_grads(
         backend.backward_update(
             lay, weights, state, indices, offsets, None, PoolingMode.SUM, grad_out, opt, step
         )
+
+
+def put_valid(dst: Tensor, idx: Tensor, vals: Tensor, valid: Tensor) -> None:
+    """``dst[idx[valid]] = vals[valid]`` (along dim 0; ``idx`` [n], n > 0, distinct where valid)
+    without a host read: an invalid entry rewrites the first valid entry's row with that entry's
+    value (with none valid, row ``idx[0]`` with its own value), so every write to a row carries
+    the same value and the result is deterministic (as ``cuda._put``, element-wise there)."""
+    a = torch.argmax(valid.to(torch.uint8)).reshape(1)  # (1 element: a 0-dim index is a read)
+    tgt_a = idx[a]
+    row = (-1,) + (1,) * (vals.dim() - 1)  # valid [n] against rows [n, ...]
+    val_a = torch.where(valid[a].view(row), vals[a], dst[tgt_a])
+    dst.index_put_((torch.where(valid, idx, tgt_a),), torch.where(valid.view(row), vals, val_a))
+
+
+def update_table_rows_padded(
+    layout: TBELayout,
+    weights: Tensor,
+    state: dict[str, Tensor],
+    t: int,
+    ids: Tensor,
+    grads: Tensor,
+    valid: Tensor,
+    opt: RowOptimizer,
+    step: int,
+) -> None:
+    """``tbe.update_table_rows`` of the valid entries of a block (ids [n], n > 0, grads [n, dim],
+    valid [n]) without a host read: every entry is computed, only the valid ones are written
+    (``put_valid``); the valid entries' values are ``update_table_rows``' own."""
+    w_t = layout.table(weights, t)
+    w = w_t[ids]
+    rows = layout.row_offsets[t] + ids
+    st = {k: s[rows] if k == "momentum1" else layout.table(s, t)[ids] for k, s in state.items()}
+    apply_rows(opt, w, grads.to(w.dtype), st, step)
+    put_valid(w_t, ids, w, valid)
+    for k, s in state.items():
+        if k == "momentum1":
+            put_valid(s, rows, st[k], valid)
+        else:
+            put_valid(layout.table(s, t), ids, st[k], valid)
