@@ -22,6 +22,8 @@ _FIT_RESERVE_S = 5.0  # left for the fit after the last placement
 REPEATS = 3
 """Measurements per placement (their median is the sample): one measurement's noise is of the
 order of the model's error."""
+CHECK_ITERS = 30
+"""Steps measured per placement: costcheck's (``--iters`` default), so both measure alike."""
 _JOBS_PER_S = 6.0  # more measurements than the budget can take (2-3 a second here)
 
 
@@ -57,7 +59,11 @@ def calibrate_learned(
             f"{max(0, left):.0f} s, each {repeats} times (blocks in turn: random mixes, bench-like "
             "whole-plan kinds + baselines + planner, random mixes, planner tasks)"
         )
-    rows = run_jobs(jobs, world, deadline - _FIT_RESERVE_S, iters=20, warmup=3, progress=progress)
+    # As costcheck measures (30 steps after 3 of warm-up): with 20, some placements measured up
+    # to 20% slower (first touches of zero-initialised optimizer state still in the median).
+    rows = run_jobs(
+        jobs, world, deadline - _FIT_RESERVE_S, iters=CHECK_ITERS, warmup=3, progress=progress
+    )
     samples = samples_from_rows(jobs, rows)
     if samples_out:  # before the fit: kept even when too few to fit
         save_samples(samples_out, samples)

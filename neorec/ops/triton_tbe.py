@@ -18,8 +18,9 @@ kernels. Same contract as ``reference`` and ``cpu`` (see ``ops/tbe.py``); fp32 w
 No host read per step: the grids are sized by the batch's id count and bag count (shapes), not by
 its distinct rows, and the inputs of CUDA tensors are checked by device asserts
 (``tbe_checks.assert_inputs_async``; CPU tensors: the reference's host checks, which name the
-position). Only ``row_grads`` (column-wise row-wise Adagrad) returns data-dependent sizes: one
-read of the per-table row counts; ``row_grads_padded`` (data-parallel tables) none.
+position). Only ``row_grads`` (the host path) returns data-dependent sizes: one read of the
+per-table row counts; ``row_grads_padded`` (what the device path of data-parallel tables and of
+column-wise tables under row-wise Adagrad uses) none.
 
 Rounding: divisions and square roots are ``div_rn`` / ``sqrt_rn`` (IEEE, like torch's), and the
 kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
