@@ -22,6 +22,7 @@ from faults import campaign, judge_cli, run_cli
 
 from neorec.config import Config, ConfigError, load_config
 from neorec.config.load import _parse_value
+from neorec.config.run import STREAM_ONLY
 
 C = campaign("config fuzz")
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,13 +359,20 @@ def _judge(name: str, key: str, fn: Any, ok: bool) -> None:
         C.expect_error(name, fn, key)
 
 
+def _context(key: str) -> list[str]:
+    """Overrides a field needs to be read at all: the stream's fields need the stream source."""
+    section, name = key.split(".")
+    return ["data.source='stream'"] if section == "data" and name in STREAM_ONLY else []
+
+
 def test_every_field_mutated():
     assert sorted(SPEC) == sorted(_field_names()), "every config field needs a SPEC entry"
     for key, spec in SPEC.items():
         for mut, text in MUTATIONS.items():
             v = _parse_value(text)
             ok = allowed(spec, v)
-            fn = lambda o=f"{key}={text}": load_config(None, [o])  # noqa: E731
+            over = [*_context(key), f"{key}={text}"]
+            fn = lambda o=over: load_config(None, o)  # noqa: E731
             _judge(f"--set {key}={text} ({mut})", key, fn, ok)
     C.check()
 
@@ -384,9 +392,11 @@ def test_every_field_constructed_in_code():
     for key, spec in SPEC.items():
         section, name = key.split(".")
         cls = sections[section]
+        extra = {"source": "stream"} if _context(key) else {}
         for v in values.values():
             ok = allowed(spec, v) if v is not None else False
-            _judge(f"{cls.__name__}({name}={v!r})", key, lambda c=cls, n=name, v=v: c(**{n: v}), ok)
+            fn = lambda c=cls, n=name, v=v, x=extra: c(**x, **{n: v})  # noqa: E731
+            _judge(f"{cls.__name__}({name}={v!r})", key, fn, ok)
     C.check()
 
 
@@ -463,3 +473,13 @@ def test_config_error_is_a_neorec_error():
     from neorec.errors import NeorecError
 
     assert ConfigError is Moved and issubclass(ConfigError, (NeorecError, ValueError))
+
+
+def test_stream_settings_refused_with_another_source():
+    """A stream-only field set away from its default with another source would be ignored:
+    refused in one line naming it; with the stream source it loads."""
+    for key in ("data.drift=0.5", "data.id_weight=2", "data.fm_logits='x'"):
+        with pytest.raises(ConfigError, match=r"data\.\w+: setting\(s\) of the stream"):
+            load_config(None, [key])
+        assert load_config(None, ["data.source='stream'", key]).data.source == "stream"
+    assert load_config(None, ["data.drift=0.2"]).data.drift == 0.2  # the default: fine

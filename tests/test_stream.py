@@ -423,7 +423,7 @@ def test_teacher_metrics_by_window(tmp_path: Path) -> None:
 
 def test_config_errors_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="data.window 5"):
-        load_config(None, ["data.window=5", "data.windows=5"])
+        load_config(None, ["data.source='stream'", "data.window=5", "data.windows=5"])
     with pytest.raises(DataError):
         read_fm_logits(stream_cfg(tmp_path, f"data.fm_logits='{tmp_path}'"), "train")
 

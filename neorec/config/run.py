@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from neorec.config.checks import (
@@ -119,11 +119,42 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
+        if self.source != "stream":
+            changed = [
+                f.name
+                for f in fields(self)
+                if f.name in STREAM_ONLY and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                names = ", ".join(f"data.{n}" for n in changed)
+                raise ConfigError(
+                    f"{names}: setting(s) of the stream, but data.source is {self.source!r}: "
+                    f"they would be ignored; set data.source = 'stream' or remove {names}"
+                )
         if self.window >= self.windows:
             raise ConfigError(
                 f"data.window {self.window:,} is not below data.windows {self.windows:,} (windows "
                 "are numbered from 0); lower data.window or raise data.windows"
             )
+
+
+STREAM_ONLY = frozenset(
+    {
+        "window",
+        "windows",
+        "drift",
+        "id_churn",
+        "window_samples",
+        "fm_logits",
+        "fm_staleness",
+        "vertical_bias",
+        "vertical_shift",
+        "id_shrink_visits",
+        "id_weight",
+    }
+)
+"""``DataConfig`` fields only the stream reads: with another source, a value other than the
+default is refused (it would be ignored)."""
 
 
 @dataclass(kw_only=True)
