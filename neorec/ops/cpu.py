@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -181,6 +181,27 @@ def load_kernel() -> ctypes.CDLL:
         lib.rc_copy_rows.restype = None
         _LIB = lib
         return lib
+
+
+_DECLARED: dict[str, ctypes.CDLL | None] = {}
+
+
+def declared_kernel(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """The kernel library after ``declare`` (one module's argtypes, ``name`` naming them) ran on
+    it once, or None when it cannot be built (no C compiler): the callers' numpy / torch paths."""
+    with _LOCK:
+        if name in _DECLARED:
+            return _DECLARED[name]
+    try:
+        lib: ctypes.CDLL | None = load_kernel()
+    except (RuntimeError, OSError):
+        lib = None
+    with _LOCK:
+        if name not in _DECLARED:
+            if lib is not None:
+                declare(lib)
+            _DECLARED[name] = lib
+        return _DECLARED[name]
 
 
 def _ptr(t: Tensor | None) -> int | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neorec.ops.padded_rows import PaddedRows, pad_heads
+from neorec.ops.padded_rows import PaddedRows, pad_heads, put_valid, rows_by_table
 from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
 from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.ops.tbe_checks import (
@@ -56,20 +56,6 @@ def segments(sorted_key: Tensor, sentinel: int) -> tuple[Tensor, Tensor, Tensor]
     count = torch.where(new, nxt - pos, 0)
     first = torch.where(new, pos, 0).cummax(0).values
     return count, new & (sorted_key < sentinel), first
-
-
-def _put(dst: Tensor, idx: Tensor, vals: Tensor, valid: Tensor) -> None:
-    """``dst[idx[valid]] = vals[valid]`` without a host read (``valid`` is data-dependent): an
-    invalid entry rewrites the first valid entry's element with that entry's value (or, with none
-    valid, element ``idx[0]`` with its own value). Valid entries naming one element must carry the
-    same value; then every write to an element does, and the result is deterministic."""
-    idx, vals, valid = idx.reshape(-1), vals.reshape(-1), valid.reshape(-1)
-    # The first valid entry (0 when there is none), as a 1-element index: indexing with a 0-dim
-    # tensor would read it on the host.
-    a = torch.argmax(valid.to(torch.uint8)).reshape(1)
-    tgt_a = idx[a]
-    val_a = torch.where(valid[a], vals[a], dst[tgt_a])
-    dst.index_put_((torch.where(valid, idx, tgt_a),), torch.where(valid, vals, val_a))
 
 
 class CudaBackend:
@@ -197,20 +183,7 @@ class CudaBackend:
         key, summed, head = self._summed(
             layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
         )
-        meta = layout.meta(grad_output.device)
-        key_c = key.clamp(0, max(layout.total_rows - 1, 0))
-        u_t = torch.bucketize(key_c, meta["row_offsets"][1:], right=True)
-        per_table = torch.bincount(u_t[head], minlength=layout.num_tables).tolist()  # the read
-        heads = torch.argsort((~head).to(torch.uint8), stable=True)[: sum(per_table)]
-        keys, grads = key[heads], summed[heads]
-        out, lo = [], 0
-        for t in range(layout.num_tables):
-            hi = lo + per_table[t]
-            if t in tables:
-                ids = keys[lo:hi] - layout.row_offsets[t]
-                out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
-            lo = hi
-        return out
+        return rows_by_table(layout, key, head, summed, tables)
 
     def row_grads_padded(
         self,
@@ -276,9 +249,9 @@ class CudaBackend:
             w = w - opt.lr * gw / (st["momentum1"].sqrt() + opt.eps).unsqueeze(1)
         else:  # elementwise: the padded columns are computed and never written
             apply_rows(opt, w, summed.to(w.dtype), st, step)
-        _put(weights, eidx, w, evalid)
+        put_valid(weights, eidx, w, evalid)
         for k, s in state.items():
             if k == "momentum1":
-                _put(s, key_c, st[k], real)
+                put_valid(s, key_c, st[k], real)
             else:
-                _put(s, eidx, st[k], evalid)
+                put_valid(s, eidx, st[k], evalid)

@@ -12,7 +12,6 @@ path.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 import torch
@@ -20,8 +19,6 @@ from torch import Tensor
 
 __all__ = ["exfm_losses", "native_lib", "NonFiniteFM"]
 
-_LOCK = threading.Lock()
-_LIB: dict[str, Any] = {}
 _COEFS: dict[tuple[float, ...], Tensor] = {}  # (read-only, so shared across steps)
 
 
@@ -35,24 +32,19 @@ class NonFiniteFM(ValueError):
 
 def native_lib() -> Any:
     """The compiled library with the ExFM loss functions declared, or None (no C compiler)."""
-    with _LOCK:
-        if "lib" not in _LIB:
-            try:
-                from neorec.ops.cpu import load_kernel
+    from neorec.ops.cpu import declared_kernel
 
-                lib = load_kernel()
-            except (RuntimeError, OSError):
-                lib = None
-            if lib is not None:
-                vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-                lib.exfm_losses_forward.argtypes = [i64, vp, i64, vp, vp, vp, f32, i64, vp, vp]
-                lib.exfm_losses_forward.argtypes += [i64, i64, vp, vp, vp, vp, vp, vp, vp, vp]
-                lib.exfm_losses_forward.argtypes += [vp, vp, vp]
-                lib.exfm_losses_forward.restype = i64
-                lib.exfm_losses_backward.argtypes = [i64, i64, i64, i64, vp, vp, vp, vp, vp, vp]
-                lib.exfm_losses_backward.restype = None
-            _LIB["lib"] = lib
-        return _LIB["lib"]
+    return declared_kernel("exfm_losses", _declare)
+
+
+def _declare(lib: Any) -> None:
+    vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.exfm_losses_forward.argtypes = [i64, vp, i64, vp, vp, vp, f32, i64, vp, vp]
+    lib.exfm_losses_forward.argtypes += [i64, i64, vp, vp, vp, vp, vp, vp, vp, vp]
+    lib.exfm_losses_forward.argtypes += [vp, vp, vp]
+    lib.exfm_losses_forward.restype = i64
+    lib.exfm_losses_backward.argtypes = [i64, i64, i64, i64, vp, vp, vp, vp, vp, vp]
+    lib.exfm_losses_backward.restype = None
 
 
 def _ok(t: Tensor | None) -> bool:

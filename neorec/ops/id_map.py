@@ -52,8 +52,6 @@ SKETCH_PERIOD_FACTOR = 10
 _M64 = (1 << 64) - 1
 _I32_MAX = 2**31 - 1
 _N_COUNTS = 8  # IM_ADMITTED, IM_EVICTED, IM_UNADMITTED, IM_NEW, IM_EV, IM_HITS, IM_USED, IM_FREED
-_LOCK = threading.Lock()
-_LIB: dict[str, Any] = {}
 
 
 _TLS = threading.local()
@@ -161,28 +159,23 @@ def native_lib() -> Any:
     ``NEOREC_IDMAP_NATIVE=0``)."""
     if os.environ.get("NEOREC_IDMAP_NATIVE", "1") == "0":
         return None
-    with _LOCK:
-        if "lib" not in _LIB:
-            try:
-                from neorec.ops.cpu import load_kernel
+    from neorec.ops.cpu import declared_kernel
 
-                lib = load_kernel()
-            except (RuntimeError, OSError):
-                lib = None
-            if lib is not None:
-                vp, i64 = ctypes.c_void_p, ctypes.c_int64
-                lib.im_map_batch.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp, i64, vp, vp, vp]
-                lib.im_map_batch.argtypes += [vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, vp]
-                lib.im_map_batch.restype = None
-                f32, u64 = ctypes.c_float, ctypes.c_uint64
-                lib.im_reset_rows.argtypes = [vp, vp, i64, vp, i64, vp, vp, vp, u64, f32, f32]
-                lib.im_reset_rows.restype = None
-                lib.im_lookup.argtypes = [vp, vp, i64, vp]
-                lib.im_lookup.restype = None
-                lib.im_rebuild.argtypes = [vp]
-                lib.im_rebuild.restype = None
-            _LIB["lib"] = lib
-        return _LIB["lib"]
+    return declared_kernel("id_map", _declare)
+
+
+def _declare(lib: Any) -> None:
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.im_map_batch.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp, i64, vp, vp, vp]
+    lib.im_map_batch.argtypes += [vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, vp]
+    lib.im_map_batch.restype = None
+    f32, u64 = ctypes.c_float, ctypes.c_uint64
+    lib.im_reset_rows.argtypes = [vp, vp, i64, vp, i64, vp, vp, vp, u64, f32, f32]
+    lib.im_reset_rows.restype = None
+    lib.im_lookup.argtypes = [vp, vp, i64, vp]
+    lib.im_lookup.restype = None
+    lib.im_rebuild.argtypes = [vp]
+    lib.im_rebuild.restype = None
 
 
 @dataclass

@@ -7,7 +7,7 @@ and a read of the per-table counts). On the device path (CUDA tensors, or inside
 table of ``min(n, their rows)`` rows (n: the batch's id count), their distinct rows first (in
 global row order), the rest unused; a stable sort remaps the ids, the checks are device asserts
 (``assert_inputs_async``) and the updated rows, scales and states go back with masked writes
-(``cuda._put``). Each distinct row meets the same occurrences in the same order as on the host
+(``padded_rows.put_valid``). Each distinct row meets the same occurrences in the same order as on the host
 path, and is rounded with the same random bits, so the stored bits are the same.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from neorec.ops.cuda import _put, segments
+from neorec.ops.cuda import segments
 from neorec.ops.lowp_rows import (
     FP8_MAX,
     RowFormat,
@@ -30,6 +30,7 @@ from neorec.ops.lowp_rows import (
     _step_key,
     pow2_scale,
 )
+from neorec.ops.padded_rows import put_valid
 from neorec.ops.tbe import TBELayout
 from neorec.ops.tbe_checks import _indices_shape, _offsets_shape, assert_inputs_async
 
@@ -164,15 +165,15 @@ def device_write_back(
         if fmt.precision == "fp8":
             sc = pow2_scale(rows)
             rows = (rows / sc.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX)
-            _put(fmt.scales(weights, layout), g.keys, sc, g.valid)
+            put_valid(fmt.scales(weights, layout), g.keys, sc, g.valid)
         if rounding == "stochastic" and fmt.precision != "fp32":
             q = _bits_stochastic(rows, fmt.element_dtype, _group_bits(layout, g, step, seed, keys))
         else:
             q = rows.to(fmt.element_dtype)
-        _put(codes, g.eidx, q.view(torch.uint8) if fmt.precision == "fp8" else q, valid2)
+        put_valid(codes, g.eidx, q.view(torch.uint8) if fmt.precision == "fp8" else q, valid2)
         lo = ws.layout.row_offsets[gi]
         for k, s in state.items():
             if k == "momentum1":
-                _put(s, g.keys, st[k][lo : lo + g.keys.numel()], g.valid)
+                put_valid(s, g.keys, st[k][lo : lo + g.keys.numel()], g.valid)
             else:
-                _put(s, g.eidx, ws.layout.table(st[k], gi), valid2)
+                put_valid(s, g.eidx, ws.layout.table(st[k], gi), valid2)

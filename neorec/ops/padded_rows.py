@@ -82,6 +82,28 @@ def pad_heads(
     return out
 
 
+def rows_by_table(
+    layout: TBELayout, key: Tensor, head: Tensor, summed: Tensor, tables: Sequence[int]
+) -> list[tuple[int, Tensor, Tensor]]:
+    """``row_grads``' result from the same sorted occurrences ``pad_heads`` takes: per table of
+    ``tables``, (t, its distinct ids in order, their gradient sums [U, dim]). Its sizes are the
+    data's: one host read (the per-table counts), where ``pad_heads`` has none."""
+    meta = layout.meta(summed.device)
+    key_c = key.clamp(0, max(layout.total_rows - 1, 0))
+    u_t = torch.bucketize(key_c, meta["row_offsets"][1:], right=True)
+    per_table = torch.bincount(u_t[head], minlength=layout.num_tables).tolist()  # the read
+    heads = torch.argsort((~head).to(torch.uint8), stable=True)[: sum(per_table)]
+    keys, grads = key[heads], summed[heads]
+    out, lo = [], 0
+    for t in range(layout.num_tables):
+        hi = lo + per_table[t]
+        if t in tables:
+            ids = keys[lo:hi] - layout.row_offsets[t]
+            out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
+        lo = hi
+    return out
+
+
 def apply_padded_row_grads(
     backend: Any,
     layout: TBELayout,
@@ -122,7 +144,10 @@ def put_valid(dst: Tensor, idx: Tensor, vals: Tensor, valid: Tensor) -> None:
     """``dst[idx[valid]] = vals[valid]`` (along dim 0; ``idx`` [n], n > 0, distinct where valid)
     without a host read: an invalid entry rewrites the first valid entry's row with that entry's
     value (with none valid, row ``idx[0]`` with its own value), so every write to a row carries
-    the same value and the result is deterministic (as ``cuda._put``, element-wise there)."""
+    the same value and the result is deterministic. A 1-D ``dst`` (a flat buffer) takes entries
+    of any equal shapes, element by element."""
+    if dst.dim() == 1:  # a flat buffer: any shape of entries, element by element
+        idx, vals, valid = idx.reshape(-1), vals.reshape(-1), valid.reshape(-1)
     a = torch.argmax(valid.to(torch.uint8)).reshape(1)  # (1 element: a 0-dim index is a read)
     tgt_a = idx[a]
     row = (-1,) + (1,) * (vals.dim() - 1)  # valid [n] against rows [n, ...]

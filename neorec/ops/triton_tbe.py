@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from neorec.ops.cuda import segments
-from neorec.ops.padded_rows import PaddedRows, pad_heads
+from neorec.ops.padded_rows import PaddedRows, pad_heads, rows_by_table
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBEInputError, TBELayout
 from neorec.ops.tbe_checks import (
@@ -374,21 +374,7 @@ class TritonBackend:
         srt, summed = self._summed(
             layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
         )
-        counts = torch.bincount(srt.u_table[srt.head], minlength=layout.num_tables)
-        # Heads first (they are sorted by key, hence by table), then the rest.
-        order = torch.argsort((~srt.head).to(torch.uint8), stable=True)
-        per_table = counts.tolist()  # the one host read: the outputs' sizes
-        heads = order[: sum(per_table)]
-        keys, grads = srt.key[heads], summed[heads]
-        out = []
-        lo = 0
-        for t in range(layout.num_tables):
-            hi = lo + per_table[t]
-            if t in srt.tables:
-                ids = keys[lo:hi] - layout.row_offsets[t]
-                out.append((t, ids, grads[lo:hi, : layout.dims[t]].contiguous()))
-            lo = hi
-        return out
+        return rows_by_table(layout, srt.key, srt.head, summed, srt.tables)
 
     def row_grads_padded(
         self,
