@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
+from neorec.errors import ConfigError
 from neorec.modules.embedding import EmbeddingBagCollection, UpdateHook, checked_batch
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode
 from neorec.sparse import SparseFeatures
 
 __all__ = ["GroupedEmbeddingBagCollection"]
+
+
+def parts_permutation(ebc: Any, parts: Sequence[Any]) -> Tensor:
+    """The columns of ``parts``' concatenated pooled outputs, in ``ebc.feature_names`` order (a
+    collection made of collections); ``ConfigError`` when the parts' features are not its own."""
+    dims = {f: t.dim for t in ebc.tables for f in t.features}
+    start, cols = 0, {}
+    for g in parts:
+        for f in g.feature_names:
+            cols[f] = torch.arange(start, start + dims[f])
+            start += dims[f]
+    if sorted(cols) != sorted(ebc.feature_names):
+        raise ConfigError(
+            f"{type(ebc).__name__}: the parts' features {sorted(cols)} are not the tables' "
+            f"{sorted(ebc.feature_names)}"
+        )
+    return torch.cat([cols[f] for f in ebc.feature_names])
 
 
 class GroupedEmbeddingBagCollection(nn.Module):
@@ -69,16 +88,7 @@ class GroupedEmbeddingBagCollection(nn.Module):
         self.feature_names = [f for t in self.tables for f in t.features]
         self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
         self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
-        # Columns of the groups' concatenated outputs, in feature order.
-        dims = {f: t.dim for t in self.tables for f in t.features}
-        start, cols = 0, {}
-        for g in self._parts:
-            for f in g.feature_names:
-                cols[f] = torch.arange(start, start + dims[f])
-                start += dims[f]
-        self.register_buffer(
-            "_perm", torch.cat([cols[f] for f in self.feature_names]), persistent=False
-        )
+        self.register_buffer("_perm", parts_permutation(self, self._parts), persistent=False)
         self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
 
     @property

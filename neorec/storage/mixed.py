@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
-from neorec.errors import ConfigError
 from neorec.modules.embedding import UpdateHook, checked_batch
+from neorec.modules.embedding_groups import parts_permutation
 from neorec.sparse import SparseFeatures
 
 __all__ = ["MixedEmbeddingBagCollection"]
@@ -40,20 +40,7 @@ class MixedEmbeddingBagCollection(nn.Module):
         self._parts: list[Any] = [fixed, dynamic]
         self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
         self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
-        dims = {f: t.dim for t in self.tables for f in t.features}
-        start, cols = 0, {}
-        for g in self._parts:
-            for f in g.feature_names:
-                cols[f] = torch.arange(start, start + dims[f])
-                start += dims[f]
-        if sorted(cols) != sorted(self.feature_names):
-            raise ConfigError(
-                f"{type(self).__name__}: the parts' features {sorted(cols)} are not the tables' "
-                f"{sorted(self.feature_names)}"
-            )
-        self.register_buffer(
-            "_perm", torch.cat([cols[f] for f in self.feature_names]), persistent=False
-        )
+        self.register_buffer("_perm", parts_permutation(self, self._parts), persistent=False)
         self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
 
     @property
