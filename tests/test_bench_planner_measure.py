@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import neorec.bench.dist as bench_dist
-from neorec.bench.planner import measure_tasks
+from neorec.bench.planner import PASSES, measure_tasks
 
 
 def test_measure_counts_ties_and_measures_each_plan_once(
@@ -41,9 +41,13 @@ def test_measure_counts_ties_and_measures_each_plan_once(
     data = json.loads(out.strip().splitlines()[-1])
     assert data["bench"] == "planner_measure" and len(data["tasks"]) == 3
     assert len(calls) == 2  # one run per round
-    for jobs in calls:  # every distinct plan once per round
+    for jobs in calls:  # every distinct plan built once per round, measured in PASSES passes
         keys = [json.dumps(j["plan"]["tables"], sort_keys=True) for j in jobs]
-        assert len(keys) == len(set(keys))
+        assert len(keys) == len(set(keys)) * PASSES
+        n = len(keys) // PASSES
+        assert jobs == jobs[:n] * PASSES  # the passes go round the same block in turn
+        assert len({j["placement"] for j in jobs[:n]}) == n
+        assert all(j["block"] == jobs[0]["block"] for j in jobs)
     for t in data["tasks"]:
         assert t["best_baseline_ms"] == min(t["baselines_ms"].values())
         assert t["planner_ms"] == 10.0

@@ -19,7 +19,8 @@ def test_costcheck_small(tmp_path: Path) -> None:
     small = ["--tables", "3", "--rows", "500", "--dim", "8", "--batch", "32", "--pooling", "2"]
     args = ["--topology", str(topo), "--plans", "table_wise,mixed,planner", "--json-out", str(out)]
     rand = ["--random-plans", "1", "--random-seed", "46"]  # a small mix: 2 tables, 35k weights
-    rc = main([*args, *small, *rand, "--iters", "2", "--warmup", "1", "--repeats", "2"])
+    steps = ["--iters", "2", "--passes", "2", "--warmup", "1", "--repeats", "2"]
+    rc = main([*args, *small, *rand, *steps])
     assert rc == 0
     data = json.loads(out.read_text())
     assert [r["plan"] for r in data["results"]] == ["table_wise", "mixed", "planner"]
@@ -40,6 +41,46 @@ def test_costcheck_small(tmp_path: Path) -> None:
     # the analytical baseline's errors on the same measurements: here the model itself
     assert data["analytical_mean_abs_error"] == pytest.approx(data["mean_abs_error"], abs=2e-3)
     assert r["analytical_ms"] == pytest.approx(r["predicted_ms"], rel=1e-3)
+
+
+def test_costcheck_anchors_a_learned_model_to_the_references(tmp_path: Path) -> None:
+    """A learned model fitted with speed references: costcheck measures them in the round and
+    multiplies the model's prediction by the speed they show (reported next to the unanchored
+    prediction); a bad --passes is one line."""
+    from neorec.sharding.learned_placements import (
+        REFERENCE_KINDS,
+        fit,
+        predict_job,
+        random_jobs,
+        sample_from_job,
+    )
+
+    topo = Topology.local_cpu(2)
+    samples = []
+    for job in random_jobs(12, 2, 2, 7):
+        m = predict_job(topo, job, None)
+        row = {"ms_per_step": m["step"], "fwd_ms": m["fwd"], "bwd_ms": m["bwd"]}
+        s = sample_from_job(job, {**row, "comm_wait_ms": m["comm"]})
+        # this synthetic calibration's references ran at 1 ms/step: any real machine is slower
+        samples.append({**s, "speed": 1.0, "reference_ms": dict.fromkeys(REFERENCE_KINDS, 1.0)})
+    model = fit(topo, samples)
+    assert model.reference["ms"] == dict.fromkeys(REFERENCE_KINDS, 1.0)
+    topo.learned_cost = model.to_dict()
+    path = tmp_path / "topo.json"
+    topo.save(path)
+    out = tmp_path / "out.json"
+    small = ["--tables", "2", "--rows", "300", "--dim", "8", "--batch", "32", "--pooling", "2"]
+    args = ["--topology", str(path), "--plans", "table_wise", "--random-plans", "0"]
+    steps = ["--iters", "2", "--passes", "2", "--warmup", "1", "--repeats", "1"]
+    assert main([*args, *small, *steps, "--json-out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["cost_model"]["kind"] == "learned" and data["anchored"]
+    (speed,) = data["speeds"]
+    assert speed > 1.0  # the references took more than 1 ms/step here
+    (r,) = data["results"]
+    assert r["predicted_ms"] == pytest.approx(speed * r["unanchored_ms"], rel=2e-3)
+    with pytest.raises(SystemExit, match="--passes"):
+        main([*args, *small, "--iters", "2", "--passes", "3"])
 
 
 def test_measure_tbe_small() -> None:

@@ -224,6 +224,18 @@ def _corruptions(good: dict[str, Any]) -> list[tuple[str, Any, str]]:
     d = copy.deepcopy(good)
     d["validation"]["step"] = {}
     cases.append(("validation without errors", d, "learned_cost"))
+    # the ensemble regressor and the speed references
+    d = copy.deepcopy(good)
+    d["targets"]["step"] = {"kind": "ensemble", "members": []}
+    cases.append(("empty ensemble", d, "targets.step"))
+    d = copy.deepcopy(good)
+    d["targets"]["step"] = {"kind": "ensemble", "members": [{"kind": "ridge", "coef": [1.0]}]}
+    cases.append(("ensemble with a bad member", d, "targets.step.members[0]"))
+    d = copy.deepcopy(good)
+    d["targets"]["step"] = {"kind": "ensemble", "members": [{"kind": "ensemble", "members": []}]}
+    cases.append(("ensemble inside an ensemble", d, "members[0]"))
+    for bad in ({"ms": {}}, {"ms": {"table_wise": -1.0}}, {"ms": {"row_wise": "x"}}, {"x": 1}):
+        cases.append((f"bad reference {bad}", {**good, "reference": bad}, "reference"))
     return cases
 
 

@@ -14,11 +14,13 @@ import pytest
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_features import FEATURES, plan_features
 from neorec.sharding.learned_placements import (
+    REFERENCE_KINDS,
     designed_jobs,
     fit,
     predict_job,
     sample_from_job,
     samples_from_rows,
+    speed_of,
 )
 from neorec.sharding.planner import Planner, plan_tables
 from neorec.sharding.planner_baselines import BASELINES, baseline_candidates, greedy_baseline
@@ -48,7 +50,8 @@ def test_designed_jobs_cover_the_checked_kinds_with_repeats() -> None:
     # deterministic; another seed is other mixes (held out)
     assert designed_jobs(topo, 2, 2, 120, seed=0, repeats=3) == jobs
     other = designed_jobs(topo, 2, 2, 60, seed=1, repeats=1)
-    assert not {j["mix"] for j in other} & {j["mix"] for j in jobs}
+    mixes = {j["mix"] for j in jobs if j["design"] != "reference"}  # the references: one mix
+    assert not {j["mix"] for j in other if j["design"] != "reference"} & mixes
     # every plan is valid for its tables
     for j in jobs[:: max(1, len(jobs) // 30)]:
         ShardingPlan.from_dict(j["plan"]).validate()
@@ -123,6 +126,8 @@ def _typed_truth(job: dict[str, Any], base: dict[str, float], topo: Topology) ->
 def _typed_samples(topo: Topology, seed: int, n: int) -> list[dict[str, Any]]:
     out = []
     for j in designed_jobs(topo, 2, 2, n, seed=seed, repeats=1):
+        if j["design"] == "reference":  # speed references: not samples (samples_from_rows)
+            continue
         m = _typed_truth(j, predict_job(topo, j, None), topo)
         row = {"ms_per_step": m["step"], "fwd_ms": m["fwd"], "bwd_ms": m["bwd"]}
         out.append(sample_from_job(j, {**row, "comm_wait_ms": m["comm"]}))
@@ -224,3 +229,70 @@ def test_bad_typed_params_are_named(typed_fit: tuple[Topology, Any]) -> None:
     old = {**good, "format": "neorec.learned_cost/1"}  # a model of the earlier features
     with pytest.raises(LearnedModelError, match="refit"):
         LearnedCostModel.from_dict(old, "t.json")
+
+
+def test_speed_references_anchor_the_fit_and_the_prediction() -> None:
+    """Every block measures the references; a block measured while the machine ran 1.3x slower
+    has its samples divided by that speed, so the model predicts at the calibration's median speed
+    and, given a check's measured speed, at that one (``predict_job(..., speed)``)."""
+    topo = Topology.local_cpu(2)
+    jobs = designed_jobs(topo, 2, 2, 150, seed=4, repeats=2)
+    refs = [j for j in jobs if j["design"] == "reference"]
+    blocks = sorted({j["block"] for j in jobs})
+    assert len(blocks) >= 3
+    # each block lists every reference kind, as one placement of its own, in each pass
+    for b in blocks:
+        kinds = Counter(j["reference"] for j in refs if j["block"] == b)
+        assert kinds == {k: 2 for k in REFERENCE_KINDS}, (b, kinds)
+    assert {j["plan"]["tables"][0]["type"] for j in refs} == set(REFERENCE_KINDS)
+    slow = {b: (1.3 if i % 2 else 1.0) for i, b in enumerate(blocks)}  # every other block slower
+    truth: dict[int, float] = {}
+    rows = []
+    for i, j in enumerate(jobs):
+        if j["design"] == "reference":
+            v = {"table_wise": 4.0, "row_wise": 5.0, "data_parallel": 9.0}[j["reference"]]
+        else:
+            v = truth.setdefault(i, 1.2 * predict_job(topo, j, None)["step"])
+        v *= slow[j["block"]]
+        rows.append({"job": i, "ms_per_step": v, "fwd_ms": v / 2, "bwd_ms": v / 2,
+                     "comm_wait_ms": v / 4})  # fmt: skip
+    samples = samples_from_rows(jobs, rows)
+    assert samples and all(s["design"] != "reference" for s in samples)
+    speeds = {round(s["speed"], 6) for s in samples}
+    # the median block speed is the reference: blocks are 1.0 or 1.3 of it, or 1/1.3 of it
+    assert len(speeds) == 2 and max(speeds) / min(speeds) == pytest.approx(1.3)
+    model = fit(topo, samples)
+    assert set(model.reference["ms"]) == set(REFERENCE_KINDS)
+    # fitted at the reference speed: the slow blocks' samples no longer look 1.3x slower
+    s_ref = 1.0 if slow[blocks[0]] == 1.0 else 1.3  # which speed the median picked
+    for s in samples[:20]:
+        m = s["measured"]["step"] / s["speed"]
+        assert predict_job(topo, s, model)["step"] == pytest.approx(m, rel=0.1)
+        # and at a check's own speed: the prediction scales with it
+        p2 = predict_job(topo, s, model, speed=1.5)["step"]
+        assert p2 == pytest.approx(1.5 * predict_job(topo, s, model)["step"], rel=1e-9)
+    assert s_ref in (1.0, 1.3)
+    # speed_of: the geometric mean of the kinds both sides measured; 1.0 when none is shared
+    ref = model.reference["ms"]
+    now = {k: 2 * v for k, v in ref.items()}
+    assert speed_of(now, ref) == pytest.approx(2.0)
+    assert speed_of({"table_wise": 2 * ref["table_wise"]}, ref) == pytest.approx(2.0)
+    assert speed_of({}, ref) == 1.0
+
+
+def test_calibration_spawns_fresh_ranks_every_few_blocks() -> None:
+    """Whole blocks per pair of rank processes (one pair for all of a 7-minute calibration
+    slowed down as it went); every job in exactly one part, in order."""
+    from neorec.bench.calibrate_learned import SPAWN_BLOCKS, _spawn_parts
+
+    jobs = designed_jobs(Topology.local_cpu(2), 2, 2, 200, seed=5, repeats=3)
+    parts = _spawn_parts(jobs, SPAWN_BLOCKS)
+    assert len(parts) >= 2
+    assert parts[0][0] == 0 and parts[-1][1] == len(jobs)
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, no job twice
+    for lo, hi in parts:
+        blocks = [j["block"] for j in jobs[lo:hi]]
+        assert len(set(blocks)) <= SPAWN_BLOCKS
+        # no block is split between two parts (its passes share one built model)
+        assert lo == 0 or jobs[lo - 1]["block"] != jobs[lo]["block"]
+    assert _spawn_parts([], 4) == []

@@ -20,11 +20,15 @@ DEFAULT_BUDGET_S = 300.0
 """Wall-clock budget of ``neorec plan --calibrate`` (micro-benchmarks and placements)."""
 _FIT_RESERVE_S = 5.0  # left for the fit after the last placement
 REPEATS = 3
-"""Measurements per placement (their median is the sample): one measurement's noise is of the
-order of the model's error."""
-CHECK_ITERS = 30
-"""Steps measured per placement: costcheck's (``--iters`` default), so both measure alike."""
-_JOBS_PER_S = 6.0  # more measurements than the budget can take (2-3 a second here)
+"""Interleaved passes over each block (a placement's sample is the median of its passes): one
+window's noise is of the order of the model's error."""
+PASS_ITERS = 10
+"""Steps measured per pass (after 3 of warm-up at the first, 1 at the later ones): 3 passes of
+10 are one round of ``bench costcheck``, so both measure alike."""
+_JOBS_PER_S = 12.0  # more passes than the budget can take
+SPAWN_BLOCKS = 4
+"""Blocks measured by one pair of rank processes (one of each kind of ``DESIGN_CYCLE``, ~15 s)
+before fresh ones take over."""
 
 
 def calibrate_learned(
@@ -56,19 +60,53 @@ def calibrate_learned(
     if progress:
         print(
             f"measuring the designed placements on {world} gloo ranks for up to "
-            f"{max(0, left):.0f} s, each {repeats} times (blocks in turn: random mixes, bench-like "
-            "whole-plan kinds + baselines + planner, random mixes, planner tasks)"
+            f"{max(0, left):.0f} s, {repeats} interleaved passes per block with the speed "
+            "references (blocks in turn: random mixes, bench-like whole-plan kinds + baselines + "
+            "planner, random mixes, planner tasks)"
         )
-    # As costcheck measures (30 steps after 3 of warm-up): with 20, some placements measured up
-    # to 20% slower (first touches of zero-initialised optimizer state still in the median).
-    rows = run_jobs(
-        jobs, world, deadline - _FIT_RESERVE_S, iters=CHECK_ITERS, warmup=3, progress=progress
-    )
+    # As costcheck measures a round (passes of 10 steps, 3 of warm-up at a placement's first):
+    # with one 20-step window instead of 30, some placements measured up to 20% slower (first
+    # touches of zero-initialised optimizer state still in the median).
+    # Fresh rank processes every SPAWN_BLOCKS blocks, as every check round has: one pair of
+    # processes running the whole calibration slowed down by ~30% over 7 minutes (the speed
+    # references' times rose from the first fifth of the blocks to the last), and not alike for
+    # every kind of placement, so the references could not divide all of it out.
+    rows: list[dict] = []
+    for lo, hi in _spawn_parts(jobs, SPAWN_BLOCKS):
+        if time.time() >= deadline - _FIT_RESERVE_S:
+            break
+        got = run_jobs(
+            jobs[lo:hi],
+            world,
+            deadline - _FIT_RESERVE_S,
+            iters=PASS_ITERS,
+            warmup=3,
+            progress=progress,
+            progress_at=(lo, len(jobs)),
+        )
+        rows.extend({**r, "job": lo + r["job"]} for r in got)
     samples = samples_from_rows(jobs, rows)
     if samples_out:  # before the fit: kept even when too few to fit
         save_samples(samples_out, samples)
         print(f"{len(samples)} placement samples ({len(rows)} measurements) -> {samples_out}")
     return fit(topo.with_world(world, world), samples), samples
+
+
+def _spawn_parts(jobs: list[dict], blocks: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of ``jobs`` holding ``blocks`` whole blocks each (``block`` keys)."""
+    parts: list[tuple[int, int]] = []
+    lo, seen, last = 0, 0, object()
+    for i, j in enumerate(jobs):
+        b = j.get("block")
+        if b != last:
+            if seen == blocks:
+                parts.append((lo, i))
+                lo, seen = i, 0
+            seen += 1
+            last = b
+    if lo < len(jobs):
+        parts.append((lo, len(jobs)))
+    return parts
 
 
 def _refit(topology_path: str, samples_file: str) -> int:

@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,14 @@ from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import make_dense_optimizer, train_step
 
-__all__ = ["main", "run_ranks", "measure_embedding"]
+__all__ = [
+    "main",
+    "run_ranks",
+    "run_jobs",
+    "measure_embedding",
+    "prepare_embedding",
+    "time_embedding",
+]
 
 TYPES = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "mixed"]
 
@@ -140,32 +148,48 @@ def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dic
 
 def measure_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int, a) -> dict:
     """Embedding part of warmup + iters steps: median ms/step (fwd, bwd) and bytes (all ranks)."""
-    b = a.batch // world
+    return time_embedding(prepare_embedding(cfg, plan, batches, rank, world), a.warmup, a.iters)
+
+
+def prepare_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int) -> dict:
+    """What ``time_embedding`` steps: this rank's sharded EBC of ``plan``, its slices of
+    ``batches`` and a fixed random output gradient (built once, stepped in several passes)."""
+    b = cfg.data.batch_size // world
     ebc = sharded_ebc_from_config(cfg, plan)
     local = [bt.slice(rank * b, (rank + 1) * b).sparse for bt in batches]
     g = torch.Generator().manual_seed(1000 + rank)
     grad = torch.randn(b, ebc.total_dim, generator=g)
-    n = a.warmup + a.iters
+    return {"ebc": ebc, "local": local, "grad": grad, "steps": 0}
+
+
+def time_embedding(run: dict, warmup: int, iters: int) -> dict:
+    """``warmup`` + ``iters`` embedding steps (forward + backward with the fused update) of a
+    ``prepare_embedding`` run on every rank: the slowest rank's median ms per step (fwd, bwd,
+    comm wait) and the bytes each collective sent per step (all ranks)."""
+    ebc, local, grad = run["ebc"], run["local"], run["grad"]
+    world = dist.get_world_size()
+    n = warmup + iters
     times, fwds, waits = [], [], []
     for i in range(n):
-        if i == a.warmup:
+        if i == warmup:
             ebc.stats.reset()
         dist.barrier()
         w0 = sum(ebc.stats.wait_s.values())
         t0 = time.perf_counter()
-        out = ebc(local[i % len(local)])
+        out = ebc(local[run["steps"] % len(local)])
         t1 = time.perf_counter()
         (out * grad).sum().backward()
         t2 = time.perf_counter()
+        run["steps"] += 1
         times.append(t2 - t0)
         fwds.append(t1 - t0)
         waits.append(sum(ebc.stats.wait_s.values()) - w0)
     stats = torch.tensor(
-        [1000 * statistics.median(x[a.warmup :]) for x in (times, fwds, waits)]
-        + [1000 * statistics.median([t - f for t, f in zip(times, fwds)][a.warmup :])]
+        [1000 * statistics.median(x[warmup:]) for x in (times, fwds, waits)]
+        + [1000 * statistics.median([t - f for t, f in zip(times, fwds)][warmup:])]
     )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    sent = {k: v / a.iters for k, v in ebc.stats.bytes_sent.items()}
+    sent = {k: v / iters for k, v in ebc.stats.bytes_sent.items()}
     gathered: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, sent)
     total = {k: sum(g.get(k, 0) for g in gathered) for k in set().union(*gathered)}
@@ -308,9 +332,10 @@ def _jobs_rank(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    a = argparse.Namespace(warmup=opts["warmup"], iters=opts["iters"])
     rows = []
     t_start = time.time()
+    built: dict[str, dict] = {}  # this block's placements, built once, stepped in each pass
+    block = None
     for i, job in enumerate(jobs):
         # Rank 0 decides (one clock): no placement starts after the deadline.
         started = time.time()
@@ -318,20 +343,33 @@ def _jobs_rank(
         dist.broadcast(go, 0)
         if not int(go):
             break
-        cfg = job_config(job)
-        a.batch = cfg.data.batch_size
-        batches = make_batches(cfg, 2, float(job["alpha"]), seed=i)
-        plan = ShardingPlan.from_dict(job["plan"])
-        row = measure_embedding(cfg, plan, batches, rank, world, a)
+        key = job.get("placement")
+        if key is None or job.get("block") != block:
+            built.clear()  # the last block's modules go before this one's are built
+            block = job.get("block")
+        warmup = opts["warmup"]
+        if key is not None and key in built:
+            run = built[key]
+            warmup = min(warmup, opts.get("rewarm", 1))  # warm again after the others' passes
+        else:
+            cfg = job_config(job)
+            batches = make_batches(cfg, 2, float(job["alpha"]), seed=int(job.get("seed", i)))
+            plan = ShardingPlan.from_dict(job["plan"])
+            run = prepare_embedding(cfg, plan, batches, rank, world)
+            if key is not None:
+                built[key] = run
+        row = time_embedding(run, warmup, opts["iters"])
         rows.append({"job": i, "started": started, **row})
         if rank == 0 and opts.get("progress"):
             left = max(0.0, deadline - time.time())
+            done, total = opts.get("progress_at", (0, len(jobs)))
             print(
-                f"  placement {i + 1}/{len(jobs)}: {len(job['tables'])} tables, "
+                f"  placement {done + i + 1}/{total}: {len(job['tables'])} tables, "
                 f"{row['ms_per_step']:.1f} ms/step ({time.time() - t_start:.0f} s, "
                 f"{left:.0f} s of the budget left)",
                 flush=True,
             )
+    built.clear()
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -344,18 +382,34 @@ def run_jobs(
     iters: int = 10,
     warmup: int = 2,
     progress: bool = True,
+    rewarm: int = 1,
+    progress_at: tuple[int, int] | None = None,
 ) -> list[dict]:
     """Measure placements of mixed tables on ``nproc`` gloo ranks, in order, until ``deadline``
     (``time.time()``): no placement starts after it (one may run past it). Each job: ``tables``
     (name, rows, dim, pooling_factor), ``batch``, ``optimizer``, ``alpha`` (Zipf ids) and
-    ``plan`` (a plan dict). Returns one row per measured job (``job`` index, ``started`` (rank 0's
+    ``plan`` (a plan dict); optional ``seed`` (of its batches; default its index).
+
+    Interleaved passes: jobs that carry a ``placement`` id and the same ``block`` as the job
+    before them share their placement's built model: a placement is built at its first job
+    (``warmup`` + ``iters`` steps) and each later job of it in the block is one more pass of
+    ``rewarm`` + ``iters`` steps on the same model. A block listing its placements several times
+    in turn (``[a, b, c, a, b, c, ...]``) so measures each of them spread over the block's time,
+    not in one window of a host whose speed drifts by seconds. Returns one row per measured job (``job`` index, ``started`` (rank 0's
     ``time.time()`` when it began: before ``deadline``), ``ms_per_step``,
     ``fwd_ms``, ``bwd_ms``, ``comm_wait_ms``; the slowest rank's medians)."""
     if not jobs or time.time() >= deadline:
         return []
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    opts = {"iters": iters, "warmup": warmup, "progress": progress}
+    opts: dict[str, Any] = {
+        "iters": iters,
+        "warmup": warmup,
+        "progress": progress,
+        "rewarm": rewarm,
+    }
+    if progress_at is not None:  # (jobs before these, all jobs) when a caller runs them in parts
+        opts["progress_at"] = progress_at
     args = (nproc, _free_port(), jobs, deadline, opts, q)
     procs = mp.spawn(_jobs_rank, args=args, nprocs=nproc, join=False)
     # Read before joining: rank 0's rows can exceed a pipe's buffer, and its put would then wait

@@ -53,6 +53,8 @@ __all__ = [
     "main",
 ]
 
+PASSES = 5
+"""Interleaved passes per round of ``--measure`` (10 steps each)."""
 DIMS = (4, 8, 16, 32, 64, 128, 256)
 DIM_WEIGHTS = (0.05, 0.10, 0.20, 0.25, 0.20, 0.12, 0.08)
 
@@ -354,12 +356,18 @@ def measure_tasks(
     rows: list[dict[str, Any]] = []
     for rnd in range(max(1, repeats)):
         # The first round in order, each other one in another (seeded) order, so no plan is
-        # always measured first, or right after the same neighbour, on a host whose load drifts.
+        # always measured first, or right after the same neighbour, on a host whose load drifts;
+        # a round builds every plan once and measures them in PASSES interleaved passes of 10
+        # steps (a plan's round figure: the median of its passes), as bench costcheck does.
         order = list(range(len(jobs)))
         if rnd:
             random.Random(rnd).shuffle(order)
-        got = run_jobs([jobs[i] for i in order], world, float("inf"), 30, 3, progress=False)
-        rows.extend({**r, "job": order[r["job"]]} for r in got)
+        block = [{**jobs[i], "placement": f"j{i}", "block": rnd, "seed": i} for i in order]
+        got = run_jobs(block * PASSES, world, float("inf"), 10, 3, progress=False)
+        for pos, i in enumerate(order):
+            mine = [r["ms_per_step"] for r in got if r["job"] % len(order) == pos]
+            if mine:
+                rows.append({"job": i, "ms_per_step": statistics.median(mine)})
     out: list[dict[str, Any]] = []
     print(f"MEASURED: {n_tasks} tasks on {world} gloo ranks here; topology: {topo.name}")
     print(

@@ -21,8 +21,10 @@ tables), so that flag shows the plan ``neorec train`` on several ranks would mak
 config with ``storage = "dram" | "ssd"`` keep that tier (and their cache size) in ``neorec plan``.
 
 ``--calibrate`` measures this machine (``neorec.bench.calibrate``): the topology constants, then
-random placements of random table mixes on gloo ranks until ``--budget-s`` (default 300 s, the
-whole calibration) is spent, fitting a learned cost model kept in the topology file with the
+the designed placements (``neorec.sharding.learned_placements``: random and bench-like table
+mixes, whole-plan kinds, the greedy baselines' and planner's plans, each block with the speed
+references) on gloo ranks until ``--budget-s`` (default 300 s, the whole calibration) is spent,
+fitting a learned cost model kept in the topology file with the
 machine it was fitted on (samples beside it, ``<stem>.samples.json``). ``--cost-model`` picks what
 scores plans (``neorec.sharding.learned_cost.resolve``); the report names it and its held-out
 error, and a model fitted on another machine or world size is a warning line naming both.
@@ -118,7 +120,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget-s",
         type=float,
         default=None,
-        help="--calibrate: wall-clock budget in seconds, random placements measured for the "
+        help="--calibrate: wall-clock budget in seconds, the placements measured for the "
         "learned cost model included (default 300; 0: constants only, no learned model)",
     )
     parser.add_argument(

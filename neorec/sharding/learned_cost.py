@@ -116,6 +116,10 @@ class LearnedCostModel:
     fitted_at: str = ""
     features: tuple[str, ...] = FEATURES
     extra: dict[str, Any] = field(default_factory=dict)
+    reference: dict[str, Any] = field(default_factory=dict)
+    """The speed references' median ms/step during the calibration (``ms``, per kind of
+    ``learned_placements.REFERENCE_KINDS``): predictions are at that speed; a check that measured
+    the references now passes ``speed`` (``learned_placements.speed_of``). Empty: not anchored."""
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +136,7 @@ class LearnedCostModel:
             "mixes": self.mixes,
             "fitted_at": self.fitted_at,
             **({"extra": self.extra} if self.extra else {}),
+            **({"reference": self.reference} if self.reference else {}),
         }
 
     @classmethod
@@ -165,7 +170,15 @@ class LearnedCostModel:
                 mixes=int(d["mixes"]),
                 fitted_at=str(d.get("fitted_at", "")),
                 extra=dict(d.get("extra") or {}),
+                reference=dict(d.get("reference") or {}),
             )
+            if m.reference:
+                ms = m.reference.get("ms")
+                if not isinstance(ms, dict) or not ms:
+                    raise ValueError("'reference.ms' must be a non-empty object")
+                for k, v in ms.items():
+                    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                        raise ValueError(f"'reference.ms.{k}' must be a positive number, got {v!r}")
             for t in TARGETS:
                 v = m.validation[t]
                 float(v["mean_abs_error"]), float(v["max_abs_error"])
@@ -179,13 +192,16 @@ class LearnedCostModel:
 
     # ---- use ----------------------------------------------------------------------------------
     def predict_ms(
-        self, cm: CostModel, plan: ShardingPlan, specs: Sequence[TableSpec]
+        self, cm: CostModel, plan: ShardingPlan, specs: Sequence[TableSpec], speed: float = 1.0
     ) -> dict[str, float]:
-        """Predicted ms per step of every target (analytical x exp(correction))."""
+        """Predicted ms per step of every target (analytical x exp(correction)), at the
+        calibration's speed, or x ``speed`` (the machine's now, from the references)."""
         x, base = plan_features(cm, plan, specs)
         xa = np.asarray([x])
         return {
-            t: base[t] * math.exp(float(_predict(self.targets[t], xa, np.asarray([base[t]]))[0]))
+            t: speed
+            * base[t]
+            * math.exp(float(_predict(self.targets[t], xa, np.asarray([base[t]]))[0]))
             for t in TARGETS
         }
 

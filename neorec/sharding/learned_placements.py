@@ -11,8 +11,8 @@ The designed set (``designed_jobs``) cycles through three kinds of blocks, each 
 - ``task``: a random mix of 4-8 tables (``bench planner --measure``'s kind of task) placed by the
   greedy baselines, the planner and one random placement;
 - ``random``: three random mixes (2-8 tables: rows, dims, pooling, one Zipf skew, batch,
-  optimizer), two random valid placements each (a sharding type per table, random ranks and
-  shard geometry).
+  optimizer), each placed once at random (a sharding type per table, random ranks and shard
+  geometry) and once as a whole-plan kind drawn at random (``random_<kind>``).
 
 A seed picks the mixes, so other seeds are held out (``neorec bench costcheck --random-plans``,
 ``bench planner --measure``). ``fit`` scores every candidate regressor of
@@ -50,6 +50,10 @@ from neorec.sharding.types import ShardingPlan
 
 __all__ = [
     "DESIGN_CYCLE",
+    "REFERENCE_KINDS",
+    "reference_jobs",
+    "reference_ms",
+    "speed_of",
     "bench_like_mix",
     "kind_plans",
     "designed_jobs",
@@ -264,9 +268,12 @@ def designed_jobs(
         else:
             for m in range(3):
                 tables, batch, opt = random_mix(rng, f"{mix}m{m}")
-                for _ in range(2):
-                    p = random_placement(rng, tables, world, rph)
-                    todo.append(_job(f"{mix}m{m}", tables, batch, opt, "random", p))
+                p = random_placement(rng, tables, world, rph)
+                todo.append(_job(f"{mix}m{m}", tables, batch, opt, "random", p))
+                # and one whole-plan kind of the same small mix (every table column-wise, say):
+                # one type per table drawn at random rarely makes one of these for few tables
+                label, p = rng.choice(kind_plans(rng, tables, world, rph))
+                todo.append(_job(f"{mix}m{m}", tables, batch, opt, f"random_{label}", p))
         uniq: list[dict[str, Any]] = []
         seen: set[str] = set()
         for j in todo:  # a kind's plan can be a baseline's (all table-wise, round robin)
@@ -274,19 +281,87 @@ def designed_jobs(
             if key not in seen:
                 seen.add(key)
                 uniq.append({**j, "placement": f"{mix}p{len(uniq)}"})
-        for _ in range(repeats):
+        uniq += [{**r, "placement": f"{mix}{r['placement']}"} for r in reference_jobs(world, rph)]
+        uniq = [{**j, "block": mix, "seed": len(jobs) + n} for n, j in enumerate(uniq)]
+        for _ in range(repeats):  # interleaved passes over the block (run_jobs)
             jobs.extend(uniq)
     return jobs
 
 
+# ---- the machine's speed at the moment: reference placements ----------------------------------
+REFERENCE_KINDS = ("table_wise", "row_wise", "data_parallel")
+"""How the reference mix is placed: the work of the three kinds of plan (lookups on their owner,
+row-split lookups with their exchange, the data-parallel gradient all-reduce)."""
+
+
+def reference_jobs(world: int, rph: int) -> list[dict[str, Any]]:
+    """The speed references: one fixed mix (4 tables x 40,000 rows x dim 32, pooling 15, Zipf
+    1.05, batch 1024, row-wise Adagrad) placed each way of ``REFERENCE_KINDS``. Measured with
+    every calibration block and every check round, interleaved with the placements there, they
+    say how fast this machine is at that moment relative to the calibration's median: the learned
+    model is fitted on times divided by that speed and predicts at the calibration's speed, and
+    a check that measured the references multiplies by its own speed (``speed_of``)."""
+    from neorec.sharding.types import plan_by_type
+
+    tables = [
+        TableSpec(name=f"ref_t{i}", rows=40_000, dim=32, pooling_factor=15.0, zipf_alpha=1.05)
+        for i in range(4)
+    ]
+    return [
+        {
+            **_job("reference", tables, 1024, "rowwise_adagrad", "reference", plan_by_type(tables, world, rph, k)),
+            "reference": k,
+            "placement": f"ref_{k}",
+        }
+        for k in REFERENCE_KINDS
+    ]  # fmt: skip
+
+
+def reference_ms(
+    jobs: Sequence[dict[str, Any]], rows: Sequence[dict]
+) -> dict[str, dict[str, float]]:
+    """Per block (``jobs``' ``block``; ``""`` for none), the median measured ms/step of each
+    reference kind among ``run_jobs`` ``rows`` (kinds not measured there are absent)."""
+    import statistics
+
+    got: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        j = jobs[r["job"]]
+        if j.get("design") == "reference":
+            got.setdefault(str(j.get("block", "")), {}).setdefault(j["reference"], []).append(
+                float(r["ms_per_step"])
+            )
+    return {b: {k: statistics.median(v) for k, v in d.items()} for b, d in got.items()}
+
+
+def speed_of(measured: dict[str, float], reference: dict[str, float]) -> float:
+    """The machine's speed factor: geometric mean over the reference kinds measured in both of
+    ``measured`` ms / ``reference`` ms (> 1: slower than when the model was fitted); 1.0 when
+    none is shared."""
+    ks = [k for k in REFERENCE_KINDS if k in measured and k in reference]
+    if not ks:
+        return 1.0
+    return math.exp(sum(math.log(measured[k] / reference[k]) for k in ks) / len(ks))
+
+
 def samples_from_rows(jobs: Sequence[dict[str, Any]], rows: Sequence[dict]) -> list[dict]:
     """One sample per measured placement (``run_jobs`` rows of ``jobs``): its job and the median
-    of its measurements per target, with their count (``repeats``) and spread (``step_range``)."""
+    of its measurements per target, with their count (``repeats``) and spread (``step_range``);
+    with reference placements in its block, its ``speed`` (``speed_of`` the block's references
+    against their median over all blocks, ``reference_ms``). The references are no samples."""
     import statistics
 
     by: dict[str, list[dict]] = {}
     order: list[str] = []
+    refs = reference_ms(jobs, rows)
+    ref_median = {
+        k: statistics.median(d[k] for d in refs.values() if k in d)
+        for k in REFERENCE_KINDS
+        if any(k in d for d in refs.values())
+    }
     for r in rows:
+        if jobs[r["job"]].get("design") == "reference":
+            continue
         pid = str(jobs[r["job"]].get("placement", r["job"]))
         if pid not in by:
             by[pid] = []
@@ -303,6 +378,10 @@ def samples_from_rows(jobs: Sequence[dict[str, Any]], rows: Sequence[dict]) -> l
         s = sample_from_job(job, med)
         steps = [float(r["ms_per_step"]) for r in rs]
         s.update(repeats=len(rs), step_range=[min(steps), max(steps)])
+        block = str(job.get("block", ""))
+        if block in refs and ref_median:
+            # This block's references against the calibration's median: the sample's speed.
+            s.update(speed=speed_of(refs[block], ref_median), reference_ms=ref_median)
         out.append(s)
     return out
 
@@ -319,16 +398,17 @@ def sample_from_job(job: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
 
 
 def predict_job(
-    topo: Topology, job: dict[str, Any], model: LearnedCostModel | None
+    topo: Topology, job: dict[str, Any], model: LearnedCostModel | None, speed: float = 1.0
 ) -> dict[str, float]:
-    """Predicted ms per target of a job (learned when ``model``, else analytical)."""
+    """Predicted ms per target of a job (learned when ``model``, at the machine's ``speed`` (see
+    ``reference_jobs``), else analytical)."""
     specs = [TableSpec(**t) for t in job["tables"]]
     plan = ShardingPlan.from_dict(job["plan"])
     cm = CostModel(
         topo.with_world(plan.world_size, plan.ranks_per_host), int(job["batch"]), job["optimizer"]
     )
     if model is not None:
-        return model.predict_ms(cm, plan, specs)
+        return model.predict_ms(cm, plan, specs, speed)
     return plan_features(cm, plan, specs)[1]
 
 
@@ -349,7 +429,8 @@ def _sample_arrays(
                 str(s["optimizer"]),
             )  # fmt: skip
             x, b = plan_features(cm, plan, specs)
-            m = {t: float(s["measured"][t]) for t in TARGETS}
+            speed = float(s.get("speed", 1.0))  # times at the calibration's median speed
+            m = {t: float(s["measured"][t]) / speed for t in TARGETS}
         except (KeyError, TypeError, ValueError) as e:
             raise LearnedModelError(f"calibration sample {i}: bad or missing field {e}") from None
         xs.append(x)
@@ -380,7 +461,10 @@ def fit(
     """Fit the learned model on measured ``samples`` (see ``neorec.bench.calibrate``).
 
     Each sample: ``tables`` (TableSpec fields), ``batch``, ``optimizer``, ``plan`` (plan dict),
-    ``measured`` (ms per target) and ``mix`` (its table mix: the cross-validation group).
+    ``measured`` (ms per target) and ``mix`` (its table mix: the cross-validation group);
+    optional ``speed`` and ``reference_ms`` (``samples_from_rows``): when every sample has them,
+    the model is fitted on measured / speed and keeps the references' ms (``reference``), so a
+    check that measures the references predicts at its own speed.
     """
     if not samples:
         raise LearnedModelError("no calibration samples to fit; raise --budget-s")
@@ -421,7 +505,11 @@ def fit(
         )
         targets[t] = dict(_CANDIDATES)[best](x, y, base[t])
         validation[t] = {**scores[best], "kept": best, "folds": k, "candidates": scores}
+    reference: dict[str, Any] = {}
+    if all("speed" in s for s in samples):  # fitted at the references' median speed
+        reference = {"ms": dict(samples[0]["reference_ms"]), "world_size": max(worlds)}
     return LearnedCostModel(
+        reference=reference,
         targets=targets,
         validation=validation,
         machine=machine_description(),
