@@ -40,7 +40,7 @@ def test_designed_jobs_cover_the_checked_kinds_with_repeats() -> None:
     # each placement is measured 3 times, in a row within its block, with one id
     per = Counter(j["placement"] for j in jobs)
     assert set(per.values()) == {3}
-    block = [j["placement"] for j in jobs if j["mix"] == jobs[0]["mix"]]
+    block = [j["placement"] for j in jobs if j["block"] == jobs[0]["block"]]
     n = len(block) // 3
     assert block == block[:n] * 3  # the block's placements, 3 rounds in a row
     # a placement id names one plan of one mix
@@ -278,6 +278,19 @@ def test_speed_references_anchor_the_fit_and_the_prediction() -> None:
     assert speed_of(now, ref) == pytest.approx(2.0)
     assert speed_of({"table_wise": 2 * ref["table_wise"]}, ref) == pytest.approx(2.0)
     assert speed_of({}, ref) == 1.0
+    # the references come first in every block: a block the budget cuts short has its speed
+    for b in blocks:
+        first = next(j for j in jobs if j["block"] == b)
+        assert first["design"] == "reference"
+    # a block whose references were not measured: its samples are left out of the fit, counted
+    cut = [r for r in rows if not (jobs[r["job"]]["block"] == blocks[0]
+                                   and jobs[r["job"]]["design"] == "reference")]  # fmt: skip
+    partial = samples_from_rows(jobs, cut)
+    lost = sum(1 for s in partial if "speed" not in s)
+    assert lost > 0 and all(s["block"] == blocks[0] for s in partial if "speed" not in s)
+    refit = fit(topo, partial)
+    assert refit.samples == len(partial) - lost
+    assert refit.extra["dropped_without_speed"] == lost and refit.reference
 
 
 def test_calibration_spawns_fresh_ranks_every_few_blocks() -> None:

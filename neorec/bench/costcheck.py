@@ -108,7 +108,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--passes",
         type=int,
-        default=5,
+        default=15,
         help="interleaved passes per round: each plan's --iters steps are measured in this many "
         "windows spread over the round (as the calibration measures), not one",
     )
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     """Calibrate (or load), predict, measure; print the table and a JSON line."""
     args, rest = parse(argv)
     # More steps than bench dist's default: single steps vary by 10-20% on a shared CPU host.
-    a = bench_dist.parse(["--iters", "50", "--warmup", "3", *rest, "--embedding-only"])
+    # 15 interleaved passes of 10 steps per round: with 5, a plan's round still moved by ~10%
+    # (one 10-step window varies by +-20% here) and the max error over 17 plans with it.
+    a = bench_dist.parse(["--iters", "150", "--warmup", "3", *rest, "--embedding-only"])
     world = a.nproc
     rph = a.ranks_per_host or world
     cfg = bench_dist._config(a)

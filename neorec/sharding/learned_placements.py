@@ -281,7 +281,9 @@ def designed_jobs(
             if key not in seen:
                 seen.add(key)
                 uniq.append({**j, "placement": f"{mix}p{len(uniq)}"})
-        uniq += [{**r, "placement": f"{mix}{r['placement']}"} for r in reference_jobs(world, rph)]
+        # the references first: a block the budget cuts short still has its speed measured
+        refs = [{**r, "placement": f"{mix}{r['placement']}"} for r in reference_jobs(world, rph)]
+        uniq = refs + uniq
         uniq = [{**j, "block": mix, "seed": len(jobs) + n} for n, j in enumerate(uniq)]
         for _ in range(repeats):  # interleaved passes over the block (run_jobs)
             jobs.extend(uniq)
@@ -462,12 +464,18 @@ def fit(
 
     Each sample: ``tables`` (TableSpec fields), ``batch``, ``optimizer``, ``plan`` (plan dict),
     ``measured`` (ms per target) and ``mix`` (its table mix: the cross-validation group);
-    optional ``speed`` and ``reference_ms`` (``samples_from_rows``): when every sample has them,
-    the model is fitted on measured / speed and keeps the references' ms (``reference``), so a
-    check that measures the references predicts at its own speed.
+    optional ``speed`` and ``reference_ms`` (``samples_from_rows``): when samples have them, the
+    model is fitted on measured / speed (samples without a speed are left out, counted in
+    ``extra``) and keeps the references' ms (``reference``), so a check that measures the
+    references predicts at its own speed.
     """
     if not samples:
         raise LearnedModelError("no calibration samples to fit; raise --budget-s")
+    anchored = [s for s in samples if "speed" in s]
+    dropped = len(samples) - len(anchored) if anchored else 0
+    if dropped:  # a block whose references were not measured: its speed is unknown
+        samples = anchored
+        extra = {**(extra or {}), "dropped_without_speed": dropped}
     x, base, meas, groups = _sample_arrays(topo, samples)
     mixes = sorted(set(groups))
     if len(mixes) < 2:
