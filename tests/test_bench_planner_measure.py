@@ -30,10 +30,12 @@ def test_measure_counts_ties_and_measures_each_plan_once(
             if key not in times:
                 times[key] = 11.0 + i if j["task"] in seen_tasks else 10.0
             seen_tasks.add(j["task"])
-        return [
-            {"job": i, "ms_per_step": times[json.dumps(j["plan"]["tables"], sort_keys=True)]}
-            for i, j in enumerate(jobs)
-        ]
+        out = []
+        for i, j in enumerate(jobs):
+            ms = times[json.dumps(j["plan"]["tables"], sort_keys=True)]
+            out.append({"job": i, "ms_per_step": ms, "fwd_ms": ms / 2, "bwd_ms": ms / 2,
+                        "comm_wait_ms": 0.0})  # fmt: skip
+        return out
 
     monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
     assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical") == 0

@@ -46,6 +46,7 @@ from neorec.sharding.learned_cost import (
     LearnedModelError,
     model_summary,
     resolve,
+    specs_dicts,
 )
 from neorec.sharding.learned_placements import (
     predict_job,
@@ -143,9 +144,10 @@ def predictions(
         c = cm.evaluate(plan, specs)
         fwd_comm, fwd, bwd_comm, bwd = (1000 * x for x in c.phase_max())
         step = 1000 * c.max_time_s
+        unanchored = model.predict_ms(cm, plan, specs)["step"] if model else step
         out[label] = {
-            "predicted_ms": model.predict_ms(cm, plan, specs, speed)["step"] if model else step,
-            "unanchored_ms": model.predict_ms(cm, plan, specs)["step"] if model else step,
+            "predicted_ms": unanchored * speed,
+            "unanchored_ms": unanchored,
             "analytical_ms": step,
             "fwd_comm_ms": fwd_comm,
             "fwd_compute_ms": fwd,
@@ -227,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         # One round: every plan, random plan and speed reference built once and measured in
         # --passes interleaved passes of --iters / --passes steps (each spread over the round).
         block = [*fixed_jobs, *jobs, *refs]
-        block = [{**j, "placement": f"j{n}", "block": rnd, "seed": n} for n, j in enumerate(block)]
-        got = bench_dist.run_jobs(
-            block * passes, world, float("inf"), a.iters // passes, a.warmup, progress=False
-        )
-        per = _per_job(got, len(block))
+        per = bench_dist.run_passes(block, world, passes, a.iters // passes, a.warmup, rnd)
         ref_now = {j["reference"]: per[len(fixed_jobs) + len(jobs) + n]["ms_per_step"]
                    for n, j in enumerate(refs)}  # fmt: skip
         speed = speed_of(ref_now, anchor) if anchor else 1.0
@@ -239,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         preds.append(predictions(cfg, plans, topo, a.batch, a.alpha, model, speed))
         measured_rows.extend({**per[n], "type": label} for n, (label, _) in enumerate(plans))
         if jobs:
-            random_preds.append([predict_job(topo, j, model, speed) for j in jobs])
-            random_unanch.append([predict_job(topo, j, model) for j in jobs] if model else [])
+            unanchored = [predict_job(topo, j, model) for j in jobs]  # analytical when no model
+            random_unanch.append(unanchored)
+            random_preds.append([{k: v * speed for k, v in p.items()} for p in unanchored])
             random_ana.append([predict_job(topo, j, None) for j in jobs])
             random_rows.extend({**per[len(fixed_jobs) + n], "job": n} for n in range(len(jobs)))
     pred = {
@@ -386,34 +385,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan_job(cfg, a: argparse.Namespace, label: str, plan: ShardingPlan) -> dict[str, Any]:
     """A fixed plan of the ``bench dist`` table set as a ``run_jobs`` job."""
+    specs = tables_from_config(cfg.embedding.tables, zipf_alpha=a.alpha)
     return {
         "label": label,
-        "tables": [
-            {"name": t.name, "rows": t.rows, "dim": t.dim, "pooling_factor": t.pooling_factor}
-            for t in cfg.embedding.tables
-        ],
+        "tables": specs_dicts(specs),
         "batch": a.batch,
         "optimizer": cfg.embedding.optimizer,
         "alpha": a.alpha,
         "plan": plan.to_dict(),
     }
-
-
-def _per_job(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
-    """Per job of a round's block (``run_jobs`` rows of its interleaved passes): the median over
-    passes of each figure; a job with no row is a ``SystemExit`` (a rank failed)."""
-    out = []
-    for i in range(n):
-        mine = [r for r in rows if r["job"] % n == i]
-        if not mine:
-            raise SystemExit(f"neorec: error: bench costcheck: job {i} was not measured")
-        out.append(
-            {
-                k: statistics.median(float(r[k]) for r in mine)
-                for k in ("ms_per_step", "fwd_ms", "bwd_ms", "comm_wait_ms")
-            }
-        )
-    return out
 
 
 def _random_results(
@@ -433,9 +413,7 @@ def _random_results(
         m = statistics.median(meas)
         p = statistics.median(pr[i]["step"] for pr in preds)
         pa = statistics.median(pr[i]["step"] for pr in (ana or preds))
-        pu = statistics.median(
-            pr[i]["step"] for pr in ([u for u in unanchored or [] if u] or ana or preds)
-        )
+        pu = statistics.median(pr[i]["step"] for pr in (unanchored or preds))
         types: dict[str, int] = {}
         for t in job["plan"]["tables"]:
             types[t["type"]] = types.get(t["type"], 0) + 1

@@ -37,6 +37,8 @@ __all__ = [
     "main",
     "run_ranks",
     "run_jobs",
+    "run_passes",
+    "run_passes",
     "measure_embedding",
     "prepare_embedding",
     "time_embedding",
@@ -423,3 +425,27 @@ def run_jobs(
     while not procs.join():
         pass
     return rows
+
+
+def run_passes(
+    jobs: list[dict], nproc: int, passes: int, iters: int, warmup: int = 3, block: object = 0
+) -> list[dict[str, float]]:
+    """One block of ``jobs`` in fresh ranks: each built once and measured in ``passes``
+    interleaved passes of ``iters`` steps (``run_jobs``); per job, the median over its passes of
+    ``ms_per_step``, ``fwd_ms``, ``bwd_ms`` and ``comm_wait_ms``. A job with no measurement is a
+    ``SystemExit`` naming it."""
+    n = len(jobs)
+    blk = [{**j, "placement": f"j{i}", "block": block, "seed": i} for i, j in enumerate(jobs)]
+    rows = run_jobs(blk * passes, nproc, float("inf"), iters, warmup, progress=False)
+    out = []
+    for i in range(n):
+        mine = [r for r in rows if r["job"] % n == i]
+        if not mine:
+            raise SystemExit(f"neorec: error: placement {i} of the block was not measured")
+        out.append(
+            {
+                k: statistics.median(float(r[k]) for r in mine)
+                for k in ("ms_per_step", "fwd_ms", "bwd_ms", "comm_wait_ms")
+            }
+        )
+    return out

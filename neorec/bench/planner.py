@@ -296,7 +296,7 @@ def measure_tasks(
     rounds; plans that differ only by which rank is which are one plan); prints ms/step and one
     JSON line. A planner plan identical to the best baseline's is a tie (the same measurement),
     not a win."""
-    from neorec.bench.dist import run_jobs
+    from neorec.bench.dist import run_passes
     from neorec.sharding.learned_cost import specs_dicts
     from neorec.sharding.learned_placements import random_mix
 
@@ -362,12 +362,8 @@ def measure_tasks(
         order = list(range(len(jobs)))
         if rnd:
             random.Random(rnd).shuffle(order)
-        block = [{**jobs[i], "placement": f"j{i}", "block": rnd, "seed": i} for i in order]
-        got = run_jobs(block * PASSES, world, float("inf"), 10, 3, progress=False)
-        for pos, i in enumerate(order):
-            mine = [r["ms_per_step"] for r in got if r["job"] % len(order) == pos]
-            if mine:
-                rows.append({"job": i, "ms_per_step": statistics.median(mine)})
+        got = run_passes([jobs[i] for i in order], world, PASSES, 10, 3, rnd)
+        rows.extend({"job": i, "ms_per_step": g["ms_per_step"]} for i, g in zip(order, got))
     out: list[dict[str, Any]] = []
     print(f"MEASURED: {n_tasks} tasks on {world} gloo ranks here; topology: {topo.name}")
     print(

@@ -20,7 +20,14 @@ from neorec.config.checks import (
 )
 from neorec.errors import ConfigError
 
-__all__ = ["TableConfig", "ModelConfig", "EmbeddingConfig", "EMBEDDING_OPTIMIZERS", "PRECISIONS"]
+__all__ = [
+    "TableConfig",
+    "ModelConfig",
+    "EmbeddingConfig",
+    "EMBEDDING_OPTIMIZERS",
+    "PRECISIONS",
+    "DYNAMIC_DEFAULTS",
+]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 TABLE_KINDS = ("fixed", "dynamic")
@@ -105,7 +112,7 @@ class TableConfig:
             self.features = [self.name]
 
 
-_DYNAMIC_DEFAULTS: dict[str, Any] = {
+DYNAMIC_DEFAULTS: dict[str, Any] = {
     "capacity": 0,
     "admission": "always",
     "admit_threshold": 1,
@@ -120,7 +127,7 @@ _DYNAMIC_DEFAULTS: dict[str, Any] = {
 def _check_kind(t: TableConfig, where: str) -> None:
     """Refuse dynamic-table fields on a fixed table, and settings that contradict each other."""
     if t.kind == "fixed":
-        for k, v in _DYNAMIC_DEFAULTS.items():
+        for k, v in DYNAMIC_DEFAULTS.items():
             if getattr(t, k) != v:
                 raise ConfigError(
                     f"{where}.{k} = {show(getattr(t, k))} is for kind = 'dynamic' tables; "

@@ -33,6 +33,7 @@ __all__ = [
     "init_rows",
     "INIT_CHUNK_ROWS",
     "checked_batch",
+    "feature_maps",
     "check_collection_args",
     "check_memory",
     "check_tables_memory",
@@ -144,8 +145,7 @@ class EmbeddingBagCollection(nn.Module):
         register_table_buffers(self, self.layout, self.optimizer.kind, device, weights=packed)
         # Zero-element tensor that puts the TBE op in the autograd graph (see tbe_lookup).
         self._anchor = torch.empty(0, device=device, requires_grad=True)
-        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self._hooks: list[UpdateHook] = []
         self._host_step: tuple[Tensor, int, int] | None = None  # (step, its _version, value)
         self.reset_parameters(init_scale, seed)
@@ -267,6 +267,18 @@ class EmbeddingBagCollection(nn.Module):
             self.pooling,
             update,
         )
+
+
+def feature_maps(
+    tables: Sequence[TableConfig], rows_of: Callable[[TableConfig], int] | None = None
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Each feature's table rows (``rows_of(table)``, default its ``rows``) and table name: what
+    ``checked_batch`` checks a batch's ids and keys against."""
+    rows = rows_of or (lambda t: t.rows)
+    return (
+        {f: rows(t) for t in tables for f in t.features},
+        {f: t.name for t in tables for f in t.features},
+    )
 
 
 def checked_batch(ebc: Any, sparse: SparseFeatures, ids: bool = False) -> SparseFeatures:

@@ -10,7 +10,12 @@ from torch import Tensor, nn
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
-from neorec.modules.embedding import EmbeddingBagCollection, UpdateHook, checked_batch
+from neorec.modules.embedding import (
+    EmbeddingBagCollection,
+    UpdateHook,
+    checked_batch,
+    feature_maps,
+)
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode
 from neorec.sparse import SparseFeatures
@@ -86,8 +91,7 @@ class GroupedEmbeddingBagCollection(nn.Module):
         )
         self._parts: list[EmbeddingBagCollection] = [self.groups[p] for p in order]  # type: ignore[misc]
         self.feature_names = [f for t in self.tables for f in t.features]
-        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self.register_buffer("_perm", parts_permutation(self, self._parts), persistent=False)
         self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
 

@@ -36,6 +36,7 @@ from neorec.modules.embedding import (
     check_collection_args,
     check_memory,
     checked_batch,
+    feature_maps,
     init_rows,
     register_table_buffers,
 )
@@ -129,8 +130,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             weights=torch.zeros(self.layout.total_elems, device=device),
         )
         self._anchor = torch.empty(0, device=device, requires_grad=True)
-        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self._hooks: list[UpdateHook] = []
         self._init_scale, self._seed = init_scale, seed
         self._tick = 0

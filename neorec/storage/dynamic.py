@@ -39,6 +39,7 @@ from neorec.modules.embedding import (
     check_collection_args,
     check_memory,
     checked_batch,
+    feature_maps,
     register_table_buffers,
 )
 from neorec.ops.id_map import IdMap, RowTarget, _mix64_np, mix64
@@ -165,8 +166,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         self._seed, self._init_scale = seed, init_scale
         self._make_rows(device)
         self._anchor = torch.empty(0, device=device, requires_grad=True)
-        self._rows_by_feature = {f: table_capacity(t) for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables, table_capacity)
         self._hooks: list[UpdateHook] = []
         self.id_maps = [
             IdMap(

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from neorec.config import TableConfig
+from neorec.config.model import DYNAMIC_DEFAULTS
 from neorec.modules.embedding import checked_batch
 from neorec.ops.id_map import RowTarget
 from neorec.ops.row_optim import RowOptimizer
@@ -207,7 +208,8 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
     def _make_rows(self, device: torch.device) -> None:
         backend, root, io_threads, mapped_mb = self._cache_args
         slot_tables = [
-            replace(t, kind="fixed", rows=c + int(d), capacity=0, precision="fp32", **_FIXED)
+            # a slot table is a fixed table: the dynamic fields at their defaults
+            replace(t, kind="fixed", rows=c + int(d), precision="fp32", **DYNAMIC_DEFAULTS)
             for t, c, d in zip(self.tables, self.capacities, self.default_rows)
         ]
         defaults = {i: self._default_row(i) for i, d in enumerate(self.default_rows) if d}
@@ -328,14 +330,3 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
         slots, offsets, _ = self._slot_batch(sparse, False, [])
         lengths = offsets[1:] - offsets[:-1]
         self.slot_cache.prefetch(SparseFeatures(sparse.keys, slots, lengths))
-
-
-_FIXED: dict[str, Any] = {
-    "admission": "always",
-    "admit_threshold": 1,
-    "admit_probability": 1.0,
-    "eviction": "lru",
-    "ttl_steps": 0,
-    "unadmitted": "zeros",
-}
-"""A slot table is a fixed table: the dynamic fields at their defaults."""

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import TableConfig
-from neorec.modules.embedding import UpdateHook, checked_batch
+from neorec.modules.embedding import UpdateHook, checked_batch, feature_maps
 from neorec.modules.embedding_groups import parts_permutation
 from neorec.sparse import SparseFeatures
 
@@ -38,8 +38,7 @@ class MixedEmbeddingBagCollection(nn.Module):
         self.validate_ids = False
         self.feature_names = [f for t in self.tables for f in t.features]
         self._parts: list[Any] = [fixed, dynamic]
-        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self.register_buffer("_perm", parts_permutation(self, self._parts), persistent=False)
         self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
 
