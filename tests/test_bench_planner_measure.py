@@ -13,8 +13,9 @@ import neorec.bench.dist as bench_dist
 from neorec.bench.planner import PASSES, measure_tasks
 
 
+@pytest.mark.parametrize("kind", ["pool", "mix"])
 def test_measure_counts_ties_and_measures_each_plan_once(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    kind: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[list[dict[str, Any]]] = []
 
@@ -38,10 +39,13 @@ def test_measure_counts_ties_and_measures_each_plan_once(
         return out
 
     monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
-    assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical") == 0
+    assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind) == 0
     out = capsys.readouterr().out
     data = json.loads(out.strip().splitlines()[-1])
     assert data["bench"] == "planner_measure" and len(data["tasks"]) == 3
+    assert data["kind"] == kind
+    # pool tasks plan within bench planner's per-rank memory limit; mixes have none
+    assert all((t["table_mem_mb"] is not None) == (kind == "pool") for t in data["tasks"])
     assert len(calls) == 2  # one run per round
     for jobs in calls:  # every distinct plan built once per round, measured in PASSES passes
         keys = [json.dumps(j["plan"]["tables"], sort_keys=True) for j in jobs]
@@ -62,6 +66,18 @@ def test_measure_counts_ties_and_measures_each_plan_once(
     wins = sum(t["gain"] > 0 and not t["tie"] for t in data["tasks"])
     ties = sum(t["tie"] for t in data["tasks"])
     assert f"on {wins}/3 tasks, the same plan on {ties}" in out
+    assert (data["wins"], data["ties"]) == (wins, ties)
+    # held out: a plan's time is the same every round here, so the pick and the gain agree
+    for t in data["tasks"]:
+        h = t["held_out"]
+        assert h["baseline_ms"] == t["best_baseline_ms"] and h["tie"] == t["tie"]
+        assert h["gain"] == pytest.approx(1 - 10.0 / h["baseline_ms"]) and h["planner_ms"] == 10.0
+    assert (data["held_out_wins"], data["held_out_ties"]) == (wins, ties)
+
+
+def test_measure_kind_is_checked() -> None:
+    with pytest.raises(ValueError, match="--measure-kind must be one of pool, mix"):
+        measure_tasks(1, kind="tasks")
 
 
 def test_plan_key_is_one_plan_up_to_rank_labels() -> None:

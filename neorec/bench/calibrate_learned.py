@@ -130,7 +130,9 @@ def _print_model(model: Any) -> None:
     print(f"learned cost model: {model.describe()}")
     for t, v in model.validation.items():
         cands = ", ".join(
-            f"{k} {100 * c['mean_abs_error']:.1f}%/{100 * c['max_abs_error']:.1f}%"
+            f"{k} {100 * c['mean_abs_error']:.1f}%/"
+            + (f"{100 * c['p95_abs_error']:.1f}%/" if "p95_abs_error" in c else "")
+            + f"{100 * c['max_abs_error']:.1f}%"
             for k, c in v["candidates"].items()
         )
-        print(f"  {t}: kept {v['kept']}; held-out mean/max |error|: {cands}")
+        print(f"  {t}: kept {v['kept']}; held-out mean/p95/max |error|: {cands}")

@@ -12,12 +12,13 @@ planner ranks plans by), ``fwd``, ``bwd`` and ``comm`` (time waiting on collecti
 Candidates (numpy only, seconds to fit; ``learned_features.CANDIDATES``): ``analytical`` (no
 correction), ``constant`` (one factor), ``affine`` (the analytical phases re-weighted plus fixed
 costs), ``typed`` (the analytical time per sharding type and kind of work re-weighted, plus fixed
-costs), ``typed_stumps`` (``typed`` plus boosted stumps on its residual), ``ridge`` (linear in
-standardized features, a few penalties) and ``stumps`` (gradient-boosted depth-1 trees). Each is
-scored by grouped cross-validation: a fold holds out whole table mixes (other tables and shard
-geometries than those fitted); the one with the lowest held-out mean |relative error| (plus a
-quarter of the max) is kept per target, refitted on all samples, and its held-out mean / max
-error travel with it as its validation error.
+costs), ``typed_stumps`` / ``typed_trees`` (``typed`` plus boosted stumps / depth-2 trees on
+its residual), ``ridge`` (linear in standardized features, a few penalties) and ``stumps``
+(gradient-boosted depth-1 trees). Each is scored by grouped cross-validation: a fold holds out
+whole table mixes (other tables and shard geometries than those fitted); the one with the lowest
+held-out mean |relative error| plus half its 95th percentile is kept per target, refitted on all
+samples, and its held-out mean / 95th percentile / max error travel with it as its validation
+error.
 
 The fitted model lives in the topology file (``Topology.learned_cost``) with the machine it was
 fitted on (CPU model, vector flags, logical CPUs) and the world size of its samples;
@@ -229,7 +230,9 @@ class LearnedCostModel:
             f"learned ({self.kind()} correction of the analytical model, {self.samples} "
             f"placements of {self.mixes} table mixes, {self.world_size} ranks) fitted on "
             f"{machine_label(self.machine)}; held-out mean |error| "
-            f"{100 * float(v['mean_abs_error']):.1f}%, max {100 * float(v['max_abs_error']):.1f}%"
+            f"{100 * float(v['mean_abs_error']):.1f}%"
+            + (f", p95 {100 * float(v['p95_abs_error']):.1f}%" if "p95_abs_error" in v else "")
+            + f", max {100 * float(v['max_abs_error']):.1f}%"
         )
 
 

@@ -12,8 +12,8 @@ Regressors predict ``log(measured / analytical)`` per target: ``analytical`` (no
 ``constant``, ``affine`` (the analytical phases re-weighted plus fixed costs), ``typed`` (the
 analytical time per sharding type and per kind of work re-weighted, ridged toward the analytical
 weights, plus fixed costs per step, shard, table and collective kind; least squares on relative
-error), ``typed_stumps`` (``typed`` with boosted stumps on its log residual), ``ridge`` and
-``stumps`` (gradient-boosted depth-1 trees). Split out of ``neorec.sharding.learned_cost``.
+error), ``typed_stumps`` / ``typed_trees`` (``typed`` with boosted stumps / depth-2 trees on its
+log residual), ``ridge`` and ``stumps`` (gradient-boosted depth-1 trees). Split out of ``neorec.sharding.learned_cost``.
 """
 
 from __future__ import annotations
@@ -187,7 +187,9 @@ def _typed_design(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     column-wise, data-parallel), its shards' ms on the critical rank and its sample-side ms
     (prior 1); the collectives' fixed latency and the phases' imbalance (prior 1); then fixed
     costs (prior 0): per step, per shard of the slowest rank, per table, per kind of collective
-    present (row-split, column-wise, data-parallel), the row-split tables' ms times their skew,
+    present (row-split, column-wise, column-wise on the unfused path: row-wise Adagrad's slices
+    all-gather their row sums, which Adam's and SGD's do not; data-parallel), per id on the
+    busiest rank (1e5s: index work that the analytical bytes do not count), the row-split tables' ms times their skew,
     the critical rank's shard ms times the log of the busiest rank's row megabytes (bytes
     move slower once a rank's rows outgrow the caches), and the mean rank's shard ms (ranks on
     one CPU share its memory bandwidth: a rank working alone moves bytes faster than the
@@ -207,16 +209,18 @@ def _typed_design(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         np.exp(_col(x, "log_tables")),
         (rs > 0).astype(float),
         (_col(x, "frac_column_wise") > 0).astype(float),
+        (_col(x, "frac_cw_unfused") > 0).astype(float),
         (_col(x, "frac_data_parallel") > 0).astype(float),
+        np.expm1(_col(x, "max_ids")) / 1e5,
         rs_ms * _col(x, "rowsplit_alpha"),
         sum(cols[: len(_TYPE_GROUPS)], np.zeros(len(x))) * (_col(x, "max_row_mb") - 3.0),
         _col(x, "share_mean_local") * step,
     ]
-    prior += [0.0] * 9
+    prior += [0.0] * 11
     return np.stack(cols, axis=1), np.asarray(prior)
 
 
-_TYPED_COLS = 2 * len(_TYPE_GROUPS) + 2 + 9
+_TYPED_COLS = 2 * len(_TYPE_GROUPS) + 2 + 11
 
 
 def _measured(y: np.ndarray, base: np.ndarray) -> np.ndarray:
@@ -322,6 +326,89 @@ def _stumps_log(p: dict[str, Any], x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _split_candidates(x: np.ndarray) -> tuple[list[tuple[int, float]], np.ndarray]:
+    """(feature, threshold) splits at each feature's deciles and their ``x <= thr`` masks."""
+    cands: list[tuple[int, float]] = []
+    for j in range(x.shape[1]):
+        qs = np.unique(np.quantile(x[:, j], np.linspace(0.1, 0.9, 9)))
+        cands.extend((j, float(q)) for q in qs)
+    masks = np.stack([x[:, j] <= q for j, q in cands]).astype(float)
+    return cands, masks
+
+
+def _best_split(
+    masks: np.ndarray, r: np.ndarray, rows: np.ndarray, minleaf: int
+) -> tuple[float, int, float, float] | None:
+    """The split of ``rows`` (bool) that lowers the squared residual ``r`` most: (gain, index,
+    left mean, right mean); None when no split leaves ``minleaf`` rows on each side."""
+    rr = r * rows
+    nl = masks @ rows.astype(float)
+    n = float(rows.sum())
+    nr = n - nl
+    sl = masks @ rr
+    sr = rr.sum() - sl
+    ok = (nl >= minleaf) & (nr >= minleaf)
+    if not ok.any():
+        return None
+    gain = np.where(ok, sl**2 / np.maximum(nl, 1) + sr**2 / np.maximum(nr, 1), -np.inf)
+    b = int(np.argmax(gain))
+    return float(gain[b] - rr.sum() ** 2 / max(n, 1.0)), b, sl[b] / nl[b], sr[b] / nr[b]
+
+
+def _fit_trees(
+    x: np.ndarray, y: np.ndarray, rounds: int = 60, lr: float = 0.1, minleaf: int = 8
+) -> dict[str, Any]:
+    """Gradient-boosted depth-2 trees (greedy: the best split, then the best split of each
+    side, ``minleaf`` rows per leaf at least; leaves scaled by ``lr``): unlike stumps they
+    model two features together (two small tables *and* column-wise, say)."""
+    base = float(y.mean())
+    r = y - base
+    cands, masks = _split_candidates(x)
+    every = np.ones(len(y), bool)
+    trees: list[list[Any]] = []
+    for _ in range(rounds):
+        top = _best_split(masks, r, every, minleaf)
+        if top is None:
+            break
+        left = masks[top[1]] > 0
+        sides = []
+        for rows in (left, ~left):
+            sub = _best_split(masks, r, rows, minleaf)
+            if sub is None or sub[0] <= 0:
+                v = lr * float(r[rows].mean())
+                sides.append([-1, 0.0, v, v])
+            else:
+                j2, q2 = cands[sub[1]]
+                sides.append([j2, q2, lr * sub[2], lr * sub[3]])
+        tree = [cands[top[1]][0], cands[top[1]][1], sides]
+        r = r - _tree_log(tree, x)
+        trees.append(tree)
+    return {"kind": "trees", "base": base, "trees": trees}
+
+
+def _tree_log(t: list[Any], x: np.ndarray) -> np.ndarray:
+    j, thr, sides = t
+    left = x[:, int(j)] <= float(thr)
+    out = np.zeros(len(x))
+    for rows, (j2, q2, lo, hi) in zip((left, ~left), sides):
+        v = np.full(len(x), float(lo)) if int(j2) < 0 else np.where(x[:, int(j2)] <= q2, lo, hi)
+        out = np.where(rows, v, out)
+    return out
+
+
+def _trees_log(p: dict[str, Any], x: np.ndarray) -> np.ndarray:
+    out = np.full(len(x), float(p["base"]))
+    for t in p["trees"]:
+        out += _tree_log(t, x)
+    return out
+
+
+def _fit_typed_trees(x: np.ndarray, y: np.ndarray, base: np.ndarray) -> dict:
+    typed = _fit_typed(x, y, base)
+    tr = _fit_trees(x, y - _typed_log(typed, x, base))
+    return {"kind": "typed_trees", "coef": typed["coef"], "base": tr["base"], "trees": tr["trees"]}
+
+
 ENSEMBLE = ("typed_stumps", "ridge_10", "stumps")
 """Members of the ``ensemble`` candidate (names in ``CANDIDATES``)."""
 
@@ -346,6 +433,8 @@ def predict(p: dict[str, Any], x: np.ndarray, base: np.ndarray) -> np.ndarray:
         return _typed_log(p, x, base)
     if kind == "typed_stumps":
         return _typed_log(p, x, base) + _stumps_log(p, x)
+    if kind == "typed_trees":
+        return _typed_log(p, x, base) + _trees_log(p, x)
     if kind == "analytical":
         return np.zeros(len(x))
     if kind == "constant":
@@ -365,6 +454,7 @@ CANDIDATES: tuple[tuple[str, Any], ...] = (
     ("typed", lambda x, y, b: _fit_typed(x, y, b, 0.01)),
     ("typed_0.3", lambda x, y, b: _fit_typed(x, y, b, 0.3)),
     ("typed_stumps", _fit_typed_stumps),
+    ("typed_trees", _fit_typed_trees),
     ("ridge_1", lambda x, y, b: _fit_ridge(x, y, 1.0)),
     ("ridge_10", lambda x, y, b: _fit_ridge(x, y, 10.0)),
     ("ridge_100", lambda x, y, b: _fit_ridge(x, y, 100.0)),
@@ -372,7 +462,17 @@ CANDIDATES: tuple[tuple[str, Any], ...] = (
 )
 CANDIDATES += (("ensemble", _fit_ensemble),)
 """(name, fit(features, log ratios, analytical ms) -> params), simplest first (ties)."""
-KINDS = ("analytical", "constant", "affine", "typed", "typed_stumps", "ridge", "stumps", "ensemble")
+KINDS = (
+    "analytical",
+    "constant",
+    "affine",
+    "typed",
+    "typed_stumps",
+    "typed_trees",
+    "ridge",
+    "stumps",
+    "ensemble",
+)
 
 
 def check_params(p: Any, at: str) -> None:
@@ -391,7 +491,7 @@ def check_params(p: Any, at: str) -> None:
             check_params(m, f"{at}.members[{i}]")
         return
     try:
-        if kind in ("affine", "typed", "typed_stumps"):
+        if kind in ("affine", "typed", "typed_stumps", "typed_trees"):
             c = np.asarray(p["coef"], dtype=float)
             want = _AFFINE_COLS if kind == "affine" else _TYPED_COLS
             if c.shape != (want,) or not np.isfinite(c).all():
@@ -410,6 +510,18 @@ def check_params(p: Any, at: str) -> None:
                 j, thr, lo, hi = s
                 if not 0 <= int(j) < k or not all(math.isfinite(float(v)) for v in (thr, lo, hi)):
                     raise ValueError("stump")
+        if kind == "typed_trees":
+            if not math.isfinite(float(p["base"])):
+                raise ValueError("base")
+            for t in p["trees"]:
+                j, thr, sides = t
+                if not 0 <= int(j) < k or not math.isfinite(float(thr)) or len(sides) != 2:
+                    raise ValueError("tree")
+                for j2, q2, lo, hi in sides:
+                    if not -1 <= int(j2) < k or not all(
+                        math.isfinite(float(v)) for v in (q2, lo, hi)
+                    ):
+                        raise ValueError("tree")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"{at}: bad or missing field {e} of a {kind} regressor; refit with "

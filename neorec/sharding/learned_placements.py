@@ -71,10 +71,13 @@ __all__ = [
 
 
 # ---- the designed set of placements -----------------------------------------------------------
-def random_mix(rng: Any, mix: str) -> tuple[list[TableSpec], int, str]:
-    """A random table mix (2-8 tables: rows 1e3..1e5 log-uniform, dims 8..64, pooling 1..30,
-    one Zipf skew), a global batch and a fused optimizer, from ``rng`` (``random.Random``)."""
-    n = rng.randint(2, 8)
+def random_mix(
+    rng: Any, mix: str, n_tables: tuple[int, int] = (2, 8)
+) -> tuple[list[TableSpec], int, str]:
+    """A random table mix (``n_tables`` tables, 2-8: rows 1e3..1e5 log-uniform, dims 8..64,
+    pooling 1..30, one Zipf skew), a global batch and a fused optimizer, from ``rng``
+    (``random.Random``)."""
+    n = rng.randint(*n_tables)
     alpha = rng.choice((0.0, 0.8, 1.05, 1.2))
     tables = [
         TableSpec(
@@ -154,8 +157,10 @@ def random_jobs(
 
 DESIGN_CYCLE = ("random", "bench", "random", "task")
 """Blocks of ``designed_jobs`` in turn (a bench block has ~10 placements, a task block ~6, a
-random one 6: of the placements ~35% bench-like, ~20% planner-task-like, ~45% random; of the
-time about half goes to the bench-like ones, whose tables are the largest)."""
+random one 6 + ``SMALL_MIXES``: of the placements ~30% bench-like, ~15% planner-task-like, ~55%
+random; of the time about half goes to the bench-like ones, whose tables are the largest)."""
+SMALL_MIXES = 3
+"""Extra random mixes of 2-3 tables per random block (one random placement each)."""
 
 
 def bench_like_mix(rng: Any, mix: str) -> tuple[list[TableSpec], int, str]:
@@ -274,6 +279,13 @@ def designed_jobs(
                 # one type per table drawn at random rarely makes one of these for few tables
                 label, p = rng.choice(kind_plans(rng, tables, world, rph))
                 todo.append(_job(f"{mix}m{m}", tables, batch, opt, f"random_{label}", p))
+            for m in range(3, 3 + SMALL_MIXES):
+                # mixes of 2-3 tables: the cheapest to measure (their steps are mostly the
+                # collectives' fixed latency) and the least well predicted; without these they
+                # are 2 in 7 of the random mixes, a tenth of the samples
+                tables, batch, opt = random_mix(rng, f"{mix}m{m}", (2, 3))
+                p = random_placement(rng, tables, world, rph)
+                todo.append(_job(f"{mix}m{m}", tables, batch, opt, "random_small", p))
         uniq: list[dict[str, Any]] = []
         seen: set[str] = set()
         for j in todo:  # a kind's plan can be a baseline's (all table-wise, round robin)
@@ -500,14 +512,18 @@ def fit(
                 errs[te] = _rel_err(_predict(p, x[te], base[t][te]), meas[t][te], base[t][te])
             scores[name] = {
                 "mean_abs_error": round(float(errs.mean()), 4),
+                "p95_abs_error": round(float(np.percentile(errs, 95)), 4),
                 "max_abs_error": round(float(errs.max()), 4),
             }
-        # Lowest held-out mean |error|, a quarter of the max added (ties: the simpler model).
+        # Lowest held-out mean |error| + half its 95th percentile: the check's targets (mean 10%,
+        # max 20% over ~17 plans, whose max is about a 95th percentile) weighed alike; the max of
+        # hundreds of samples is one sample, as much its measurement's noise as the model's
+        # (ties: the simpler model).
         order = [n for n, _ in _CANDIDATES]
         best = min(
             scores,
             key=lambda n: (
-                scores[n]["mean_abs_error"] + 0.25 * scores[n]["max_abs_error"],
+                scores[n]["mean_abs_error"] + 0.5 * scores[n]["p95_abs_error"],
                 order.index(n),
             ),
         )

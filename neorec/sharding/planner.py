@@ -49,6 +49,7 @@ are importable from here). DMT tower plans: ``neorec.sharding.towers_cost``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -159,15 +160,18 @@ class Planner:
             # plans with fewer kinds of collectives, so it also ranks searches whose options are
             # restricted to a few sharding types (tables that allow none of them keep theirs).
             starts += [(None, set(f)) for f in _LEARNED_TYPE_SETS]
+        failure: PlanningError | None = None
         for share, types in starts:
             self._type_filter = types
             s = _Search(self, list(tables), memo)  # per-option results: filter-independent
             try:
                 s.initial(share)
-            except PlanningError:
-                if not types:
-                    raise
-                continue  # a restricted start that does not fit: the others still count
+            except PlanningError as e:
+                # A start that does not fit: the others (and the baselines) still count; the
+                # first unrestricted start's diagnosis is raised when nothing fits at all.
+                if failure is None and not types:
+                    failure = e
+                continue
             finally:
                 self._type_filter = set()
             # With a learned model the search (additive analytical loads) proposes plans and the
@@ -184,11 +188,14 @@ class Planner:
         # The greedy baselines' plans are candidates too, scored by the same model: the plan
         # returned is never worse than theirs by that model.
         baselines = [b for _, b in baseline_candidates(self, tables)]
+        if not cands and best is None and not baselines:
+            assert failure is not None
+            raise failure
         if learned is not None:
             best, n = self._learned_pick(cands, tables, baselines)
             iters += n
-        elif best is not None and baselines:
-            top = self.cm.evaluate(best[2], tables).max_time_s  # as evaluated, like theirs
+        elif baselines:
+            top = self.cm.evaluate(best[2], tables).max_time_s if best else math.inf
             for b in baselines:
                 obj = self.cm.evaluate(b, tables).max_time_s
                 if obj < top * (1 - 1e-9):

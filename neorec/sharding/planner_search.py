@@ -330,6 +330,18 @@ class _SearchCore:
 
             failed = self._lpt(sorted(range(n), key=key_tiers), start)
         if failed:
+            # Last try, largest device bytes first (first-fit decreasing): when memory is tight,
+            # placing by time first can strand a large table that a memory-first order fits
+            # (the size-greedy baseline's order).
+            for i in range(n):
+                if self.choice[i] is not None:
+                    self.unassign(i)
+
+            def key_mem(i: int) -> tuple[float, str]:
+                return (-self._bytes(i, start[i])[0], self.tables[i].name)
+
+            failed = self._lpt(sorted(range(n), key=key_mem), start)
+        if failed:
             raise PlanningError(self._diagnose(failed), [self.tables[i].name for i in failed])
 
     def _lpt(self, order: list[int], start: list[_Option]) -> list[int]:
