@@ -293,14 +293,20 @@ def _fit_ridge(x: np.ndarray, y: np.ndarray, lam: float) -> dict[str, Any]:
     }
 
 
-def _fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 120, lr: float = 0.1) -> dict[str, Any]:
-    base = float(y.mean())
-    r = y - base
+def _split_candidates(x: np.ndarray) -> tuple[list[tuple[int, float]], np.ndarray]:
+    """(feature, threshold) splits at each feature's deciles and their ``x <= thr`` masks."""
     cands: list[tuple[int, float]] = []
     for j in range(x.shape[1]):
         qs = np.unique(np.quantile(x[:, j], np.linspace(0.1, 0.9, 9)))
         cands.extend((j, float(q)) for q in qs)
-    masks = np.stack([x[:, j] <= q for j, q in cands]) if cands else np.zeros((0, len(y)), bool)
+    masks = np.stack([x[:, j] <= q for j, q in cands]).astype(float)
+    return cands, masks
+
+
+def _fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 120, lr: float = 0.1) -> dict[str, Any]:
+    base = float(y.mean())
+    r = y - base
+    cands, masks = _split_candidates(x)
     stumps = []
     for _ in range(rounds):
         nl = masks.sum(axis=1)
@@ -313,7 +319,7 @@ def _fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 120, lr: float = 0.1
         gain = np.where(ok, sl**2 / np.maximum(nl, 1) + sr**2 / np.maximum(nr, 1), -1.0)
         b = int(np.argmax(gain))
         lo, hi = lr * sl[b] / nl[b], lr * sr[b] / nr[b]
-        r = r - np.where(masks[b], lo, hi)
+        r = r - np.where(masks[b] > 0, lo, hi)
         j, q = cands[b]
         stumps.append([j, q, float(lo), float(hi)])
     return {"kind": "stumps", "base": base, "lr": lr, "stumps": stumps}
@@ -324,16 +330,6 @@ def _stumps_log(p: dict[str, Any], x: np.ndarray) -> np.ndarray:
     for j, thr, lo, hi in p["stumps"]:
         out += np.where(x[:, int(j)] <= thr, lo, hi)
     return out
-
-
-def _split_candidates(x: np.ndarray) -> tuple[list[tuple[int, float]], np.ndarray]:
-    """(feature, threshold) splits at each feature's deciles and their ``x <= thr`` masks."""
-    cands: list[tuple[int, float]] = []
-    for j in range(x.shape[1]):
-        qs = np.unique(np.quantile(x[:, j], np.linspace(0.1, 0.9, 9)))
-        cands.extend((j, float(q)) for q in qs)
-    masks = np.stack([x[:, j] <= q for j, q in cands]).astype(float)
-    return cands, masks
 
 
 def _best_split(
