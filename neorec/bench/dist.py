@@ -38,7 +38,6 @@ __all__ = [
     "run_ranks",
     "run_jobs",
     "run_passes",
-    "run_passes",
     "measure_embedding",
     "prepare_embedding",
     "time_embedding",
@@ -397,9 +396,9 @@ def run_jobs(
     (``warmup`` + ``iters`` steps) and each later job of it in the block is one more pass of
     ``rewarm`` + ``iters`` steps on the same model. A block listing its placements several times
     in turn (``[a, b, c, a, b, c, ...]``) so measures each of them spread over the block's time,
-    not in one window of a host whose speed drifts by seconds. Returns one row per measured job (``job`` index, ``started`` (rank 0's
-    ``time.time()`` when it began: before ``deadline``), ``ms_per_step``,
-    ``fwd_ms``, ``bwd_ms``, ``comm_wait_ms``; the slowest rank's medians)."""
+    not in one window of a host whose speed drifts by seconds. Returns one row per measured job
+    (``job`` index, ``started`` (rank 0's ``time.time()`` when it began: before ``deadline``),
+    ``ms_per_step``, ``fwd_ms``, ``bwd_ms``, ``comm_wait_ms``; the slowest rank's medians)."""
     if not jobs or time.time() >= deadline:
         return []
     ctx = mp.get_context("spawn")

@@ -30,11 +30,10 @@ from typing import Any
 
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner, PlanningError
-from neorec.sharding.planner_baselines import BASELINES, greedy_baseline, plan_key
+from neorec.sharding.planner_baselines import BASELINES, _tw_bytes, greedy_baseline, plan_key
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     ShardingPlan,
-    ShardingType,
     TablePlan,
     column_wise,
     data_parallel,
@@ -106,9 +105,11 @@ class Task:
     mem_limit_gb: float
 
 
-def _tw_bytes(cm: CostModel, t: TableSpec) -> float:
-
-    return cm.shard_cost(t, ShardingType.TABLE_WISE, t.rows, t.dim).device_bytes
+def mem_limit_gb(cm: CostModel, tables: Sequence[TableSpec], ranks: int) -> float:
+    """A task's per-rank memory limit for tables: 1.3x the mean table-wise bytes per rank, at
+    least 1.1x the largest table's (GB)."""
+    mem = [_tw_bytes(cm, t) for t in tables]
+    return max(1.1 * max(mem), 1.3 * sum(mem) / ranks) / GB
 
 
 def make_tasks(
@@ -121,9 +122,7 @@ def make_tasks(
     for _ in range(n_tasks):
         k = rng.randint(50, 100)
         tables = rng.sample(pool, k)
-        mem = [_tw_bytes(probe, t) for t in tables]
-        limit = max(1.1 * max(mem), 1.3 * sum(mem) / ranks) / GB
-        tasks.append(Task(tables, ranks, limit))
+        tasks.append(Task(tables, ranks, mem_limit_gb(probe, tables, ranks)))
     return tasks
 
 
@@ -311,17 +310,15 @@ def _pool_task(
 ) -> tuple[list[TableSpec], Topology]:
     """A ``bench planner``-style task small enough for 2 gloo ranks here: 6-12 tables drawn from
     ``pool``'s tables of at most ``POOL_MAX_ROWS`` rows and ``POOL_MAX_DIM`` columns (Zipf 1.05),
-    and ``topo`` with ``make_tasks``' per-rank device memory for tables (1.3x the mean table-wise
-    bytes per rank, at least 1.1x the largest table's; the reserve kept on top). The runtime here
+    and ``topo`` with ``make_tasks``' per-rank device memory for tables (``mem_limit_gb``; the
+    reserve kept on top). The runtime here
     does not enforce the limit; the planner and the baselines plan within it, as in ``bench
     planner``'s simulated tasks."""
     small = [t for t in pool if t.rows <= POOL_MAX_ROWS and t.dim <= POOL_MAX_DIM]
     tables = [
         dataclasses.replace(t, zipf_alpha=1.05) for t in rng.sample(small, rng.randint(6, 12))
     ]
-    probe = CostModel(topo, batch, opt)
-    mem = [_tw_bytes(probe, t) for t in tables]
-    limit = max(1.1 * max(mem), 1.3 * sum(mem) / topo.world_size) / GB
+    limit = mem_limit_gb(CostModel(topo, batch, opt), tables, topo.world_size)
     return tables, dataclasses.replace(topo, device_memory_gb=limit + topo.device_reserve_gb)
 
 

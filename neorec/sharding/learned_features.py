@@ -13,7 +13,8 @@ Regressors predict ``log(measured / analytical)`` per target: ``analytical`` (no
 analytical time per sharding type and per kind of work re-weighted, ridged toward the analytical
 weights, plus fixed costs per step, shard, table and collective kind; least squares on relative
 error), ``typed_stumps`` / ``typed_trees`` (``typed`` with boosted stumps / depth-2 trees on its
-log residual), ``ridge`` and ``stumps`` (gradient-boosted depth-1 trees). Split out of ``neorec.sharding.learned_cost``.
+log residual), ``ridge`` and ``stumps`` (gradient-boosted depth-1 trees). Split out of
+``neorec.sharding.learned_cost``.
 """
 
 from __future__ import annotations
@@ -189,8 +190,9 @@ def _typed_design(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     costs (prior 0): per step, per shard of the slowest rank, per table, per kind of collective
     present (row-split, column-wise, column-wise on the unfused path: row-wise Adagrad's slices
     all-gather their row sums, which Adam's and SGD's do not; data-parallel), per id on the
-    busiest rank (1e5s: index work that the analytical bytes do not count), the row-split tables' ms times their skew,
-    the critical rank's shard ms times the log of the busiest rank's row megabytes (bytes
+    busiest rank (1e5s: index work that the analytical bytes do not count), the row-split
+    tables' ms times their skew, the critical rank's shard ms times the log of the busiest
+    rank's row megabytes (bytes
     move slower once a rank's rows outgrow the caches), and the mean rank's shard ms (ranks on
     one CPU share its memory bandwidth: a rank working alone moves bytes faster than the
     calibrated concurrent bandwidth, so imbalance costs less than the critical rank says)."""
