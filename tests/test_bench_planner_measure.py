@@ -39,13 +39,18 @@ def test_measure_counts_ties_and_measures_each_plan_once(
         return out
 
     monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
-    assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind) == 0
+    assert (
+        measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind, pool_batch=2048)
+        == 0
+    )
     out = capsys.readouterr().out
     data = json.loads(out.strip().splitlines()[-1])
     assert data["bench"] == "planner_measure" and len(data["tasks"]) == 3
     assert data["kind"] == kind
     # pool tasks plan within bench planner's per-rank memory limit; mixes have none
     assert all((t["table_mem_mb"] is not None) == (kind == "pool") for t in data["tasks"])
+    if kind == "pool":  # --measure-batch sets the pool tasks' batch
+        assert {t["batch"] for t in data["tasks"]} == {2048}
     assert len(calls) == 2  # one run per round
     for jobs in calls:  # every distinct plan built once per round, measured in PASSES passes
         keys = [json.dumps(j["plan"]["tables"], sort_keys=True) for j in jobs]
@@ -78,6 +83,19 @@ def test_measure_counts_ties_and_measures_each_plan_once(
 def test_measure_kind_is_checked() -> None:
     with pytest.raises(ValueError, match="--measure-kind must be one of pool, mix"):
         measure_tasks(1, kind="tasks")
+
+
+@pytest.mark.parametrize("batch", ["0", "1023", "-4", "big"])
+def test_measure_batch_is_checked(batch: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from neorec.bench.planner import main
+
+    with pytest.raises(SystemExit) as e:  # before any task is made or measured
+        main(["--measure", "--measure-batch", batch])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--measure-batch" in err and "positive even" in err
+    with pytest.raises(ValueError, match="--measure-batch must be a positive even number"):
+        measure_tasks(1, pool_batch=int(batch) if batch != "big" else 3)
 
 
 def test_plan_key_is_one_plan_up_to_rank_labels() -> None:
