@@ -39,8 +39,9 @@ def test_measure_counts_ties_and_measures_each_plan_once(
         return out
 
     monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    batch = 2048 if kind == "pool" else None  # a mix draws its own batch
     assert (
-        measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind, pool_batch=2048)
+        measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind, pool_batch=batch)
         == 0
     )
     out = capsys.readouterr().out
@@ -96,6 +97,22 @@ def test_measure_batch_is_checked(batch: str, capsys: pytest.CaptureFixture[str]
     assert "--measure-batch" in err and "positive even" in err
     with pytest.raises(ValueError, match="--measure-batch must be a positive even number"):
         measure_tasks(1, pool_batch=int(batch) if batch != "big" else 3)
+
+
+@pytest.mark.parametrize("args", [["--measure", "--measure-kind", "mix"], []])
+def test_measure_batch_only_for_pool_tasks(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from neorec.bench.planner import main
+
+    with pytest.raises(SystemExit) as e:  # a mix draws its own batch: not silently ignored
+        main([*args, "--measure-batch", "4096"])
+    assert e.value.code == 2
+    assert (
+        "--measure-batch applies to --measure with --measure-kind pool" in capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match="--measure-batch applies to --measure-kind pool"):
+        measure_tasks(1, kind="mix", pool_batch=4096)
 
 
 def test_plan_key_is_one_plan_up_to_rank_labels() -> None:

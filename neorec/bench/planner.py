@@ -217,15 +217,21 @@ def _summary(label: str, out: dict) -> dict:
     }
 
 
-def _even_batch(text: str) -> int:
-    """``--measure-batch``: a positive even int (2 ranks split the batch)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
+def _checked_batch(n: int) -> int:
+    """``--measure-batch``'s value, checked: a positive even number (2 ranks split the batch)."""
     if n < 2 or n % 2:
-        raise argparse.ArgumentTypeError(f"must be a positive even number of samples, not {text!r}")
+        raise ValueError(f"--measure-batch must be a positive even number of samples, not {n}")
     return n
+
+
+def _even_batch(text: str) -> int:
+    """``--measure-batch`` on the command line (``_checked_batch``, as an argparse error)."""
+    try:
+        return _checked_batch(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive even number of samples, not {text!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--measure-batch",
         type=_even_batch,
-        default=1024,
-        help="--measure-kind pool: the global batch of every task (even: 2 ranks; 4096 measures "
-        "with about half the round-to-round noise of 1024 here)",
+        default=None,
+        help="--measure-kind pool: the global batch of every task (default 1024; even: 2 ranks; "
+        "4096 measures with about half the round-to-round noise of 1024 here)",
     )
     ap.add_argument(
         "--topology", default="", help="--measure: topology JSON (calibrated; its learned model)"
@@ -274,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_paper_scale:
         write_tables_csv(paper_scale_tables(), args.write_paper_scale)
         return 0
+    if args.measure_batch is not None and not (args.measure and args.measure_kind == "pool"):
+        ap.error("--measure-batch applies to --measure with --measure-kind pool")
     if args.measure:
         return measure_tasks(
             args.measure_tasks,
@@ -348,10 +356,11 @@ def measure_tasks(
     seed: int = 0,
     cost_model: str = "auto",
     kind: str = "pool",
-    pool_batch: int = 1024,
+    pool_batch: int | None = None,
 ) -> int:
     """``--measure``: ``n_tasks`` small tasks on 2 gloo ranks here (``kind``: see
-    ``MEASURE_KINDS``; ``pool_batch``: the pool tasks' global batch); the planner's plan (scored by the topology's learned model when it has one
+    ``MEASURE_KINDS``; ``pool_batch``: the pool tasks' global batch, default 1024; a mix draws its
+    own); the planner's plan (scored by the topology's learned model when it has one
     fitted here; its candidates include the baselines' plans) and every greedy baseline's plan,
     each distinct plan measured for real (``bench dist --embedding-only``'s sharded step, medians
     over ``repeats`` rounds; plans that differ only by which rank is which are one plan); prints
@@ -363,8 +372,9 @@ def measure_tasks(
 
     if kind not in MEASURE_KINDS:
         raise ValueError(f"--measure-kind must be one of {', '.join(MEASURE_KINDS)}, not {kind!r}")
-    if pool_batch < 2 or pool_batch % 2:
-        raise ValueError(f"--measure-batch must be a positive even number, not {pool_batch}")
+    if pool_batch is not None and kind != "pool":
+        raise ValueError(f"--measure-batch applies to --measure-kind pool ({kind} draws its own)")
+    pool_batch = 1024 if pool_batch is None else _checked_batch(pool_batch)
     world = 2
     base_topo = Topology.load(topology).with_world(world) if topology else Topology.local_cpu(world)
     rng = random.Random(5000 + seed)
