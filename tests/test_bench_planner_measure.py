@@ -5,12 +5,13 @@ a win), the random baseline is the one among the planner's candidates (seed 0)."
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 
 import neorec.bench.dist as bench_dist
-from neorec.bench.planner import PASSES, measure_tasks
+from neorec.bench.planner_measure import PASSES, measure_tasks
 
 
 @pytest.mark.parametrize("kind", ["pool", "mix"])
@@ -132,3 +133,110 @@ def test_plan_key_is_one_plan_up_to_rank_labels() -> None:
     cw_mirror = [column_wise(ts[0], [1, 0]), row_wise(ts[1], [0, 1])]
     a, b = (ShardingPlan(2, 2, p).to_dict() for p in (cw, cw_mirror))
     assert plan_key(a) != plan_key(b)  # the row-wise table's halves sit differently
+
+
+def test_top_table_wise_scores_every_plan_within_memory() -> None:
+    """The analytical top plans are the best of a brute force over every table-wise plan that
+    fits; a plan over the memory limit is never among them; too many tables are refused."""
+    import dataclasses
+    import itertools
+
+    from neorec.bench.planner import _tw_bytes
+    from neorec.bench.planner_measure import CEILING_MAX_TABLES, top_table_wise
+    from neorec.sharding.cost_model import CostModel
+    from neorec.sharding.tables import TableSpec
+    from neorec.sharding.topology import Topology
+    from neorec.sharding.types import ShardingPlan, table_wise
+
+    tables = [
+        TableSpec(name=f"t{i}", rows=1000 * (i + 1), dim=(8, 16, 32, 64)[i % 4],
+                  pooling_factor=1.0 + 3 * i)
+        for i in range(6)
+    ]  # fmt: skip
+    topo = Topology.local_cpu(2)
+    mem = [_tw_bytes(CostModel(topo, 512, "rowwise_adagrad"), t) for t in tables]
+    # the largest table alone fills most of a rank: few others can join it
+    cap_gb = 0.6 * sum(mem) / 1e9
+    topo = dataclasses.replace(topo, device_memory_gb=cap_gb + topo.device_reserve_gb)
+    cm = CostModel(topo, 512, "rowwise_adagrad")
+    cap = topo.device_capacity_bytes
+    top = top_table_wise(tables, cm, None, 3)
+    assert sorted(top) == ["analytical_top0", "analytical_top1", "analytical_top2"]
+    every = []
+    for a in itertools.product((0, 1), repeat=len(tables)):
+        load = [sum(m for m, r in zip(mem, a) if r == q) for q in (0, 1)]
+        plan = ShardingPlan(2, 2, [table_wise(t, r) for t, r in zip(tables, a)])
+        every.append((cm.evaluate(plan, tables).max_time_s, max(load) <= cap))
+    assert any(not fits for _, fits in every)  # the limit binds
+    best_fit = min(s for s, fits in every if fits)
+    got = [cm.evaluate(top[f"analytical_top{i}"], tables).max_time_s for i in range(3)]
+    assert got[0] == pytest.approx(best_fit) and got == sorted(got)
+    for p in top.values():
+        ranks = {tp.name: tp.shards[0].rank for tp in p.tables}
+        assert max(sum(m for m, t in zip(mem, tables) if ranks[t.name] == q) for q in (0, 1)) <= cap
+    many = [dataclasses.replace(tables[0], name=f"m{i}") for i in range(CEILING_MAX_TABLES + 1)]
+    with pytest.raises(ValueError, match=f"at most {CEILING_MAX_TABLES} tables"):
+        top_table_wise(many, cm, None, 1)
+
+
+def test_measure_ceiling_picks_the_fastest_plan_of_all(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``ceiling``, each task's top table-wise plans are measured too (never counted as
+    baselines); the fastest plan of all is reported against the best baseline."""
+    times: dict[str, float] = {}
+    last: dict[int, str] = {}
+
+    def fake_run_jobs(jobs: list[dict], nproc: int, deadline: float, *a: Any, **k: Any) -> list:
+        for j in jobs:  # each task's last distinct plan (a top plan when one is new): fastest
+            last[j["task"]] = json.dumps(j["plan"]["tables"], sort_keys=True)
+        for i, j in enumerate(jobs):
+            key = json.dumps(j["plan"]["tables"], sort_keys=True)
+            times.setdefault(key, 5.0 if key == last[j["task"]] else 10.0 + i)
+        return [
+            {"job": i, "ms_per_step": times[json.dumps(j["plan"]["tables"], sort_keys=True)],
+             "fwd_ms": 1.0, "bwd_ms": 1.0, "comm_wait_ms": 0.0}
+            for i, j in enumerate(jobs)
+        ]  # fmt: skip
+
+    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical", ceiling=2) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["ceiling_k"] == 2
+    from neorec.sharding.planner_baselines import BASELINES
+
+    ratios = []
+    for t in data["tasks"]:
+        assert set(t["baselines_ms"]) <= set(BASELINES)  # top plans are not baselines
+        c = t["ceiling"]
+        assert t["plans_ms"][c["fastest"]] == 5.0  # every label's median, the top plans' too
+        assert any(k.startswith("analytical_top") for k in t["plans_ms"])
+        assert c["fastest_ms"] == 5.0 and c["fastest"] in c["same_as"]
+        assert c["baseline_ms"] == t["held_out"]["baseline_ms"]
+        assert c["ratio"] == pytest.approx(5.0 / c["baseline_ms"])
+        assert c["is_baseline"] == any(k in BASELINES for k in c["same_as"])
+        ratios.append(c["ratio"])
+    assert any(not t["ceiling"]["is_baseline"] for t in data["tasks"])
+    assert data["ceiling_over_best_geomean"] == pytest.approx(
+        math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    )
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--measure-ceiling", "2"], "--measure-ceiling applies to --measure"),
+        (["--measure", "--measure-ceiling", "2", "--repeats", "1"], "needs --repeats >= 2"),
+        (["--measure", "--measure-ceiling", "-1"], "must be a whole number >= 0"),
+    ],
+)
+def test_measure_ceiling_is_checked(
+    args: list[str], msg: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from neorec.bench.planner import main
+
+    with pytest.raises(SystemExit) as e:  # before any task is made or measured
+        main(args)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs --repeats >= 2"):
+        measure_tasks(1, repeats=1, ceiling=1)

@@ -773,3 +773,36 @@ def test_apply_row_grads_adds_repeats_in_order_then_updates_once(backend: str, k
         for item in grads:
             apply_row_grads(get_backend(backend), layout, solo_w, solo_st, [item], opt, step)
     assert torch.equal(solo_w, got_w)
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("use_psw", [False, True])
+def test_cpu_wide_bags_sum_in_id_order_bitwise(pooling: PoolingMode, use_psw: bool) -> None:
+    """Bags wider than 64 columns are summed 64 columns at a time in registers: every output
+    element is still 0 + r0 (* s0) + r1 (* s1) + ... in id order (then / n for a mean), exactly,
+    whatever the output row's alignment (a dim-4 table first shifts every row by 16 bytes)."""
+    layout = TBELayout(rows=(30, 40, 25, 20), dims=(4, 128, 72, 200), feature_table=(0, 1, 2, 3, 1))
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(layout.total_elems, generator=gen)
+    b = 9
+    lens = torch.randint(0, 6, (len(layout.feature_table) * b,), generator=gen)
+    offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lens, 0)
+    ids = torch.cat(
+        [torch.randint(0, layout.rows[t], (int(lens[f * b : (f + 1) * b].sum()),), generator=gen)
+         for f, t in enumerate(layout.feature_table)]
+    )  # fmt: skip
+    psw = torch.rand(ids.numel(), generator=gen) if use_psw else None
+    out = get_backend("cpu").forward(layout, w, ids, offsets, psw, pooling)
+    for f, t in enumerate(layout.feature_table):
+        table = layout.table(w, t)
+        lo_col = layout.out_offsets[f]
+        for s in range(b):
+            lo, hi = int(offsets[f * b + s]), int(offsets[f * b + s + 1])
+            acc = torch.zeros(layout.dims[t])
+            for p in range(lo, hi):
+                row = table[int(ids[p])]
+                acc = acc + (row * psw[p] if psw is not None else row)
+            if pooling == PoolingMode.MEAN and hi > lo:
+                acc = acc / float(hi - lo)
+            assert torch.equal(out[s, lo_col : lo_col + layout.dims[t]], acc), (f, s)

@@ -164,6 +164,26 @@ int tbe_forward(const layout_t *L, const float *weights, const int64_t *indices,
 #undef BAG_CASE
             default: break;
         }
+        if (D % 8 == 0) {
+            /* Wider bags (D > 64): 64 columns at a time, each summed in registers by bag_vec
+             * (every column's operations as in the generic loop below, so bitwise the same).
+             * The loop below reads and writes the output row once per id, and when the row is
+             * not 64-byte aligned (the dims before it, or the row width, not multiples of 16)
+             * every one of those accesses splits a cache line: a 1,836 x 8 table next to two
+             * dim-128 tables made their forward ~15% slower. */
+            for (int64_t c0 = 0; c0 < D; c0 += 64) {
+                const int64_t w = D - c0 < 64 ? D - c0 : 64;
+                switch (w / 8) {
+#define WIDE_CASE(k) \
+    case k: bag_vec(W + c0, R, D, indices, psw, lo, hi, fend, mean, o + c0, &bad, k); break;
+                    WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4)
+                    WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8)
+#undef WIDE_CASE
+                    default: break;
+                }
+            }
+            continue;
+        }
         memset(o, 0, (size_t)D * sizeof(float));
         for (int64_t p = lo; p < hi; ++p) {
             if (p + FWD_PF_DIST < fend) {

@@ -1,0 +1,374 @@
+"""``neorec bench planner --measure``: the planner's plan and every greedy baseline's plan of a few
+small tasks, each run for real on 2 gloo ranks here (``bench dist --embedding-only``'s sharded
+step), ms per step; with ``--measure-ceiling K`` also the K best table-wise plans by each cost
+model (every table-wise plan within the memory limit scored), and how much faster the fastest
+plan measured is than the best baseline's: what any planner could win on these tasks here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from neorec.bench.planner import make_pool, mem_limit_gb
+from neorec.sharding.cost_model import CostModel, TableSpec
+from neorec.sharding.learned_cost import LearnedCostModel
+from neorec.sharding.planner import Planner
+from neorec.sharding.planner_baselines import BASELINES, _tw_bytes, greedy_baseline, plan_key
+from neorec.sharding.topology import Topology
+from neorec.sharding.types import ShardingPlan, table_wise
+
+__all__ = ["MEASURE_KINDS", "PASSES", "POOL_MAX_ROWS", "POOL_MAX_DIM", "measure_tasks"]
+
+PASSES = 5
+"""Interleaved passes per round of ``--measure`` (10 steps each)."""
+
+
+def _checked_batch(n: int) -> int:
+    """``--measure-batch``'s value, checked: a positive even number (2 ranks split the batch)."""
+    if n < 2 or n % 2:
+        raise ValueError(f"--measure-batch must be a positive even number of samples, not {n}")
+    return n
+
+
+def _even_batch(text: str) -> int:
+    """``--measure-batch`` on the command line (``_checked_batch``, as an argparse error)."""
+    try:
+        return _checked_batch(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive even number of samples, not {text!r}"
+        ) from None
+
+
+def _nonneg(text: str) -> int:
+    """``--measure-ceiling`` on the command line: a whole number >= 0."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, not {text!r}")
+    return k
+
+
+CEILING_MAX_TABLES = 14
+"""``--measure-ceiling`` scores every table-wise plan of a task: 2^(tables - 1) of them on 2
+ranks (the first table's rank fixed: the mirror image is the same plan)."""
+
+
+def top_table_wise(
+    tables: Sequence[TableSpec], cm: CostModel, model: LearnedCostModel | None, k: int
+) -> dict[str, ShardingPlan]:
+    """The ``k`` best table-wise plans of ``tables`` on 2 ranks by the analytical model
+    (``analytical_top{i}``) and, with ``model``, by the learned one (``learned_top{i}``): every
+    plan whose ranks' table-wise bytes fit ``cm``'s device memory, scored (ties by order)."""
+    if len(tables) > CEILING_MAX_TABLES:
+        raise ValueError(
+            f"--measure-ceiling scores every table-wise plan: at most {CEILING_MAX_TABLES} "
+            f"tables, not {len(tables)}"
+        )
+    mem = [_tw_bytes(cm, t) for t in tables]
+    cap = cm.topo.device_capacity_bytes
+    plans = []
+    for a in itertools.product((0, 1), repeat=len(tables) - 1):
+        ranks = (0, *a)
+        if max(sum(m for m, r in zip(mem, ranks) if r == q) for q in (0, 1)) <= cap:
+            plans.append(ShardingPlan(2, 2, [table_wise(t, r) for t, r in zip(tables, ranks)]))
+    scores = {"analytical": [cm.evaluate(p, tables).max_time_s for p in plans]}
+    if model is not None:
+        scores["learned"] = [model.step_s(cm, p, tables) for p in plans]
+    out = {}
+    for name, sc in scores.items():
+        order = sorted(range(len(plans)), key=lambda i: (sc[i], i))
+        out.update({f"{name}_top{i}": plans[j] for i, j in enumerate(order[:k])})
+    return out
+
+
+MEASURE_KINDS = ("pool", "mix")
+"""``--measure-kind``: ``pool``, bench planner's tasks made small (``pool_task``); ``mix``, random
+table mixes of 4-8 tables without a memory limit (``learned_placements.random_mix``)."""
+POOL_MAX_ROWS = 300_000
+POOL_MAX_DIM = 128
+
+
+def _pool_task(
+    rng: random.Random, pool: Sequence[TableSpec], topo: Topology, batch: int, opt: str
+) -> tuple[list[TableSpec], Topology]:
+    """A ``bench planner``-style task small enough for 2 gloo ranks here: 6-12 tables drawn from
+    ``pool``'s tables of at most ``POOL_MAX_ROWS`` rows and ``POOL_MAX_DIM`` columns (Zipf 1.05),
+    and ``topo`` with ``make_tasks``' per-rank device memory for tables (``mem_limit_gb``; the
+    reserve kept on top). The runtime here
+    does not enforce the limit; the planner and the baselines plan within it, as in ``bench
+    planner``'s simulated tasks."""
+    small = [t for t in pool if t.rows <= POOL_MAX_ROWS and t.dim <= POOL_MAX_DIM]
+    tables = [
+        dataclasses.replace(t, zipf_alpha=1.05) for t in rng.sample(small, rng.randint(6, 12))
+    ]
+    limit = mem_limit_gb(CostModel(topo, batch, opt), tables, topo.world_size)
+    return tables, dataclasses.replace(topo, device_memory_gb=limit + topo.device_reserve_gb)
+
+
+def measure_tasks(
+    n_tasks: int,
+    topology: str = "",
+    repeats: int = 3,
+    seed: int = 0,
+    cost_model: str = "auto",
+    kind: str = "pool",
+    pool_batch: int | None = None,
+    ceiling: int = 0,
+) -> int:
+    """``--measure``: ``n_tasks`` small tasks on 2 gloo ranks here (``kind``: see
+    ``MEASURE_KINDS``; ``pool_batch``: the pool tasks' global batch, default 1024; a mix draws its
+    own); the planner's plan (scored by the topology's learned model when it has one
+    fitted here; its candidates include the baselines' plans) and every greedy baseline's plan,
+    each distinct plan measured for real (``bench dist --embedding-only``'s sharded step, medians
+    over ``repeats`` rounds; plans that differ only by which rank is which are one plan); prints
+    ms/step and one JSON line. A planner plan identical to the best baseline's is a tie (the same
+    measurement), not a win.
+
+    ``ceiling`` > 0 (``--measure-ceiling``): also each task's ``top_table_wise`` plans; the
+    fastest of all its measured plans (picked on the even rounds) against the best baseline
+    (picked the same way), both compared on the odd rounds: how much faster than the greedy
+    baselines any plan measured here was (needs ``repeats`` >= 2)."""
+    from neorec.bench.dist import run_passes
+    from neorec.sharding.learned_cost import specs_dicts
+    from neorec.sharding.learned_placements import random_mix
+
+    if kind not in MEASURE_KINDS:
+        raise ValueError(f"--measure-kind must be one of {', '.join(MEASURE_KINDS)}, not {kind!r}")
+    if pool_batch is not None and kind != "pool":
+        raise ValueError(f"--measure-batch applies to --measure-kind pool ({kind} draws its own)")
+    pool_batch = 1024 if pool_batch is None else _checked_batch(pool_batch)
+    if ceiling < 0 or (ceiling and repeats < 2):
+        raise ValueError(
+            f"--measure-ceiling must be >= 0 and needs --repeats >= 2, not {ceiling} with {repeats}"
+        )
+    world = 2
+    base_topo = Topology.load(topology).with_world(world) if topology else Topology.local_cpu(world)
+    rng = random.Random(5000 + seed)
+    pool = make_pool(seed=seed)
+    tasks: list[dict[str, Any]] = []
+    jobs: list[dict[str, Any]] = []
+    for ti in range(n_tasks):
+        opt = "rowwise_adagrad"
+        if kind == "pool":
+            batch = pool_batch
+            tables, topo = _pool_task(rng, pool, base_topo, batch, opt)
+        else:
+            topo = base_topo
+            tables, batch, _ = random_mix(rng, f"task{ti}")
+            while len(tables) < 4:
+                tables, batch, _ = random_mix(rng, f"task{ti}")
+        cm = CostModel(topo, batch, opt)
+        res = Planner(topo, batch, opt, allow_host=False, cost_model=cost_model).plan(tables)
+        model = res.scoring.model if res.scoring else None
+        plans: dict[str, ShardingPlan] = {"planner": res.plan}
+        for name in BASELINES:
+            # seed 0: the random baseline's plan is the one among the planner's candidates
+            plan = greedy_baseline(name, tables, cm, seed=0)
+            if plan is not None:
+                plans[name] = plan
+        if ceiling:
+            plans.update(top_table_wise(tables, cm, model, ceiling))
+        job_of: dict[str, int] = {}
+        keys: dict[str, int] = {}  # plans equal up to which rank is which: measured once
+        for label, plan in plans.items():
+            key = plan_key(plan.to_dict())
+            if key in keys:
+                job_of[label] = keys[key]
+                continue
+            job_of[label] = keys[key] = len(jobs)
+            jobs.append(
+                {
+                    "task": ti,
+                    "tables": specs_dicts(tables),
+                    "batch": batch,
+                    "optimizer": opt,
+                    "alpha": tables[0].zipf_alpha,
+                    "plan": plan.to_dict(),
+                }
+            )
+        pred = {
+            k: model.predict_ms(cm, v, tables)["step"]
+            if model
+            else 1000 * cm.evaluate(v, tables).max_time_s
+            for k, v in plans.items()
+        }
+        tasks.append(
+            {
+                "task": ti,
+                "tables": len(tables),
+                "batch": batch,
+                "table_mem_mb": round(topo.device_capacity_bytes / 1e6, 3)
+                if kind == "pool"
+                else None,
+                "scoring": res.scoring,
+                "job_of": job_of,
+                "predicted_ms": pred,
+            }
+        )
+    rows: list[dict[str, Any]] = []
+    for rnd in range(max(1, repeats)):
+        # The first round in order, each other one in another (seeded) order, so no plan is
+        # always measured first, or right after the same neighbour, on a host whose load drifts;
+        # a round builds every plan once and measures them in PASSES interleaved passes of 10
+        # steps (a plan's round figure: the median of its passes), as bench costcheck does.
+        order = list(range(len(jobs)))
+        if rnd:
+            random.Random(rnd).shuffle(order)
+        got = run_passes([jobs[i] for i in order], world, PASSES, 10, 3, rnd)
+        rows.extend(
+            {"job": i, "round": rnd, "ms_per_step": g["ms_per_step"]} for i, g in zip(order, got)
+        )
+    out: list[dict[str, Any]] = []
+    print(
+        f"MEASURED: {n_tasks} tasks ({kind}) on {world} gloo ranks here; topology: {base_topo.name}"
+    )
+    print(
+        f"{'task':>4} {'tables':>6} {'planner ms':>11} {'best baseline':>20} {'ms':>8} {'gain':>7}"
+        f" {'held-out':>9}  {'pred planner / best':>20}"
+    )
+
+    def med_of(t: dict[str, Any], label: str, parity: int) -> float:
+        """Median ms/step of ``label``'s plan of task ``t`` over the even (0) or odd (1) rounds."""
+        i = t["job_of"][label]
+        return statistics.median(
+            r["ms_per_step"] for r in rows if r["job"] == i and r["round"] % 2 == parity
+        )
+
+    def held_out(t: dict[str, Any]) -> dict[str, Any] | None:
+        """The best baseline picked on the even rounds, compared with the planner on the odd
+        ones: free of the winner's curse of picking the minimum of several noisy baselines on
+        the rounds that then measure it (None with fewer than 2 rounds)."""
+        if repeats < 2:
+            return None
+        sel = {k: med_of(t, k, 0) for k in t["job_of"] if k in BASELINES}
+        pick = min(sel, key=lambda k: (sel[k], k))
+        p_ms, b_ms = med_of(t, "planner", 1), med_of(t, pick, 1)
+        return {
+            "baseline": pick,
+            "planner_ms": p_ms,
+            "baseline_ms": b_ms,
+            "gain": 1 - p_ms / b_ms,
+            "tie": t["job_of"][pick] == t["job_of"]["planner"],
+        }
+
+    def fastest_of_all(t: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
+        """``--measure-ceiling``: the fastest of every plan measured (picked on the even rounds,
+        baselines first on a tie) against ``held``'s best baseline, both on the odd rounds; its
+        ``same_as``: every label of that plan (a greedy baseline's among them or not)."""
+        sel = {k: med_of(t, k, 0) for k in t["job_of"]}
+        pick = min(sel, key=lambda k: (sel[k], k not in BASELINES, k))
+        f_ms = med_of(t, pick, 1)
+        return {
+            "fastest": pick,
+            "same_as": sorted(k for k, i in t["job_of"].items() if i == t["job_of"][pick]),
+            "fastest_ms": f_ms,
+            "baseline_ms": held["baseline_ms"],
+            "ratio": f_ms / held["baseline_ms"],
+            "is_baseline": any(
+                k in BASELINES for k, i in t["job_of"].items() if i == t["job_of"][pick]
+            ),
+        }
+
+    for t in tasks:
+        med = {
+            i: statistics.median(r["ms_per_step"] for r in rows if r["job"] == i)
+            for i in set(t["job_of"].values())
+        }
+        ms = {k: med[i] for k, i in t["job_of"].items()}
+        base = {k: v for k, v in ms.items() if k in BASELINES}
+        best = min(base, key=lambda k: (base[k], k))
+        gain = 1 - ms["planner"] / base[best]
+        same = [k for k in base if t["job_of"][k] == t["job_of"]["planner"]]
+        tie = any(base[k] == base[best] for k in same)  # the best baseline's plan itself
+        pr = t["predicted_ms"]
+        held = held_out(t)
+        held_s = "-" if held is None else "tie" if held["tie"] else f"{held['gain']:.1%}"
+        ceil = fastest_of_all(t, held) if ceiling and held is not None else None
+        print(
+            f"{t['task']:>4} {t['tables']:>6} {ms['planner']:>11.2f} {best:>20} "
+            f"{base[best]:>8.2f} {gain:>7.1%} {held_s:>9}  {pr['planner']:>9.2f} / {pr[best]:<9.2f}"
+            + (f" (planner = {', '.join(same)})" if same else "")
+        )
+        if ceil is not None:
+            print(
+                f"{'':>4} {'':>6} fastest of {len(set(t['job_of'].values()))} plans measured: "
+                f"{'/'.join(ceil['same_as'])} {ceil['fastest_ms']:.2f} ms, "
+                f"/ best baseline {ceil['ratio']:.3f} (odd rounds)"
+            )
+        out.append(
+            {
+                "task": t["task"],
+                "tables": t["tables"],
+                "batch": t["batch"],
+                "table_mem_mb": t["table_mem_mb"],
+                "cost_model": t["scoring"].to_dict() if t["scoring"] else {},
+                "planner_ms": ms["planner"],
+                "best_baseline": best,
+                "best_baseline_ms": base[best],
+                "baselines_ms": base,
+                "predicted_ms": {k: round(v, 3) for k, v in pr.items()},
+                "planner_same_as": same,
+                "tie": tie,
+                "gain": gain,
+                "held_out": held,
+                "ceiling": ceil,
+                "plans_ms": ms,
+            }
+        )
+    wins = sum(o["gain"] > 0 and not o["tie"] for o in out)
+    ties = sum(o["tie"] for o in out)
+    print(
+        f"planner faster than the best (measured) baseline on {wins}/{len(out)} tasks, "
+        f"the same plan on {ties}, slower on {len(out) - wins - ties}"
+    )
+    held_all = [o["held_out"] for o in out if o["held_out"] is not None]
+    h_wins = sum(h["gain"] > 0 and not h["tie"] for h in held_all)
+    h_ties = sum(h["tie"] for h in held_all)
+    ratio = math.exp(
+        statistics.mean(math.log(o["planner_ms"] / o["best_baseline_ms"]) for o in out)
+    )
+    if held_all:
+        print(
+            f"held out (best baseline picked on the even rounds, compared on the odd ones): "
+            f"faster on {h_wins}/{len(held_all)}, the same plan on {h_ties}, slower on "
+            f"{len(held_all) - h_wins - h_ties}"
+        )
+    print(f"planner / best baseline, geometric mean over the tasks: {ratio:.3f}")
+    ceils = [o["ceiling"] for o in out if o["ceiling"] is not None]
+    ceil_ratio = math.exp(statistics.mean(math.log(c["ratio"]) for c in ceils)) if ceils else None
+    if ceils:
+        print(
+            f"ceiling: the fastest of every plan measured (the planner's, the baselines', "
+            f"{ceiling} best table-wise by each model; picked on the even rounds) / best "
+            f"baseline on the odd rounds, geometric mean {ceil_ratio:.3f}; it was a greedy "
+            f"baseline's plan on {sum(c['is_baseline'] for c in ceils)}/{len(ceils)} tasks"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "planner_measure",
+                "kind": kind,
+                "world": world,
+                "repeats": repeats,
+                "wins": wins,
+                "ties": ties,
+                "held_out_wins": h_wins if held_all else None,
+                "ceiling_k": ceiling,
+                "ceiling_over_best_geomean": ceil_ratio,
+                "held_out_ties": h_ties if held_all else None,
+                "planner_over_best_geomean": ratio,
+                "tasks": out,
+            }
+        )
+    )
+    return 0
