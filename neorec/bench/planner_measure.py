@@ -20,7 +20,7 @@ from neorec.bench.planner import make_pool, mem_limit_gb
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import LearnedCostModel
 from neorec.sharding.planner import Planner
-from neorec.sharding.planner_baselines import BASELINES, _tw_bytes, greedy_baseline, plan_key
+from neorec.sharding.planner_baselines import BASELINES, greedy_baseline, plan_key
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan, table_wise
 
@@ -68,22 +68,22 @@ def top_table_wise(
 ) -> dict[str, ShardingPlan]:
     """The ``k`` best table-wise plans of ``tables`` on 2 ranks by the analytical model
     (``analytical_top{i}``) and, with ``model``, by the learned one (``learned_top{i}``): every
-    plan whose ranks' table-wise bytes fit ``cm``'s device memory, scored (ties by order)."""
+    plan that fits ``cm``'s memory (``PlanCost.fits``), scored (ties by order)."""
     if len(tables) > CEILING_MAX_TABLES:
         raise ValueError(
             f"--measure-ceiling scores every table-wise plan: at most {CEILING_MAX_TABLES} "
             f"tables, not {len(tables)}"
         )
-    mem = [_tw_bytes(cm, t) for t in tables]
-    cap = cm.topo.device_capacity_bytes
-    plans = []
+    plans, costs = [], []
     for a in itertools.product((0, 1), repeat=len(tables) - 1):
-        ranks = (0, *a)
-        if max(sum(m for m, r in zip(mem, ranks) if r == q) for q in (0, 1)) <= cap:
-            plans.append(ShardingPlan(2, 2, [table_wise(t, r) for t, r in zip(tables, ranks)]))
-    scores = {"analytical": [cm.evaluate(p, tables).max_time_s for p in plans]}
+        plan = ShardingPlan(2, 2, [table_wise(t, r) for t, r in zip(tables, (0, *a))])
+        cost = cm.evaluate(plan, tables)
+        if cost.fits:  # the planner's own memory check
+            plans.append(plan)
+            costs.append(cost)
+    scores = {"analytical": [c.max_time_s for c in costs]}
     if model is not None:
-        scores["learned"] = [model.step_s(cm, p, tables) for p in plans]
+        scores["learned"] = [model.step_s(cm, p, tables, c) for p, c in zip(plans, costs)]
     out = {}
     for name, sc in scores.items():
         order = sorted(range(len(plans)), key=lambda i: (sc[i], i))
@@ -268,15 +268,14 @@ def measure_tasks(
         sel = {k: med_of(t, k, 0) for k in t["job_of"]}
         pick = min(sel, key=lambda k: (sel[k], k not in BASELINES, k))
         f_ms = med_of(t, pick, 1)
+        same = sorted(k for k, i in t["job_of"].items() if i == t["job_of"][pick])
         return {
             "fastest": pick,
-            "same_as": sorted(k for k, i in t["job_of"].items() if i == t["job_of"][pick]),
+            "same_as": same,
             "fastest_ms": f_ms,
             "baseline_ms": held["baseline_ms"],
             "ratio": f_ms / held["baseline_ms"],
-            "is_baseline": any(
-                k in BASELINES for k, i in t["job_of"].items() if i == t["job_of"][pick]
-            ),
+            "is_baseline": any(k in BASELINES for k in same),
         }
 
     for t in tasks:

@@ -98,8 +98,9 @@ static int check_offsets(const int64_t *offsets, int64_t nbags, int64_t *err) {
 /* Eight floats; unaligned, and allowed to alias float rows. */
 typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
 
-/* One bag whose dimension is nv * 8 <= 64: the sum lives in nv vector registers and is stored
- * once (no zeroing then read-modify-write of the output). Same operations in the same order as
+/* nv * 8 <= 64 columns of one bag (W and o point at the block's first column; rows are D
+ * apart): the sum lives in nv vector registers and is stored once (no zeroing then
+ * read-modify-write of the output). Same operations in the same order as
  * the generic loop (0 + r0 + r1 + ..., products rounded before the add), so bitwise the same. */
 static inline __attribute__((always_inline)) void bag_vec(const float *W, uint64_t R, int64_t D,
                                                           const int64_t *indices, const float *psw,
@@ -153,32 +154,23 @@ int tbe_forward(const layout_t *L, const float *weights, const int64_t *indices,
         const uint64_t R = (uint64_t)L->rows[t];
         const float *W = weights + L->elem_offsets[t];
         const int64_t fend = offsets[(f + 1) * B];
-        const int nv = (D % 8 == 0 && D <= 64) ? (int)(D / 8) : 0;
         float *restrict o = out + b * L->total_dim + L->out_offsets[f];
         const int64_t lo = offsets[i], hi = offsets[i + 1];
-        switch (nv) { /* constant nv: each case is unrolled into registers */
-#define BAG_CASE(k) \
-    case k: bag_vec(W, R, D, indices, psw, lo, hi, fend, mean, o, &bad, k); continue;
-            BAG_CASE(1) BAG_CASE(2) BAG_CASE(3) BAG_CASE(4)
-            BAG_CASE(5) BAG_CASE(6) BAG_CASE(7) BAG_CASE(8)
-#undef BAG_CASE
-            default: break;
-        }
-        if (D % 8 == 0) {
-            /* Wider bags (D > 64): 64 columns at a time, each summed in registers by bag_vec
-             * (every column's operations as in the generic loop below, so bitwise the same).
-             * The loop below reads and writes the output row once per id, and when the row is
+        if (D > 0 && D % 8 == 0) {
+            /* 64 columns at a time, each block summed in registers by bag_vec (every column's
+             * operations as in the generic loop below, so bitwise the same) and stored once.
+             * The generic loop reads and writes the output row once per id, and when the row is
              * not 64-byte aligned (the dims before it, or the row width, not multiples of 16)
              * every one of those accesses splits a cache line: a 1,836 x 8 table next to two
-             * dim-128 tables made their forward ~15% slower. */
+             * dim-128 tables made their forward ~15% slower that way. */
             for (int64_t c0 = 0; c0 < D; c0 += 64) {
                 const int64_t w = D - c0 < 64 ? D - c0 : 64;
-                switch (w / 8) {
-#define WIDE_CASE(k) \
+                switch (w / 8) { /* constant nv: each case is unrolled into registers */
+#define BAG_CASE(k) \
     case k: bag_vec(W + c0, R, D, indices, psw, lo, hi, fend, mean, o + c0, &bad, k); break;
-                    WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4)
-                    WIDE_CASE(5) WIDE_CASE(6) WIDE_CASE(7) WIDE_CASE(8)
-#undef WIDE_CASE
+                    BAG_CASE(1) BAG_CASE(2) BAG_CASE(3) BAG_CASE(4)
+                    BAG_CASE(5) BAG_CASE(6) BAG_CASE(7) BAG_CASE(8)
+#undef BAG_CASE
                     default: break;
                 }
             }
