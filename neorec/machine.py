@@ -1,9 +1,11 @@
 """This machine's CPU as neorec records it (run folders, learned cost models): model name and the
-vector / matrix flags that matter here. Imports nothing of neorec (any layer may use it)."""
+vector / matrix flags that matter here; and the memory it has available. Imports nothing of neorec (any layer may use it)."""
 
 from __future__ import annotations
 
-__all__ = ["CPU_FLAGS", "cpu_model_and_flags"]
+import os
+
+__all__ = ["CPU_FLAGS", "available_memory_bytes", "cpu_model_and_flags"]
 
 CPU_FLAGS = (
     "sse4_2",
@@ -41,3 +43,19 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
     except OSError:
         pass
     return model, [f for f in CPU_FLAGS if f in flags]
+
+
+def available_memory_bytes() -> int:
+    """Memory available to new work: /proc/meminfo's ``MemAvailable`` (free plus reclaimable
+    cache), else the free physical pages (``os.sysconf``); 0 when neither can be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
+        return 0

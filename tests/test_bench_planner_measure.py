@@ -240,3 +240,94 @@ def test_measure_ceiling_is_checked(
     assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs --repeats >= 2"):
         measure_tasks(1, repeats=1, ceiling=1)
+
+
+def test_planner_tune_measures_the_pick_again_next_to_the_model_pick(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--planner-tune K``: the planner's plan is the fastest of its shortlist (measured in
+    rounds of its own, before the bench's), then measured again in the bench's rounds next to the
+    baselines and the cost model's own pick (``planner_model``)."""
+    import zlib
+
+    from neorec.sharding.planner_baselines import plan_key
+
+    def ms_of(plan: dict) -> float:  # every plan its own time, the same in every round
+        return 5.0 + zlib.crc32(plan_key(plan).encode()) % 1000 / 100
+
+    blocks: list[int] = []
+
+    def fake_run_jobs(jobs: list[dict], nproc: int, deadline: float, *a: Any, **k: Any) -> list:
+        blocks.append(len(jobs))
+        return [
+            {"job": i, "ms_per_step": ms_of(j["plan"]), "fwd_ms": 1.0, "bwd_ms": 1.0,
+             "comm_wait_ms": 0.0}
+            for i, j in enumerate(jobs)
+        ]  # fmt: skip
+
+    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    assert measure_tasks(2, repeats=2, seed=0, cost_model="analytical", tune=4, tune_rounds=2) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["planner_tune"] == 4 and data["model_pick_over_best_geomean"] > 0
+    assert len(blocks) == 2 * 2 + 2  # each task's 2 tuning rounds, then the bench's 2 rounds
+    for t in data["tasks"]:
+        tu = t["tuning"]
+        assert len(tu["measured"]) == 4 and tu["measured"][0]["label"] == "planner"
+        best = min(tu["measured"], key=lambda m: m["ms_per_step"])
+        assert tu["picked"] == best["label"]
+        # measured again by the bench: the same plan, so the same (fake) time
+        assert t["plans_ms"]["planner"] == pytest.approx(best["ms_per_step"])
+        assert "planner_model" in t["plans_ms"]
+        assert t["plans_ms"]["planner"] <= t["plans_ms"]["planner_model"]
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--planner-tune", "3"], "--planner-tune applies to --measure"),
+        (["--measure", "--planner-tune", "1"], "--planner-tune needs K >= 2"),
+        (["--measure", "--planner-tune", "3", "--planner-tune-rounds", "0"], "rounds >= 1"),
+        (["--measure-copies", "2"], "--measure-copies needs --measure"),
+    ],
+)
+def test_planner_tune_is_checked(
+    args: list[str], msg: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from neorec.bench.planner import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--planner-tune must be 0 or >= 2"):
+        measure_tasks(1, tune=1)
+
+
+def test_measure_copies_report_the_noise_floor(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``copies``: every plan built that many times per round; the spread of one plan's copies
+    is each task's noise floor (here the second copy is always 10% slower)."""
+    blocks: list[list[dict]] = []
+
+    def fake_run_jobs(jobs: list[dict], nproc: int, deadline: float, *a: Any, **k: Any) -> list:
+        blocks.append(jobs)
+        return [
+            {"job": i, "ms_per_step": 10.0 * (1.1 if j["seed"] % 2 else 1.0), "fwd_ms": 1.0,
+             "bwd_ms": 1.0, "comm_wait_ms": 0.0}
+            for i, j in enumerate(jobs)
+        ]  # fmt: skip
+
+    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    assert measure_tasks(2, repeats=2, seed=0, cost_model="analytical", copies=2) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out.strip().splitlines()[-1])
+    assert data["copies"] == 2
+    for jobs in blocks:  # each distinct plan twice per round, each copy its own placement
+        keys = [json.dumps(j["plan"]["tables"], sort_keys=True) for j in jobs[: len(jobs) // 5]]
+        assert all(keys.count(k) == 2 for k in keys)
+        assert len({j["placement"] for j in jobs}) == len(jobs) // PASSES
+    for t in data["tasks"]:
+        assert t["copy_spread"] == pytest.approx(1.0 / 10.5)
+    assert "copies of one plan differ by 9.5%" in out
+    with pytest.raises(ValueError, match="--measure-copies must be >= 1"):
+        measure_tasks(1, copies=0)

@@ -255,6 +255,29 @@ def main(argv: list[str] | None = None) -> int:
         "faster the fastest plan measured is than the best baseline's (needs --repeats >= 2)",
     )
     ap.add_argument(
+        "--measure-copies",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--measure: build and measure each plan N times per round (its own batches and "
+        "memory each) and report how far one plan's copies differ: the noise floor",
+    )
+    ap.add_argument(
+        "--planner-tune",
+        type=int,
+        default=0,
+        metavar="K",
+        help="--measure: the planner's plan is neorec plan --tune K's (K >= 2 plans measured in "
+        "rounds of their own, the fastest kept); the cost model's own pick is measured too "
+        "(planner_model)",
+    )
+    ap.add_argument(
+        "--planner-tune-rounds",
+        type=int,
+        default=4,
+        help="--planner-tune: its rounds (default 4, as neorec plan --tune)",
+    )
+    ap.add_argument(
         "--topology", default="", help="--measure: topology JSON (calibrated; its learned model)"
     )
     ap.add_argument("--repeats", type=int, default=3, help="--measure: rounds (median)")
@@ -278,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             "--measure-ceiling needs --repeats >= 2 (the pick and the comparison use "
             "different rounds)"
         )
+    if args.planner_tune and not args.measure:
+        ap.error("--planner-tune applies to --measure")
+    if args.planner_tune == 1 or args.planner_tune < 0 or args.planner_tune_rounds < 1:
+        ap.error("--planner-tune needs K >= 2 (or 0) and --planner-tune-rounds >= 1")
+    if args.measure_copies < 1 or (args.measure_copies > 1 and not args.measure):
+        ap.error("--measure-copies needs --measure and N >= 1")
     if args.measure:
         return measure_tasks(
             args.measure_tasks,
@@ -288,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
             args.measure_kind,
             args.measure_batch,
             args.measure_ceiling,
+            args.planner_tune,
+            args.planner_tune_rounds,
+            args.measure_copies,
         )
     pool = make_pool(seed=args.seed)
     summaries = []

@@ -21,6 +21,7 @@ from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import LearnedCostModel
 from neorec.sharding.planner import Planner
 from neorec.sharding.planner_baselines import BASELINES, greedy_baseline, plan_key
+from neorec.sharding.planner_shortlist import shortlist
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan, table_wise
 
@@ -124,6 +125,9 @@ def measure_tasks(
     kind: str = "pool",
     pool_batch: int | None = None,
     ceiling: int = 0,
+    tune: int = 0,
+    tune_rounds: int = 4,
+    copies: int = 1,
 ) -> int:
     """``--measure``: ``n_tasks`` small tasks on 2 gloo ranks here (``kind``: see
     ``MEASURE_KINDS``; ``pool_batch``: the pool tasks' global batch, default 1024; a mix draws its
@@ -139,6 +143,7 @@ def measure_tasks(
     (picked the same way), both compared on the odd rounds: how much faster than the greedy
     baselines any plan measured here was (needs ``repeats`` >= 2)."""
     from neorec.bench.dist import run_passes
+    from neorec.bench.plan_tune import tune as tune_plans
     from neorec.sharding.learned_cost import specs_dicts
     from neorec.sharding.learned_placements import random_mix
 
@@ -147,6 +152,13 @@ def measure_tasks(
     if pool_batch is not None and kind != "pool":
         raise ValueError(f"--measure-batch applies to --measure-kind pool ({kind} draws its own)")
     pool_batch = 1024 if pool_batch is None else _checked_batch(pool_batch)
+    if copies < 1:
+        raise ValueError(f"--measure-copies must be >= 1, not {copies}")
+    if tune == 1 or tune < 0 or tune_rounds < 1:
+        raise ValueError(
+            f"--planner-tune must be 0 or >= 2 plans, with >= 1 rounds, not {tune} and "
+            f"{tune_rounds}"
+        )
     if ceiling < 0 or (ceiling and repeats < 2):
         raise ValueError(
             f"--measure-ceiling must be >= 0 and needs --repeats >= 2, not {ceiling} with {repeats}"
@@ -168,9 +180,18 @@ def measure_tasks(
             while len(tables) < 4:
                 tables, batch, _ = random_mix(rng, f"task{ti}")
         cm = CostModel(topo, batch, opt)
-        res = Planner(topo, batch, opt, allow_host=False, cost_model=cost_model).plan(tables)
+        planner = Planner(topo, batch, opt, allow_host=False, cost_model=cost_model)
+        res = planner.plan(tables)
         model = res.scoring.model if res.scoring else None
         plans: dict[str, ShardingPlan] = {"planner": res.plan}
+        tuning = None
+        if tune:
+            # neorec plan --tune: the shortlist measured in its own rounds (fresh ranks, before
+            # and apart from this bench's rounds, which measure the pick again with the others)
+            cands = shortlist(planner, res, tune)
+            tuning = tune_plans(cands, tables, batch, opt, tune_rounds)
+            plans["planner_model"] = res.plan  # the cost model's own pick, measured too
+            plans["planner"] = next(c.plan for c in cands if c.label == tuning["picked"])
         for name in BASELINES:
             # seed 0: the random baseline's plan is the one among the planner's candidates
             plan = greedy_baseline(name, tables, cm, seed=0)
@@ -211,6 +232,7 @@ def measure_tasks(
                 if kind == "pool"
                 else None,
                 "scoring": res.scoring,
+                "tuning": tuning,
                 "job_of": job_of,
                 "predicted_ms": pred,
             }
@@ -224,9 +246,13 @@ def measure_tasks(
         order = list(range(len(jobs)))
         if rnd:
             random.Random(rnd).shuffle(order)
-        got = run_passes([jobs[i] for i in order], world, PASSES, 10, 3, rnd)
+        # With copies > 1 each plan is built that many times in the round (its own batches and
+        # memory each): its figures are every copy's, and the copies' spread is the noise floor.
+        block = [(i, c) for i in order for c in range(copies)]
+        got = run_passes([jobs[i] for i, _ in block], world, PASSES, 10, 3, rnd)
         rows.extend(
-            {"job": i, "round": rnd, "ms_per_step": g["ms_per_step"]} for i, g in zip(order, got)
+            {"job": i, "copy": c, "round": rnd, "ms_per_step": g["ms_per_step"]}
+            for (i, c), g in zip(block, got)
         )
     out: list[dict[str, Any]] = []
     print(
@@ -278,11 +304,23 @@ def measure_tasks(
             "is_baseline": any(k in BASELINES for k in same),
         }
 
+    def copy_spread(i: int) -> float | None:
+        """(max - min) / mean of job ``i``'s copies' medians over the rounds (None: 1 copy)."""
+        if copies < 2:
+            return None
+        m = [
+            statistics.median(r["ms_per_step"] for r in rows if r["job"] == i and r["copy"] == c)
+            for c in range(copies)
+        ]
+        return (max(m) - min(m)) / statistics.fmean(m)
+
     for t in tasks:
         med = {
             i: statistics.median(r["ms_per_step"] for r in rows if r["job"] == i)
             for i in set(t["job_of"].values())
         }
+        spreads = [copy_spread(i) for i in sorted(set(t["job_of"].values()))]
+        spread = statistics.median(spreads) if copies > 1 else None  # type: ignore[type-var]
         ms = {k: med[i] for k, i in t["job_of"].items()}
         base = {k: v for k, v in ms.items() if k in BASELINES}
         best = min(base, key=lambda k: (base[k], k))
@@ -298,6 +336,13 @@ def measure_tasks(
             f"{base[best]:>8.2f} {gain:>7.1%} {held_s:>9}  {pr['planner']:>9.2f} / {pr[best]:<9.2f}"
             + (f" (planner = {', '.join(same)})" if same else "")
         )
+        if spread is not None:
+            print(
+                f"{'':>4} {'':>6} copies of one plan differ by {spread:.1%} (median over the "
+                f"task's plans): the planner's gain is "
+                + ("within" if abs(gain) <= spread else "beyond")
+                + " that"
+            )
         if ceil is not None:
             print(
                 f"{'':>4} {'':>6} fastest of {len(set(t['job_of'].values()))} plans measured: "
@@ -322,6 +367,8 @@ def measure_tasks(
                 "held_out": held,
                 "ceiling": ceil,
                 "plans_ms": ms,
+                "copy_spread": spread,
+                "tuning": t["tuning"],
             }
         )
     wins = sum(o["gain"] > 0 and not o["tie"] for o in out)
@@ -343,6 +390,19 @@ def measure_tasks(
             f"{len(held_all) - h_wins - h_ties}"
         )
     print(f"planner / best baseline, geometric mean over the tasks: {ratio:.3f}")
+    model_ratio = None
+    if tune:
+        model_ratio = math.exp(
+            statistics.mean(
+                math.log(o["plans_ms"]["planner_model"] / o["best_baseline_ms"]) for o in out
+            )
+        )
+        print(
+            f"tuned: the cost model's own pick / best baseline {model_ratio:.3f}; the tuned "
+            f"pick was the model's on {sum(o['tuning']['picked'] == 'planner' for o in out)}, "
+            f"a greedy baseline's on {sum(o['tuning']['picked'] in BASELINES for o in out)} "
+            f"of {len(out)} tasks"
+        )
     ceils = [o["ceiling"] for o in out if o["ceiling"] is not None]
     ceil_ratio = math.exp(statistics.mean(math.log(c["ratio"]) for c in ceils)) if ceils else None
     if ceils:
@@ -366,6 +426,9 @@ def measure_tasks(
                 "ceiling_over_best_geomean": ceil_ratio,
                 "held_out_ties": h_ties if held_all else None,
                 "planner_over_best_geomean": ratio,
+                "planner_tune": tune,
+                "copies": copies,
+                "model_pick_over_best_geomean": model_ratio,
                 "tasks": out,
             }
         )

@@ -70,8 +70,14 @@ from neorec.config import (
 from neorec.errors import NeorecError
 from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
 from neorec.sharding.gpu_topology import add_preset_argument, apply_preset
-from neorec.sharding.learned_cost import COST_MODEL_MODES, LearnedModelError, resolve
-from neorec.sharding.planner import format_report, plan_tables
+from neorec.sharding.learned_cost import (
+    COST_MODEL_MODES,
+    LearnedModelError,
+    resolve,
+    specs_dicts,
+)
+from neorec.sharding.planner import Planner, PlanResult, format_report
+from neorec.sharding.planner_shortlist import check_tune, shortlist, with_plan
 from neorec.sharding.topology import Topology
 from neorec.sharding.towers_cost import (
     TOWER_MODULE_KINDS,
@@ -130,6 +136,22 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="what scores plans: auto (the topology's learned model when it was fitted on this "
         "machine and world size, else the analytical one), learned (even if fitted elsewhere, "
         "with a warning; an error without one), analytical",
+    )
+    parser.add_argument(
+        "--tune",
+        type=int,
+        default=0,
+        metavar="K",
+        help="MEASURE K >= 2 plans here and keep the fastest: the planner's, the greedy "
+        "baselines', the cost model's best alternatives, each run on --world-size gloo ranks of "
+        "this machine (2..8; plans without the cached tiers, as the distributed runtime runs)",
+    )
+    parser.add_argument(
+        "--tune-rounds",
+        type=int,
+        default=None,
+        help="--tune: rounds in fresh rank processes, each plan's figure their median "
+        "(default 4; a round is 5 interleaved passes of 10 steps)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--out", help="write the ShardingPlan JSON here")
@@ -310,6 +332,72 @@ def _calibrate(args: argparse.Namespace) -> None:
         )
 
 
+def _tune_flags(args: argparse.Namespace) -> tuple[int, int]:
+    """(K, rounds) of ``--tune`` (0 without it), the flags checked together."""
+    k = getattr(args, "tune", 0) or 0
+    rounds = getattr(args, "tune_rounds", None)
+    if not k:
+        if rounds is not None:
+            raise ConfigError("--tune-rounds needs --tune K (the plans to measure)")
+        return 0, 0
+    if getattr(args, "towers", 0):
+        raise ConfigError("--tune measures one flat plan; drop --towers or --tune")
+    rounds = 4 if rounds is None else rounds
+    if k < 2 or rounds < 1:
+        raise ConfigError(f"--tune needs K >= 2 and --tune-rounds >= 1, not {k} and {rounds}")
+    return k, rounds
+
+
+def _tune(planner: Planner, result: PlanResult, inp: PlanInputs, k: int, rounds: int) -> PlanResult:
+    """``--tune``: measure ``result``'s shortlist in ``neorec.bench.plan_tune`` (a subprocess:
+    torch stays out of the planner; its progress goes to stderr) and return the result with the
+    fastest plan and the tuning record."""
+    import tempfile
+
+    cands = shortlist(planner, result, k)
+    req = {
+        "tables": specs_dicts(result.tables),
+        "batch": inp.batch_size,
+        "optimizer": inp.optimizer,
+        "rounds": rounds,
+        "plans": [
+            {"label": c.label, "plan": c.plan.to_dict(), "predicted_ms": c.predicted_ms}
+            for c in cands
+        ],
+    }
+    with tempfile.TemporaryDirectory(prefix="neorec-tune-") as tmp:
+        rq, out = Path(tmp) / "request.json", Path(tmp) / "tuning.json"
+        rq.write_text(json.dumps(req))
+        cmd = [sys.executable, "-m", "neorec.bench.plan_tune", "--request", str(rq)]
+        try:  # progress straight to our stderr; captured and copied there when it has no fd
+            sink: Any = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            sink = subprocess.PIPE
+        proc = subprocess.run(
+            [*cmd, "--out", str(out)], stdout=sink, stderr=subprocess.PIPE, text=True
+        )
+        if proc.stdout:
+            sys.stderr.write(proc.stdout)
+        errs = [x for x in proc.stderr.splitlines() if x.startswith("neorec: error: ")]
+        if proc.returncode:
+            if errs:
+                raise ConfigError(errs[-1].removeprefix("neorec: error: "))
+            sys.stderr.write(proc.stderr)
+            raise ConfigError(f"--tune: the measurement crashed (exit {proc.returncode})")
+        rec = json.loads(out.read_text())
+    picked = next(c for c in cands if c.label == rec["picked"])
+    tuned = with_plan(planner, result, picked.plan)
+    tuned.tuning = rec
+    tuned.plan.meta["tuning"] = {
+        "picked": rec["picked"],
+        "measured_ms": {m["label"]: round(m["ms_per_step"], 3) for m in rec["measured"]},
+        "rounds": rec["rounds"],
+        "world": rec["world"],
+        "note": "measured here with neorec plan --tune (neorec.bench.plan_tune)",
+    }
+    return tuned
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """``neorec plan``: print the report (or JSON), optionally write the plan.
 
@@ -319,26 +407,32 @@ def run_plan(args: argparse.Namespace) -> int:
         _check_tower_flags(args)
         if getattr(args, "topology_preset", None) and args.topology:  # flags before any reading
             raise ConfigError("--topology-preset and --topology name two topologies: pass one")
+        k, rounds = _tune_flags(args)
         if args.calibrate:
             _calibrate(args)
         inp = load_plan_inputs(args)
+        if k:
+            check_tune(inp.tables, inp.topology.world_size, k, rounds)  # before any planning
+            inp.options["allow_cached_tiers"] = False  # the runtime runs no cached tier
         towers = getattr(args, "towers", 0)
         if towers:
             check_towers(inp.topology, towers, len(inp.tables))  # before the (long) flat plan
         where = str(args.topology or "topology")
         scoring = resolve(inp.topology, getattr(args, "cost_model", "auto"), where)
-        result = plan_tables(
-            inp.tables,
+        planner = Planner(
             inp.topology,
             inp.batch_size,
             inp.optimizer,
             cost_model=getattr(args, "cost_model", "auto"),
             **inp.options,
         )
+        result = planner.plan(inp.tables)
         for w in scoring.warnings:
             print(w, file=sys.stderr)
         if towers:
             return _run_towers(args, inp, result)
+        if k:
+            result = _tune(planner, result, inp, k, rounds)
     except (NeorecError, ValueError) as e:  # PlanningError, ConfigError, bad table/topology files
         print(f"neorec: error: {e}", file=sys.stderr)
         return 2

@@ -179,18 +179,18 @@ class Planner:
             if learned is not None:
                 cands.append(s.to_plan())
             iters += s.improve()
+            cands.append(s.to_plan())
             if learned is None:
                 obj = s.objective()[0]
                 if best is None or obj < best[0] * (1 - 1e-9):
-                    best = (obj, iters, s.to_plan())
-                continue
-            cands.append(s.to_plan())
+                    best = (obj, iters, cands[-1])
         # The greedy baselines' plans are candidates too, scored by the same model: the plan
         # returned is never worse than theirs by that model.
         baselines = [b for _, b in baseline_candidates(self, tables)]
         if not cands and best is None and not baselines:
             assert failure is not None
             raise failure
+        searched = list(cands)
         if learned is not None:
             best, n = self._learned_pick(cands, tables, baselines)
             iters += n
@@ -226,7 +226,16 @@ class Planner:
                 "the distributed runtime does not run them"
             )
         return PlanResult(
-            plan, cost, list(tables), self.topo, self.batch, dt, iters, self.scoring, scored
+            plan,
+            cost,
+            list(tables),
+            self.topo,
+            self.batch,
+            dt,
+            iters,
+            self.scoring,
+            scored,
+            candidates=[*searched, *baselines],
         )
 
     def _learned_pick(

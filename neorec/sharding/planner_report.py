@@ -5,7 +5,7 @@ Split out of ``neorec.sharding.planner`` (public names are re-exported there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from neorec.sharding.cost_model import (
@@ -41,6 +41,12 @@ class PlanResult:
     """Which cost model ranked the candidate plans (None: analytical, not recorded)."""
     learned_ms: dict[str, float] | None = None
     """The learned model's ms per step of the plan per target (None: analytical scoring)."""
+    candidates: list[ShardingPlan] = field(default_factory=list)
+    """Every plan the search scored on the way (its starts, the greedy baselines' plans):
+    ``neorec.sharding.planner_shortlist`` draws the plans to measure from them."""
+    tuning: dict[str, Any] | None = None
+    """When the plan was picked by measuring a shortlist here (``neorec plan --tune``): what was
+    measured and how (``neorec.bench.plan_tune``); None: picked by the cost model alone."""
 
     @property
     def predicted_step_s(self) -> float:
@@ -120,6 +126,7 @@ class PlanResult:
             "analytical_step_embedding_s": c.max_time_s,
             "cost_model": (self.scoring.to_dict() if self.scoring else {"kind": "analytical"}),
             **({"learned_ms": self.learned_ms} if self.learned_ms is not None else {}),
+            **({"tuning": self.tuning} if self.tuning is not None else {}),
             "mean_rank_s": c.mean_time_s,
             "max_rank_s": c.max_rank_s,
             "imbalance": c.imbalance,
@@ -154,6 +161,36 @@ class PlanResult:
                 "learned_cost": model_summary(self.topology.learned_cost),
             },
         }
+
+
+def _tuning_lines(tu: dict[str, Any]) -> list[str]:
+    """``neorec plan --tune``: the shortlist as measured here, the pick marked."""
+    lines = [
+        f"MEASURED (--tune): {len(tu['measured'])} plans run on {tu['world']} gloo ranks here "
+        f"({tu['rounds']} rounds of {tu['passes']} passes of {tu['iters']} steps, batch "
+        f"{tu['batch']}; median ms per step); picked: {tu['picked']}"
+        + ("" if tu["picked"] == "planner" else " (not the cost model's own pick)"),
+    ]
+    noise = tu.get("noise_ms")
+    if tu.get("fastest", tu["picked"]) != "planner":
+        if noise is None:
+            lines.append(
+                f"  {tu['fastest']} led the planner's plan by {tu['lead_ms']:.3f} ms; noise not "
+                "estimated (fewer than 3 rounds)"
+            )
+        else:
+            verdict = "clear of" if tu["clear"] else "within"
+            lines.append(
+                f"  {tu['fastest']} led the planner's plan by {tu['lead_ms']:.3f} ms, {verdict} "
+                f"the noise ({noise:.3f} ms: 2 standard errors of the difference)"
+            )
+    for m in tu["measured"]:
+        mark = "*" if m["label"] == tu["picked"] else " "
+        lines.append(
+            f"  {mark} {m['label']:<20} measured {m['ms_per_step']:>9.3f} ms   predicted "
+            f"{m['predicted_ms']:>9.3f} ms"
+        )
+    return lines
 
 
 def _skew_label(t: TableSpec) -> str:
@@ -213,6 +250,8 @@ def format_report(result: PlanResult, max_ranks: int = 32) -> str:
             f"{lm['bwd']:.3f}, comm {lm['comm']:.3f} ms); the analytical figures below rank the "
             "shards"
         )
+    if result.tuning is not None:
+        lines += _tuning_lines(result.tuning)
     which = "analytical" if result.learned_ms is not None else "predicted"
     lines += [
         f"{which} embedding time per step: {c.max_time_s * 1e3:.3f} ms (sum over phases of the "
