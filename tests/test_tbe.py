@@ -688,20 +688,30 @@ def test_cpu_tiny_batches_many_threads_update_each_row_once() -> None:
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("odd_at", [0, 1, 2])
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("use_psw", [False, True])
 @pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad"])
 def test_cpu_blocked_and_per_row_updates_agree_bitwise(
-    kind: str, use_psw: bool, pooling: PoolingMode
+    kind: str, use_psw: bool, pooling: PoolingMode, odd_at: int
 ) -> None:
-    # With SGD / row-wise Adagrad and every dim a multiple of 8 up to 64, the kernel updates rows
-    # in blocks; one table of another dim sends the whole call through the per-row loop. A table's
-    # result must not depend on which tables share its call (sharding plans regroup them), so the
-    # shared tables come out bitwise the same both ways.
+    # With SGD / row-wise Adagrad the kernel updates the rows of tables whose dim is a multiple
+    # of 8 up to 64 in blocks, and the others one row at a time; a call of both kinds cuts its
+    # sorted rows at each run of tables of one kind (update_rows_mixed). A table's result must
+    # not depend on which tables share its call (sharding plans regroup them), so the two shared
+    # tables come out bitwise the same alone (all blocked) and with a dim-12 table before,
+    # between or after them (mixed).
     gen = torch.Generator().manual_seed(11)
-    rows, b = (700, 300), 64
-    both = TBELayout(rows=rows, dims=(16, 64), feature_table=(0, 1, 0))
-    plus = TBELayout(rows=(*rows, 40), dims=(16, 64, 12), feature_table=(0, 1, 0, 2))
+    rows, dims, b = [700, 300], [16, 64], 64
+    both = TBELayout(rows=tuple(rows), dims=tuple(dims), feature_table=(0, 1, 0))
+    at = [0, 1]  # the shared tables' indices in `plus`
+    at = [i + (i >= odd_at) for i in at]
+    prow, pdim = list(rows), list(dims)
+    prow.insert(odd_at, 40)
+    pdim.insert(odd_at, 12)
+    plus = TBELayout(
+        rows=tuple(prow), dims=tuple(pdim), feature_table=(at[0], at[1], at[0], odd_at)
+    )
     lengths = torch.randint(0, 12, (4 * b,), generator=gen)
     ids = [
         (
@@ -711,15 +721,17 @@ def test_cpu_blocked_and_per_row_updates_agree_bitwise(
     ]
     psw_all = [torch.rand(x.numel(), generator=gen) for x in ids]
     grad_all = torch.randn(b, plus.total_dim, generator=gen)
-    w_all = torch.randn(plus.total_elems, generator=gen)
+    w_init = {i: torch.randn(rows[i] * dims[i], generator=gen) for i in (0, 1)}
     opt = RowOptimizer(kind=kind, lr=0.05)
     got = []
-    for lay in (both, plus):
+    for lay, where in ((both, [0, 1]), (plus, at)):
         nf = lay.num_features
         ln = lengths[: nf * b]
         off = torch.zeros(nf * b + 1, dtype=torch.int64)
         torch.cumsum(ln, 0, out=off[1:])
-        w = w_all[: lay.total_elems].clone()
+        w = torch.randn(lay.total_elems, generator=gen)
+        for i, t in enumerate(where):
+            w[lay.elem_offsets[t] : lay.elem_offsets[t + 1]] = w_init[i]
         st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
         psw = torch.cat(psw_all[:nf]) if use_psw else None
         grad = grad_all[:, : lay.total_dim].contiguous()
@@ -727,10 +739,18 @@ def test_cpu_blocked_and_per_row_updates_agree_bitwise(
             CpuBackend().backward_update(
                 lay, w, st, torch.cat(ids[:nf]), off, psw, pooling, grad, opt, step
             )
-        got.append((w[: both.total_elems], {k: v[: both.total_rows] for k, v in st.items()}))
-    assert torch.equal(got[0][0], got[1][0])
-    for k in got[0][1]:
-        assert torch.equal(got[0][1][k], got[1][1][k])
+        got.append(
+            [
+                (
+                    w[lay.elem_offsets[t] : lay.elem_offsets[t + 1]],
+                    {k: v[lay.row_offsets[t] : lay.row_offsets[t + 1]] for k, v in st.items()},
+                )
+                for t in where
+            ]
+        )
+    for (wa, sa), (wb, sb) in zip(got[0], got[1]):
+        assert torch.equal(wa, wb)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

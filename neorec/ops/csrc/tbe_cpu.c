@@ -649,6 +649,48 @@ static void update_rows_blocked(const update_t *U, int64_t beg, int64_t end, int
     }
 }
 
+static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc,
+                        int64_t emit_at);
+
+/* A table update_rows_blocked can take: its dim a multiple of 8 up to 64. */
+static inline int blockable_dim(int64_t D) { return D > 0 && D % 8 == 0 && D <= 64; }
+
+/* update_rows_blocked for the rows of blockable tables, update_rows for the others, when a call
+ * mixes both (SGD / row-wise Adagrad without weight decay or emitted tables): [beg, end) is cut
+ * at the first row of each run of consecutive tables of one kind (sorted keys: a binary search).
+ * Both paths do each row's arithmetic operation for operation alike, so which tables share a
+ * call changes no bit of any row; before, one table of another dim sent the whole call through
+ * the per-row loop. us: end - beg words of scratch. */
+static void update_rows_mixed(const update_t *U, int64_t beg, int64_t end, int64_t *us,
+                              float *gacc) {
+    const layout_t *L = U->L;
+    const int ks = U->kshift;
+    const uint64_t *keys = U->keys;
+    int64_t t = 0;
+    for (int64_t i = beg; i < end;) {
+        const uint64_t row = keys[i] >> ks;
+        while ((uint64_t)L->row_offsets[t + 1] <= row) ++t;
+        const int ok = blockable_dim(L->dims[t]);
+        int64_t u = t + 1; /* the run: tables t .. u - 1, all blockable or none */
+        while (u < L->T && blockable_dim(L->dims[u]) == ok) ++u;
+        const uint64_t lim = (uint64_t)L->row_offsets[u];
+        int64_t lo = i + 1, hi = end; /* the run's rows end at the first key at or above lim */
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            if ((keys[mid] >> ks) < lim)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (ok)
+            update_rows_blocked(U, i, lo, us + (i - beg));
+        else
+            update_rows(U, i, lo, gacc, 0);
+        i = lo;
+        t = u < L->T ? u : t;
+    }
+}
+
 /* Sum and apply (or emit, from index emit_at) the rows whose occurrences are sorted positions
  * [beg, end), whole rows only. */
 static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc,
@@ -800,12 +842,19 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
     float *gc = (float *)(ws + P.gc);
     const float *G = gc;
     int64_t max_dim = 1;
-    int blocked = !emit_table && opt->weight_decay == 0.0f &&
-                  (opt->kind == OPT_SGD || opt->kind == OPT_ROWWISE_ADAGRAD);
+    /* The blocked update (update_rows_blocked) for every table when all are blockable, for
+     * those that are when some are (update_rows_mixed), with SGD / row-wise Adagrad only. */
+    const int block_opt = !emit_table && opt->weight_decay == 0.0f &&
+                          (opt->kind == OPT_SGD || opt->kind == OPT_ROWWISE_ADAGRAD);
+    int all_blk = 1, any_blk = 0;
     for (int64_t t = 0; t < L->T; ++t) {
         if (L->dims[t] > max_dim) max_dim = L->dims[t];
-        if (L->dims[t] % 8 != 0 || L->dims[t] > 64) blocked = 0;
+        if (blockable_dim(L->dims[t]))
+            any_blk = 1;
+        else
+            all_blk = 0;
     }
+    const int blocked = block_opt && all_blk, mixed = block_opt && any_blk && !all_blk;
     /* Keys are grouped by table, tables in order, each table's features in feature order
      * (fstart[f]: where feature f's occurrences start), so sorting each table's segment by local
      * row is a stable sort by global row. */
@@ -1014,6 +1063,8 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
                 chunk_bounds(keys, kshift, n, c, chunks, &beg, &end);
                 if (blocked)
                     update_rows_blocked(&U, beg, end, (int64_t *)tmp + beg);
+                else if (mixed)
+                    update_rows_mixed(&U, beg, end, (int64_t *)tmp + beg, gacc);
                 else
                     update_rows(&U, beg, end, gacc, emit_table ? ecnt[c] : 0);
             }
