@@ -100,3 +100,15 @@ def test_measure_dp_update_small() -> None:
 
     m = measure_dp_update(1, rows=1000, dim=8, tables=2, batch=32, pooling=2, ranks=3, repeat=2)
     assert m["dp_update_gbs"] > 0 and m["dp_update_ms"] > 0
+
+
+def test_summarize_range_holds_its_rounded_median() -> None:
+    """The rounds' range is rounded as their median is: two rounds of 4.074999999999999 ms (a
+    CI run's) have the median 4.07 after rounding, below their unrounded minimum."""
+    from neorec.bench.costcheck import summarize
+
+    ms = 4.074999999999999
+    row = {"type": "a", "ms_per_step": ms, "fwd_ms": 1.0, "bwd_ms": 1.0, "comm_wait_ms": 0.0}
+    m = summarize([row, dict(row)], [("a", None)])["a"]  # type: ignore[list-item]
+    assert m["min_ms"] <= m["ms_per_step"] <= m["max_ms"]
+    assert m["ms_per_step"] == 4.07

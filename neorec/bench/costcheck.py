@@ -170,7 +170,8 @@ def summarize(
             k: round(statistics.median(r[k] for r in mine), 2)
             for k in ("ms_per_step", "fwd_ms", "bwd_ms", "comm_wait_ms")
         }
-        out[label].update(min_ms=min(steps), max_ms=max(steps))
+        # rounded as the median is (rounding is monotone, so min <= median <= max still holds)
+        out[label].update(min_ms=round(min(steps), 2), max_ms=round(max(steps), 2))
     return out
 
 
