@@ -1,5 +1,6 @@
 """This machine's CPU as neorec records it (run folders, learned cost models): model name and the
-vector / matrix flags that matter here; and the memory it has available. Imports nothing of neorec (any layer may use it)."""
+vector / matrix flags that matter here; and the memory it has available. Imports nothing of
+neorec (any layer may use it)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from neorec.sharding.cost_model import TableSpec
 from neorec.sharding.learned_cost import specs_dicts
-from neorec.sharding.planner_shortlist import Shortlisted
+from neorec.sharding.planner_shortlist import TUNE_ROUNDS, Shortlisted
 from neorec.sharding.types import ShardingPlan
 
 __all__ = ["PASSES", "ITERS", "tune", "main"]
@@ -68,7 +68,7 @@ def tune(
     tables: Sequence[TableSpec],
     batch: int,
     optimizer: str,
-    rounds: int = 4,
+    rounds: int = TUNE_ROUNDS,
     passes: int = PASSES,
     iters: int = ITERS,
     measure: Measure | None = None,

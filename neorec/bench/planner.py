@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner, PlanningError
 from neorec.sharding.planner_baselines import BASELINES, _tw_bytes, greedy_baseline
+from neorec.sharding.planner_shortlist import TUNE_ROUNDS
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     TablePlan,
@@ -274,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--planner-tune-rounds",
         type=int,
-        default=4,
-        help="--planner-tune: its rounds (default 4, as neorec plan --tune)",
+        default=TUNE_ROUNDS,
+        help=f"--planner-tune: its rounds (default {TUNE_ROUNDS}, as neorec plan --tune)",
     )
     ap.add_argument(
         "--topology", default="", help="--measure: topology JSON (calibrated; its learned model)"

@@ -21,7 +21,7 @@ from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import LearnedCostModel
 from neorec.sharding.planner import Planner
 from neorec.sharding.planner_baselines import BASELINES, greedy_baseline, plan_key
-from neorec.sharding.planner_shortlist import shortlist
+from neorec.sharding.planner_shortlist import TUNE_ROUNDS, shortlist
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan, table_wise
 
@@ -126,7 +126,7 @@ def measure_tasks(
     pool_batch: int | None = None,
     ceiling: int = 0,
     tune: int = 0,
-    tune_rounds: int = 4,
+    tune_rounds: int = TUNE_ROUNDS,
     copies: int = 1,
 ) -> int:
     """``--measure``: ``n_tasks`` small tasks on 2 gloo ranks here (``kind``: see
@@ -304,10 +304,8 @@ def measure_tasks(
             "is_baseline": any(k in BASELINES for k in same),
         }
 
-    def copy_spread(i: int) -> float | None:
-        """(max - min) / mean of job ``i``'s copies' medians over the rounds (None: 1 copy)."""
-        if copies < 2:
-            return None
+    def copy_spread(i: int) -> float:
+        """(max - min) / mean of job ``i``'s copies' medians over the rounds."""
         m = [
             statistics.median(r["ms_per_step"] for r in rows if r["job"] == i and r["copy"] == c)
             for c in range(copies)
@@ -319,8 +317,11 @@ def measure_tasks(
             i: statistics.median(r["ms_per_step"] for r in rows if r["job"] == i)
             for i in set(t["job_of"].values())
         }
-        spreads = [copy_spread(i) for i in sorted(set(t["job_of"].values()))]
-        spread = statistics.median(spreads) if copies > 1 else None  # type: ignore[type-var]
+        spread = (
+            statistics.median(copy_spread(i) for i in set(t["job_of"].values()))
+            if copies > 1
+            else None
+        )
         ms = {k: med[i] for k, i in t["job_of"].items()}
         base = {k: v for k, v in ms.items() if k in BASELINES}
         best = min(base, key=lambda k: (base[k], k))

@@ -77,7 +77,7 @@ from neorec.sharding.learned_cost import (
     specs_dicts,
 )
 from neorec.sharding.planner import Planner, PlanResult, format_report
-from neorec.sharding.planner_shortlist import check_tune, shortlist, with_plan
+from neorec.sharding.planner_shortlist import TUNE_ROUNDS, check_tune, shortlist, with_plan
 from neorec.sharding.topology import Topology
 from neorec.sharding.towers_cost import (
     TOWER_MODULE_KINDS,
@@ -151,7 +151,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="--tune: rounds in fresh rank processes, each plan's figure their median "
-        "(default 4; a round is 5 interleaved passes of 10 steps)",
+        f"(default {TUNE_ROUNDS}; a round is 5 interleaved passes of 10 steps)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--out", help="write the ShardingPlan JSON here")
@@ -342,7 +342,7 @@ def _tune_flags(args: argparse.Namespace) -> tuple[int, int]:
         return 0, 0
     if getattr(args, "towers", 0):
         raise ConfigError("--tune measures one flat plan; drop --towers or --tune")
-    rounds = 4 if rounds is None else rounds
+    rounds = TUNE_ROUNDS if rounds is None else rounds
     if k < 2 or rounds < 1:
         raise ConfigError(f"--tune needs K >= 2 and --tune-rounds >= 1, not {k} and {rounds}")
     return k, rounds

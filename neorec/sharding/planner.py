@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from neorec.sharding.cost_model import CACHE_MIN_BATCHES, CostModel, TableSpec, cache_rows
@@ -268,6 +268,19 @@ class Planner:
         plan, score, moves = self._learned_moves(best[2], tables, best[0], limit)
         return (score, 0, plan), moves
 
+    def table_moves(
+        self, plan: ShardingPlan, tables: Sequence[TableSpec]
+    ) -> Iterator[tuple[str, ShardingPlan]]:
+        """(``move {table} -> {rank}``, the plan) for each table-wise table of ``plan`` moved onto
+        another rank it may use, in table then rank order (``neorec plan --tune``'s shortlist)."""
+        specs = {t.name: t for t in tables}
+        for i, tp in enumerate(plan.tables):
+            if tp.sharding_type is not ShardingType.TABLE_WISE:
+                continue
+            for r in self.candidate_ranks(specs[tp.name]):
+                if r != tp.shards[0].rank:
+                    yield f"move {tp.name} -> {r}", _moved(plan, i, r)
+
     def _learned_moves(
         self, plan: ShardingPlan, tables: Sequence[TableSpec], score: float, limit: float
     ) -> tuple[ShardingPlan, float, int]:
@@ -289,12 +302,7 @@ class Planner:
                 for r in self.candidate_ranks(specs[tp.name]):
                     if r == cur or evals >= _LEARNED_EVALS:
                         continue
-                    moved = dataclasses.replace(
-                        tp, shards=[dataclasses.replace(tp.shards[0], rank=r)]
-                    )
-                    cand = dataclasses.replace(
-                        plan, tables=[*plan.tables[:i], moved, *plan.tables[i + 1 :]]
-                    )
+                    cand = _moved(plan, i, r)
                     cost = self.cm.evaluate(cand, tables)
                     evals += 1
                     if not cost.fits or cost.max_time_s > limit * (1 + 1e-9):
@@ -409,6 +417,13 @@ class Planner:
                 f"{', '.join(x.short for x in _CACHED_TYPES)} only)"
             )
         return out
+
+
+def _moved(plan: ShardingPlan, i: int, rank: int) -> ShardingPlan:
+    """``plan`` with its table-wise table ``i`` on ``rank`` instead (the other tables shared)."""
+    tp = plan.tables[i]
+    moved = dataclasses.replace(tp, shards=[dataclasses.replace(tp.shards[0], rank=rank)])
+    return dataclasses.replace(plan, tables=[*plan.tables[:i], moved, *plan.tables[i + 1 :]])
 
 
 def plan_tables(

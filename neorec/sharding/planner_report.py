@@ -171,8 +171,8 @@ def _tuning_lines(tu: dict[str, Any]) -> list[str]:
         f"{tu['batch']}; median ms per step); picked: {tu['picked']}"
         + ("" if tu["picked"] == "planner" else " (not the cost model's own pick)"),
     ]
-    noise = tu.get("noise_ms")
-    if tu.get("fastest", tu["picked"]) != "planner":
+    noise = tu["noise_ms"]
+    if tu["fastest"] != "planner":
         if noise is None:
             lines.append(
                 f"  {tu['fastest']} led the planner's plan by {tu['lead_ms']:.3f} ms; noise not "

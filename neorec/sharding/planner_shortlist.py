@@ -24,9 +24,20 @@ from collections.abc import Sequence
 from neorec.sharding.cost_model import PlanCost, TableSpec
 from neorec.sharding.planner import Planner, PlanResult
 from neorec.sharding.planner_baselines import baseline_candidates, plan_key
-from neorec.sharding.types import ShardingPlan, ShardingType
+from neorec.sharding.types import ShardingPlan
 
-__all__ = ["TUNE_MAX_RANKS", "Shortlisted", "check_tune", "shortlist", "with_plan"]
+__all__ = [
+    "TUNE_MAX_RANKS",
+    "TUNE_ROUNDS",
+    "Shortlisted",
+    "check_tune",
+    "shortlist",
+    "with_plan",
+]
+
+TUNE_ROUNDS = 4
+"""``--tune``'s rounds by default (``neorec plan --tune-rounds``, ``bench planner
+--planner-tune-rounds``, ``neorec.bench.plan_tune.tune``)."""
 
 TUNE_MAX_RANKS = 8
 """``--tune`` runs every plan on ``world_size`` gloo ranks of this one machine: at most this many."""
@@ -81,23 +92,6 @@ def _score_ms(planner: Planner, plan: ShardingPlan, tables: Sequence[TableSpec],
     return 1000 * model.step_s(planner.cm, plan, tables, cost)
 
 
-def _moves(planner: Planner, plan: ShardingPlan, tables: Sequence[TableSpec]):
-    """(label, plan) for each table-wise table of ``plan`` moved onto another rank it may use."""
-    specs = {t.name: t for t in tables}
-    for i, tp in enumerate(plan.tables):
-        if tp.sharding_type is not ShardingType.TABLE_WISE:
-            continue
-        cur = tp.shards[0].rank
-        for r in planner.candidate_ranks(specs[tp.name]):
-            if r == cur:
-                continue
-            moved = dataclasses.replace(tp, shards=[dataclasses.replace(tp.shards[0], rank=r)])
-            yield (
-                f"move {tp.name} -> {r}",
-                dataclasses.replace(plan, tables=[*plan.tables[:i], moved, *plan.tables[i + 1 :]]),
-            )
-
-
 def shortlist(planner: Planner, result: PlanResult, k: int) -> list[Shortlisted]:
     """At most ``k`` (>= 1) distinct plans of ``result``'s tables to measure, in the module
     docstring's order: the returned plan first, the greedy baselines' next, then the best
@@ -126,7 +120,7 @@ def shortlist(planner: Planner, result: PlanResult, k: int) -> list[Shortlisted]
     alts: list[tuple[str, ShardingPlan, PlanCost]] = []
     for i, plan in enumerate(result.candidates):
         alts.append((f"search{i}", plan, planner.cm.evaluate(plan, tables)))
-    for label, plan in _moves(planner, result.plan, tables):
+    for label, plan in planner.table_moves(result.plan, tables):
         alts.append((label, plan, planner.cm.evaluate(plan, tables)))
     alts = [a for a in alts if a[2].fits]
     model = planner.scoring.model
