@@ -826,3 +826,48 @@ def test_cpu_wide_bags_sum_in_id_order_bitwise(pooling: PoolingMode, use_psw: bo
             if pooling == PoolingMode.MEAN and hi > lo:
                 acc = acc / float(hi - lo)
             assert torch.equal(out[s, lo_col : lo_col + layout.dims[t]], acc), (f, s)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_cpu_adam_row_update_is_the_float32_formula_bitwise(weight_decay: float) -> None:
+    # The kernel's Adam update runs 16 / 8 values at a time with a scalar tail; every value must
+    # be the scalar float32 formula's, operation for operation (vector multiply, add, divide and
+    # square root round as the scalar ones). Dims cover the 16-wide, 8-wide and scalar parts.
+    import numpy as np
+
+    from neorec.ops.tbe import apply_row_grads
+
+    gen = torch.Generator().manual_seed(11)
+    dims = (3, 8, 16, 27, 64, 40)
+    layout = TBELayout(rows=(20,) * len(dims), dims=dims, feature_table=tuple(range(len(dims))))
+    grads = []
+    for t in range(len(dims)):
+        ids = torch.randperm(20, generator=gen)[:12]  # distinct: each row's sum is its one grad
+        grads.append((t, ids, torch.randn(12, dims[t], generator=gen) * 3.0))
+    w0 = torch.randn(layout.total_elems, generator=gen)
+    opt = RowOptimizer(kind="adam", lr=0.05, weight_decay=weight_decay)
+    w = w0.clone()
+    st = zeros_state("adam", layout.total_rows, layout.total_elems, torch.device("cpu"))
+    f = np.float32
+    b1, b2, lr, eps = f(opt.beta1), f(opt.beta2), f(opt.lr), f(opt.eps)
+    c1, c2, wd = f(1.0 - opt.beta1), f(1.0 - opt.beta2), f(weight_decay)
+    want_w = w0.numpy().copy()
+    m = np.zeros(layout.total_elems, dtype=f)
+    v = np.zeros(layout.total_elems, dtype=f)
+    offs = np.cumsum((0,) + tuple(r * d for r, d in zip(layout.rows, dims)))
+    for step in (1, 2, 3):
+        apply_row_grads(get_backend("cpu"), layout, w, st, grads, opt, step)
+        bc1, bc2 = f(1.0 - opt.beta1**step), f(1.0 - opt.beta2**step)
+        for t, ids, g in grads:
+            for i, row in enumerate(ids.tolist()):
+                sl = slice(offs[t] + row * dims[t], offs[t] + (row + 1) * dims[t])
+                gd = g[i].numpy().astype(f)
+                if wd:
+                    gd = gd + wd * want_w[sl]
+                md = m[sl] * b1 + c1 * gd
+                vd = v[sl] * b2 + (c2 * gd) * gd
+                m[sl], v[sl] = md, vd
+                want_w[sl] = want_w[sl] - (lr * (md / bc1)) / (np.sqrt(vd / bc2) + eps)
+    assert np.array_equal(w.numpy(), want_w)
+    assert np.array_equal(st["exp_avg"].numpy(), m)
+    assert np.array_equal(st["exp_avg_sq"].numpy(), v)
