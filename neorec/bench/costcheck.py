@@ -46,9 +46,9 @@ from neorec.sharding.learned_cost import (
     LearnedModelError,
     model_summary,
     resolve,
-    specs_dicts,
 )
 from neorec.sharding.learned_placements import (
+    plan_job,
     predict_job,
     random_jobs,
     reference_jobs,
@@ -387,14 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plan_job(cfg, a: argparse.Namespace, label: str, plan: ShardingPlan) -> dict[str, Any]:
     """A fixed plan of the ``bench dist`` table set as a ``run_jobs`` job."""
     specs = tables_from_config(cfg.embedding.tables, zipf_alpha=a.alpha)
-    return {
-        "label": label,
-        "tables": specs_dicts(specs),
-        "batch": a.batch,
-        "optimizer": cfg.embedding.optimizer,
-        "alpha": a.alpha,
-        "plan": plan.to_dict(),
-    }
+    return plan_job(specs, a.batch, cfg.embedding.optimizer, plan, label=label)
 
 
 def _random_results(

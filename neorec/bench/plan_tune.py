@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from neorec.sharding.cost_model import TableSpec
-from neorec.sharding.learned_cost import specs_dicts
+from neorec.sharding.learned_placements import plan_job
 from neorec.sharding.planner_shortlist import TUNE_ROUNDS, Shortlisted
 from neorec.sharding.types import ShardingPlan
 
@@ -96,16 +96,7 @@ def tune(
     for c in cands:
         c.plan.check_storage(who="--tune (the distributed runtime)")
     run = measure or _run_passes
-    jobs = [
-        {
-            "tables": specs_dicts(tables),
-            "batch": batch,
-            "optimizer": optimizer,
-            "alpha": alphas[0],
-            "plan": c.plan.to_dict(),
-        }
-        for c in cands
-    ]
+    jobs = [plan_job(tables, batch, optimizer, c.plan) for c in cands]
     figures: list[list[float]] = [[] for _ in cands]
     for rnd in range(rounds):
         order = list(range(len(jobs)))

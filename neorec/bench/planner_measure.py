@@ -144,8 +144,7 @@ def measure_tasks(
     baselines any plan measured here was (needs ``repeats`` >= 2)."""
     from neorec.bench.dist import run_passes
     from neorec.bench.plan_tune import tune as tune_plans
-    from neorec.sharding.learned_cost import specs_dicts
-    from neorec.sharding.learned_placements import random_mix
+    from neorec.sharding.learned_placements import plan_job, random_mix
 
     if kind not in MEASURE_KINDS:
         raise ValueError(f"--measure-kind must be one of {', '.join(MEASURE_KINDS)}, not {kind!r}")
@@ -207,16 +206,7 @@ def measure_tasks(
                 job_of[label] = keys[key]
                 continue
             job_of[label] = keys[key] = len(jobs)
-            jobs.append(
-                {
-                    "task": ti,
-                    "tables": specs_dicts(tables),
-                    "batch": batch,
-                    "optimizer": opt,
-                    "alpha": tables[0].zipf_alpha,
-                    "plan": plan.to_dict(),
-                }
-            )
+            jobs.append(plan_job(tables, batch, opt, plan, task=ti))
         pred = {
             k: model.predict_ms(cm, v, tables)["step"]
             if model

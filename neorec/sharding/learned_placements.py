@@ -142,16 +142,7 @@ def random_jobs(
         tables, batch, opt = random_mix(rng, mix)
         for _ in range(per_mix):
             plan = random_placement(rng, tables, world, rph)
-            jobs.append(
-                {
-                    "mix": mix,
-                    "tables": specs_dicts(tables),
-                    "batch": batch,
-                    "optimizer": opt,
-                    "alpha": tables[0].zipf_alpha,
-                    "plan": plan.to_dict(),
-                }
-            )
+            jobs.append(plan_job(tables, batch, opt, plan, mix=mix))
     return jobs
 
 
@@ -225,16 +216,24 @@ def searched_plans(
     return uniq
 
 
-def _job(mix: str, tables: Sequence[TableSpec], batch: int, opt: str, design: str, plan) -> dict:
+def plan_job(
+    tables: Sequence[TableSpec], batch: int, optimizer: str, plan: ShardingPlan, **labels: Any
+) -> dict[str, Any]:
+    """``plan`` of ``tables`` as one measurable job (``neorec.bench.dist.run_passes``): the
+    tables, batch, optimizer, the ids' Zipf alpha (one for all tables: the first's) and the plan,
+    with ``labels`` (``mix``, ``task``, ``label``, ...) first, which the runtime ignores."""
     return {
-        "mix": mix,
-        "design": design,
+        **labels,
         "tables": specs_dicts(tables),
         "batch": batch,
-        "optimizer": opt,
+        "optimizer": optimizer,
         "alpha": tables[0].zipf_alpha,
         "plan": plan.to_dict(),
     }
+
+
+def _job(mix: str, tables: Sequence[TableSpec], batch: int, opt: str, design: str, plan) -> dict:
+    return plan_job(tables, batch, opt, plan, mix=mix, design=design)
 
 
 def designed_jobs(
