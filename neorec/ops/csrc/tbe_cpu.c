@@ -374,6 +374,33 @@ static inline float row_sumsq(const float *restrict g, int64_t D) {
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
+/* The vector loop of adam_row, N values of a WIDTH-bit register at a time (16 / 512, 8 / 256):
+ * one body for both widths, token-pasted into the intrinsics' names. */
+#define ADAM_VECTORS(N, WIDTH)                                                                   \
+    {                                                                                          \
+        const __m##WIDTH vb1 = _mm##WIDTH##_set1_ps(b1), vb2 = _mm##WIDTH##_set1_ps(b2),       \
+                         vc1 = _mm##WIDTH##_set1_ps(c1), vc2 = _mm##WIDTH##_set1_ps(c2),       \
+                         vbc1 = _mm##WIDTH##_set1_ps(bc1), vbc2 = _mm##WIDTH##_set1_ps(bc2),   \
+                         vlr = _mm##WIDTH##_set1_ps(lr), veps = _mm##WIDTH##_set1_ps(eps);     \
+        for (; d + (N) <= D; d += (N)) {                                                       \
+            const __m##WIDTH gd = _mm##WIDTH##_loadu_ps(g + d);                                \
+            const __m##WIDTH md = _mm##WIDTH##_add_ps(                                         \
+                _mm##WIDTH##_mul_ps(_mm##WIDTH##_loadu_ps(m + d), vb1),                        \
+                _mm##WIDTH##_mul_ps(vc1, gd));                                                 \
+            const __m##WIDTH vd = _mm##WIDTH##_add_ps(                                         \
+                _mm##WIDTH##_mul_ps(_mm##WIDTH##_loadu_ps(v + d), vb2),                        \
+                _mm##WIDTH##_mul_ps(_mm##WIDTH##_mul_ps(vc2, gd), gd));                        \
+            _mm##WIDTH##_storeu_ps(m + d, md);                                                 \
+            _mm##WIDTH##_storeu_ps(v + d, vd);                                                 \
+            const __m##WIDTH num = _mm##WIDTH##_mul_ps(vlr, _mm##WIDTH##_div_ps(md, vbc1));    \
+            const __m##WIDTH den = _mm##WIDTH##_add_ps(                                        \
+                _mm##WIDTH##_sqrt_ps(_mm##WIDTH##_div_ps(vd, vbc2)), veps);                    \
+            _mm##WIDTH##_storeu_ps(                                                            \
+                w + d, _mm##WIDTH##_sub_ps(_mm##WIDTH##_loadu_ps(w + d),                       \
+                                           _mm##WIDTH##_div_ps(num, den)));                    \
+        }                                                                                      \
+    }
+
 /* Adam on one row: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
  * w -= lr (m / bc1) / (sqrt(v / bc2) + eps). Eight (sixteen) values at a time: the vector
  * multiply, add, divide and square root round exactly as the scalar ones, and the operations
@@ -387,44 +414,10 @@ static inline void adam_row(const optim_t *o, float *restrict w, const float *re
                 bc1 = o->bc1, bc2 = o->bc2, lr = o->lr, eps = o->eps;
     int64_t d = 0;
 #if defined(__AVX512F__)
-    {
-        const __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2), vc1 = _mm512_set1_ps(c1),
-                     vc2 = _mm512_set1_ps(c2), vbc1 = _mm512_set1_ps(bc1),
-                     vbc2 = _mm512_set1_ps(bc2), vlr = _mm512_set1_ps(lr),
-                     veps = _mm512_set1_ps(eps);
-        for (; d + 16 <= D; d += 16) {
-            const __m512 gd = _mm512_loadu_ps(g + d);
-            const __m512 md = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(m + d), vb1),
-                                            _mm512_mul_ps(vc1, gd));
-            const __m512 vd = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + d), vb2),
-                                            _mm512_mul_ps(_mm512_mul_ps(vc2, gd), gd));
-            _mm512_storeu_ps(m + d, md);
-            _mm512_storeu_ps(v + d, vd);
-            const __m512 num = _mm512_mul_ps(vlr, _mm512_div_ps(md, vbc1));
-            const __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vd, vbc2)), veps);
-            _mm512_storeu_ps(w + d, _mm512_sub_ps(_mm512_loadu_ps(w + d), _mm512_div_ps(num, den)));
-        }
-    }
+    ADAM_VECTORS(16, 512)
 #endif
 #if defined(__AVX__)
-    {
-        const __m256 vb1 = _mm256_set1_ps(b1), vb2 = _mm256_set1_ps(b2), vc1 = _mm256_set1_ps(c1),
-                     vc2 = _mm256_set1_ps(c2), vbc1 = _mm256_set1_ps(bc1),
-                     vbc2 = _mm256_set1_ps(bc2), vlr = _mm256_set1_ps(lr),
-                     veps = _mm256_set1_ps(eps);
-        for (; d + 8 <= D; d += 8) {
-            const __m256 gd = _mm256_loadu_ps(g + d);
-            const __m256 md = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + d), vb1),
-                                            _mm256_mul_ps(vc1, gd));
-            const __m256 vd = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + d), vb2),
-                                            _mm256_mul_ps(_mm256_mul_ps(vc2, gd), gd));
-            _mm256_storeu_ps(m + d, md);
-            _mm256_storeu_ps(v + d, vd);
-            const __m256 num = _mm256_mul_ps(vlr, _mm256_div_ps(md, vbc1));
-            const __m256 den = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(vd, vbc2)), veps);
-            _mm256_storeu_ps(w + d, _mm256_sub_ps(_mm256_loadu_ps(w + d), _mm256_div_ps(num, den)));
-        }
-    }
+    ADAM_VECTORS(8, 256)
 #endif
     for (; d < D; ++d) {
         const float md = m[d] * b1 + c1 * g[d];
