@@ -118,6 +118,7 @@ def tune(
         "fastest": cands[best].label,
         "lead_ms": lead,
         "noise_ms": noise,
+        "noise_sigmas": NOISE_SIGMAS,
         "clear": clear,
         "world": world,
         "batch": batch,

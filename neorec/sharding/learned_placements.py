@@ -232,10 +232,6 @@ def plan_job(
     }
 
 
-def _job(mix: str, tables: Sequence[TableSpec], batch: int, opt: str, design: str, plan) -> dict:
-    return plan_job(tables, batch, opt, plan, mix=mix, design=design)
-
-
 def designed_jobs(
     topo: Topology, world: int, rph: int, n_jobs: int, seed: int = 0, repeats: int = 3
 ) -> list[dict[str, Any]]:
@@ -260,7 +256,7 @@ def designed_jobs(
             tables, batch, opt = bench_like_mix(rng, mix)
             plans = kind_plans(rng, tables, world, rph)
             plans += searched_plans(topo, tables, batch, opt)
-            todo += [_job(mix, tables, batch, opt, label, p) for label, p in plans]
+            todo += [plan_job(tables, batch, opt, p, mix=mix, design=label) for label, p in plans]
         elif kind == "task":
             tables, batch, _ = random_mix(rng, mix)
             while len(tables) < 4:
@@ -268,23 +264,27 @@ def designed_jobs(
             opt = "rowwise_adagrad"
             plans = searched_plans(topo, tables, batch, opt)
             plans.append(("random", random_placement(rng, tables, world, rph)))
-            todo += [_job(mix, tables, batch, opt, label, p) for label, p in plans]
+            todo += [plan_job(tables, batch, opt, p, mix=mix, design=label) for label, p in plans]
         else:
             for m in range(3):
                 tables, batch, opt = random_mix(rng, f"{mix}m{m}")
                 p = random_placement(rng, tables, world, rph)
-                todo.append(_job(f"{mix}m{m}", tables, batch, opt, "random", p))
+                todo.append(plan_job(tables, batch, opt, p, mix=f"{mix}m{m}", design="random"))
                 # and one whole-plan kind of the same small mix (every table column-wise, say):
                 # one type per table drawn at random rarely makes one of these for few tables
                 label, p = rng.choice(kind_plans(rng, tables, world, rph))
-                todo.append(_job(f"{mix}m{m}", tables, batch, opt, f"random_{label}", p))
+                todo.append(
+                    plan_job(tables, batch, opt, p, mix=f"{mix}m{m}", design=f"random_{label}")
+                )
             for m in range(3, 3 + SMALL_MIXES):
                 # mixes of 2-3 tables: the cheapest to measure (their steps are mostly the
                 # collectives' fixed latency) and the least well predicted; without these they
                 # are 2 in 7 of the random mixes, a tenth of the samples
                 tables, batch, opt = random_mix(rng, f"{mix}m{m}", (2, 3))
                 p = random_placement(rng, tables, world, rph)
-                todo.append(_job(f"{mix}m{m}", tables, batch, opt, "random_small", p))
+                todo.append(
+                    plan_job(tables, batch, opt, p, mix=f"{mix}m{m}", design="random_small")
+                )
         uniq: list[dict[str, Any]] = []
         seen: set[str] = set()
         for j in todo:  # a kind's plan can be a baseline's (all table-wise, round robin)
@@ -322,12 +322,19 @@ def reference_jobs(world: int, rph: int) -> list[dict[str, Any]]:
     ]
     return [
         {
-            **_job("reference", tables, 1024, "rowwise_adagrad", "reference", plan_by_type(tables, world, rph, k)),
+            **plan_job(
+                tables,
+                1024,
+                "rowwise_adagrad",
+                plan_by_type(tables, world, rph, k),
+                mix="reference",
+                design="reference",
+            ),
             "reference": k,
             "placement": f"ref_{k}",
         }
         for k in REFERENCE_KINDS
-    ]  # fmt: skip
+    ]
 
 
 def reference_ms(

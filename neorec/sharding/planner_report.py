@@ -182,7 +182,8 @@ def _tuning_lines(tu: dict[str, Any]) -> list[str]:
             verdict = "clear of" if tu["clear"] else "within"
             lines.append(
                 f"  {tu['fastest']} led the planner's plan by {tu['lead_ms']:.3f} ms, {verdict} "
-                f"the noise ({noise:.3f} ms: 2 standard errors of the difference)"
+                f"the noise ({noise:.3f} ms: {tu.get('noise_sigmas', 2.0):g} standard errors of "
+                "the difference)"
             )
     for m in tu["measured"]:
         mark = "*" if m["label"] == tu["picked"] else " "
