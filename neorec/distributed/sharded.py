@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from neorec.config import TableConfig
 from neorec.distributed.codecs import Codec
+from neorec.distributed.columns import column_runs, place_columns
 from neorec.distributed.comm import (
     AllToAllPooled,
     Awaitable,
@@ -73,8 +74,6 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
     step: Tensor
     dp_weights: Tensor
     dp_step: Tensor
-    _out_cols: Tensor
-    _dp_cols: Tensor
     _feature_dims: Tensor
 
     def __init__(
@@ -180,15 +179,12 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         max_rows = max((u.shard.rows for us in self.units_by_owner for u in us), default=0)
         self._id_dtype = torch.int32 if max_rows < 2**31 else torch.int64
         self.dims_by_owner = [sum(u.dim for u in us) for us in self.units_by_owner]
-        cols = [
-            c for us in self.units_by_owner for u in us for c in range(u.out_col, u.out_col + u.dim)
-        ]
-        self.register_buffer("_out_cols", torch.tensor(cols, dtype=torch.int64), persistent=False)
         self._dp_spec = (dp_tables, dp_features)
-        dp_cols: list[int] = []
-        for fi in dp_features:
-            dp_cols.extend(range(col0[fi], col0[fi + 1]))
-        self.register_buffer("_dp_cols", torch.tensor(dp_cols, dtype=torch.int64), persistent=False)
+        # The sample side's assembly (``output_dist``): owner blocks, then the data-parallel block.
+        pieces = [(0, o, u.out_col, u.dim) for o, us in enumerate(self.units_by_owner) for u in us]
+        pieces += [(1, 0, col0[fi], col0[fi + 1] - col0[fi]) for fi in dp_features]
+        self._col_runs = column_runs(pieces)
+        self._col_widths = [tuple(self.dims_by_owner), (sum(p[3] for p in pieces if p[0] == 1),)]
 
     def _build_local(self, seed: int, init_scale: float) -> None:
         # Local TBE tables: distinct (table, shard) pairs among this rank's units.
@@ -314,15 +310,12 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         recv = AllToAllPooled.apply(
             pooled, send_splits, recv_splits, self.group, self.stats, self.codecs, b
         )
-        out = torch.zeros(b, self.total_dim, device=self.device)
-        blocks = [
-            blk.view(b, d) for blk, d in zip(torch.split(recv, recv_splits), self.dims_by_owner)
-        ]
-        # index_add on CPU adds in column order: row-wise partial sums combine deterministically.
-        out = out.index_add(1, self._out_cols, torch.cat(blocks, dim=1))
+        sources = [recv]
         if self.dp is not None:
-            dp = self._dp_lookup(local)
-            out = out.index_add(1, self._dp_cols, ScaleGrad.apply(dp, 1.0 / self.world))
+            sources.append(ScaleGrad.apply(self._dp_lookup(local), 1.0 / self.world))
+        out = place_columns(
+            sources, self._col_widths[: len(sources)], self._col_runs, b, self.total_dim
+        )
         if local.inv_lengths is not None:
             scale = local.inv_lengths.repeat_interleave(
                 self._feature_dims, dim=1, output_size=self.total_dim
