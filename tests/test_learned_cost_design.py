@@ -11,9 +11,12 @@ from typing import Any
 
 import pytest
 
+from neorec.bench.planner import make_pool
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_features import FEATURES, plan_features
 from neorec.sharding.learned_placements import (
+    POOL_MAX_DIM,
+    POOL_MAX_ROWS,
     REFERENCE_KINDS,
     designed_jobs,
     fit,
@@ -24,6 +27,7 @@ from neorec.sharding.learned_placements import (
 )
 from neorec.sharding.planner import Planner, plan_tables
 from neorec.sharding.planner_baselines import BASELINES, baseline_candidates, greedy_baseline
+from neorec.sharding.tables import pool_table
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan, ShardingType, plan_by_type
 
@@ -57,6 +61,38 @@ def test_designed_jobs_cover_the_checked_kinds_with_repeats() -> None:
         ShardingPlan.from_dict(j["plan"]).validate()
     with pytest.raises(ValueError, match="repeats"):
         designed_jobs(topo, 2, 2, 10, repeats=0)
+
+
+def test_pool_blocks_are_the_planner_bench_tasks() -> None:
+    """``pool`` blocks place ``bench planner --measure``'s kind of task (6-12 pool tables within
+    its row / column limits, Zipf 1.05, batch 4096, row-wise Adagrad) by the greedy keys, the
+    planner and two random table-wise partitions: contrasts between plans of one task."""
+    jobs = designed_jobs(Topology.local_cpu(2), 2, 1, 400, seed=0, repeats=1)
+    pool_mixes = {j["mix"] for j in jobs if j["design"] == "partition"}
+    assert len(pool_mixes) >= 2
+    for mix in pool_mixes:
+        mine = [j for j in jobs if j["mix"] == mix]
+        assert {j["batch"] for j in mine} == {4096}
+        assert {j["optimizer"] for j in mine} == {"rowwise_adagrad"}
+        tables = mine[0]["tables"]
+        assert 6 <= len(tables) <= 12
+        assert all(t["rows"] <= POOL_MAX_ROWS and t["dim"] <= POOL_MAX_DIM for t in tables)
+        assert {t["zipf_alpha"] for t in tables} == {1.05}
+        designs = Counter(j["design"] for j in mine)
+        assert designs["planner"] == 1 and any(k in designs for k in BASELINES)
+        for j in mine:
+            if j["design"] == "partition":
+                plan = ShardingPlan.from_dict(j["plan"])
+                assert {t.sharding_type for t in plan.tables} == {ShardingType.TABLE_WISE}
+
+
+def test_pool_table_draws_the_bench_pool() -> None:
+    """``bench planner``'s pool is ``pool_table``'s draws in order (the seeded pools unchanged)."""
+    rng = random.Random(7)
+    want = [pool_table(rng, f"pool{i}") for i in range(50)]
+    assert make_pool(50, seed=7) == want
+    assert {t.dim for t in make_pool(400, seed=0)} <= {4, 8, 16, 32, 64, 128, 256}
+    assert make_pool(400, seed=0)[:3] != make_pool(400, seed=1)[:3]
 
 
 def test_samples_are_medians_of_repeats() -> None:

@@ -30,6 +30,7 @@ from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner, PlanningError
 from neorec.sharding.planner_baselines import BASELINES, _tw_bytes, greedy_baseline
 from neorec.sharding.planner_shortlist import TUNE_ROUNDS
+from neorec.sharding.tables import pool_table
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     TablePlan,
@@ -51,23 +52,11 @@ __all__ = [
     "main",
 ]
 
-DIMS = (4, 8, 16, 32, 64, 128, 256)
-DIM_WEIGHTS = (0.05, 0.10, 0.20, 0.25, 0.20, 0.12, 0.08)
-
 
 def make_pool(n: int = 856, seed: int = 0) -> list[TableSpec]:
-    """A pool of tables with production-like spread (seeded)."""
+    """A pool of tables with production-like spread (seeded; ``pool_table``)."""
     rng = random.Random(seed)
-    pool = []
-    for i in range(n):
-        rows = int(10 ** rng.uniform(3, 8))
-        dim = rng.choices(DIMS, DIM_WEIGHTS)[0]
-        # Heavy tail: most features look up a few ids, a few look up hundreds.
-        pooling = min(400.0, max(1.0, math.exp(rng.gauss(math.log(3.0), 1.4))))
-        pool.append(
-            TableSpec(name=f"pool{i}", rows=rows, dim=dim, pooling_factor=round(pooling, 2))
-        )
-    return pool
+    return [pool_table(rng, f"pool{i}") for i in range(n)]
 
 
 def paper_scale_tables(n: int = 480, seed: int = 2022) -> list[TableSpec]:

@@ -19,6 +19,7 @@ from typing import Any
 from neorec.bench.planner import make_pool, mem_limit_gb
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import LearnedCostModel
+from neorec.sharding.learned_placements import POOL_MAX_DIM, POOL_MAX_ROWS
 from neorec.sharding.planner import Planner
 from neorec.sharding.planner_baselines import BASELINES, greedy_baseline, plan_key
 from neorec.sharding.planner_shortlist import TUNE_ROUNDS, shortlist
@@ -95,8 +96,6 @@ def top_table_wise(
 MEASURE_KINDS = ("pool", "mix")
 """``--measure-kind``: ``pool``, bench planner's tasks made small (``pool_task``); ``mix``, random
 table mixes of 4-8 tables without a memory limit (``learned_placements.random_mix``)."""
-POOL_MAX_ROWS = 300_000
-POOL_MAX_DIM = 128
 
 
 def _pool_task(

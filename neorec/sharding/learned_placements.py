@@ -1,7 +1,7 @@
 """The designed set of placements the learned cost model is fitted and validated on, the
 calibration samples (files) and the fit itself.
 
-The designed set (``designed_jobs``) cycles through three kinds of blocks, each block measured
+The designed set (``designed_jobs``) cycles through four kinds of blocks, each block measured
 ``repeats`` times in a row (a sample is the median of its placement's measurements):
 
 - ``bench``: a mix drawn like ``bench costcheck``'s tables (4-8 tables of 2.5e4-1.26e5 rows, dims
@@ -10,6 +10,9 @@ The designed set (``designed_jobs``) cycles through three kinds of blocks, each 
   plus the greedy baselines' plans and the planner's (analytical) plan;
 - ``task``: a random mix of 4-8 tables (``bench planner --measure``'s kind of task) placed by the
   greedy baselines, the planner and one random placement;
+- ``pool``: ``bench planner --measure``'s own kind of task (``pool_mix``: 6-12 tables drawn as
+  ``bench planner``'s pool, batch 4096) placed by the greedy baselines, the planner and two random
+  table-wise partitions: contrasts between the plans the planner chooses among;
 - ``random``: three random mixes (2-8 tables: rows, dims, pooling, one Zipf skew, batch,
   optimizer), each placed once at random (a sharding type per table, random ranks and shard
   geometry) and once as a whole-plan kind drawn at random (``random_<kind>``).
@@ -22,6 +25,7 @@ mixes) and keeps the best per target. Split out of ``neorec.sharding.learned_cos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -44,7 +48,7 @@ from neorec.sharding.learned_features import EPS_MS as _EPS_MS
 from neorec.sharding.learned_features import plan_features
 from neorec.sharding.learned_features import predict as _predict
 from neorec.sharding.planner_baselines import plan_key
-from neorec.sharding.tables import OPTIMIZERS
+from neorec.sharding.tables import OPTIMIZERS, pool_table
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan
 
@@ -59,6 +63,7 @@ __all__ = [
     "designed_jobs",
     "samples_from_rows",
     "random_mix",
+    "pool_mix",
     "random_placement",
     "random_jobs",
     "sample_from_job",
@@ -92,6 +97,35 @@ def random_mix(
     batch = rng.choice((512, 1024, 1024, 2048))
     opt = rng.choices(OPTIMIZERS, (0.1, 0.8, 0.1))[0]
     return tables, batch, opt
+
+
+POOL_MAX_ROWS = 300_000
+POOL_MAX_DIM = 128
+"""``pool`` blocks' (and ``bench planner --measure``'s) tables: ``pool_table``'s of at most these
+rows and columns, small enough for 2 gloo ranks here."""
+
+
+def pool_mix(rng: Any, mix: str) -> tuple[list[TableSpec], int, str]:
+    """``bench planner --measure``'s kind of task: 6-12 tables drawn as ``bench planner``'s pool
+    (``pool_table``: heavy-tailed pooling, dims 4-128) of at most ``POOL_MAX_ROWS`` rows and
+    ``POOL_MAX_DIM`` columns, Zipf 1.05, a global batch of 4096, row-wise Adagrad."""
+    n = rng.randint(6, 12)
+    tables: list[TableSpec] = []
+    while len(tables) < n:
+        t = pool_table(rng, f"{mix}_t{len(tables)}")
+        if t.rows <= POOL_MAX_ROWS and t.dim <= POOL_MAX_DIM:
+            tables.append(dataclasses.replace(t, zipf_alpha=1.05))
+    return tables, 4096, "rowwise_adagrad"
+
+
+def table_wise_partition(rng: Any, tables: Sequence[TableSpec], world: int) -> ShardingPlan:
+    """Every table whole on a random rank (the plans a table-wise planner chooses among)."""
+    from neorec.sharding.types import table_wise
+
+    out = [table_wise(t, rng.randrange(world)) for t in tables]
+    plan = ShardingPlan(world, 1, out, {"source": "neorec.sharding.learned_cost partition"})
+    plan.validate()
+    return plan
 
 
 def random_placement(rng: Any, tables: Sequence[TableSpec], world: int, rph: int) -> ShardingPlan:
@@ -146,10 +180,10 @@ def random_jobs(
     return jobs
 
 
-DESIGN_CYCLE = ("random", "bench", "random", "task")
+DESIGN_CYCLE = ("random", "bench", "random", "task", "pool")
 """Blocks of ``designed_jobs`` in turn (a bench block has ~10 placements, a task block ~6, a
-random one 6 + ``SMALL_MIXES``: of the placements ~30% bench-like, ~15% planner-task-like, ~55%
-random; of the time about half goes to the bench-like ones, whose tables are the largest)."""
+pool block ~8, a random one 6 + ``SMALL_MIXES``; a pool block's steps are the longest: batch 4096
+and up to 12 tables)."""
 SMALL_MIXES = 3
 """Extra random mixes of 2-3 tables per random block (one random placement each)."""
 
@@ -256,6 +290,14 @@ def designed_jobs(
             tables, batch, opt = bench_like_mix(rng, mix)
             plans = kind_plans(rng, tables, world, rph)
             plans += searched_plans(topo, tables, batch, opt)
+            todo += [plan_job(tables, batch, opt, p, mix=mix, design=label) for label, p in plans]
+        elif kind == "pool":
+            # the planner's target tasks: their plans differ by a few percent, so the contrasts
+            # between plans of one mix (greedy keys, the planner's, random partitions) teach the
+            # model what orders them
+            tables, batch, opt = pool_mix(rng, mix)
+            plans = searched_plans(topo, tables, batch, opt)
+            plans += [("partition", table_wise_partition(rng, tables, world)) for _ in range(2)]
             todo += [plan_job(tables, batch, opt, p, mix=mix, design=label) for label, p in plans]
         elif kind == "task":
             tables, batch, _ = random_mix(rng, mix)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ __all__ = [
     "CACHE_POLICIES",
     "ROW_BYTES",
     "TableSpec",
+    "pool_table",
     "load_tables",
     "tables_from_config",
 ]
@@ -232,3 +234,18 @@ def load_tables(path: str | Path) -> list[TableSpec]:
     with p.open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("name") and not r["name"].startswith("#")]
     return [_spec_from_record(r, f"{p}:{i + 2}") for i, r in enumerate(rows)]
+
+
+POOL_DIMS = (4, 8, 16, 32, 64, 128, 256)
+POOL_DIM_WEIGHTS = (0.05, 0.10, 0.20, 0.25, 0.20, 0.12, 0.08)
+
+
+def pool_table(rng: Any, name: str) -> TableSpec:
+    """One table with production-like spread (``bench planner``'s pool, calibration's ``pool``
+    blocks), from ``rng`` (``random.Random``): rows 1e3..1e8 log-uniform, a dim from
+    ``POOL_DIMS``, and a heavy-tailed pooling factor (most features look up a few ids, a few
+    hundreds: log-normal around 3, at most 400)."""
+    rows = int(10 ** rng.uniform(3, 8))
+    dim = rng.choices(POOL_DIMS, POOL_DIM_WEIGHTS)[0]
+    pooling = min(400.0, max(1.0, math.exp(rng.gauss(math.log(3.0), 1.4))))
+    return TableSpec(name=name, rows=rows, dim=dim, pooling_factor=round(pooling, 2))
