@@ -80,6 +80,14 @@ def test_measure_counts_ties_and_measures_each_plan_once(
         assert h["baseline_ms"] == t["best_baseline_ms"] and h["tie"] == t["tie"]
         assert h["gain"] == pytest.approx(1 - 10.0 / h["baseline_ms"]) and h["planner_ms"] == 10.0
     assert (data["held_out_wins"], data["held_out_ties"]) == (wins, ties)
+    # paired by round: every round the same times here, so each ratio is the held-out one
+    for t in data["tasks"]:
+        h = t["held_out"]
+        assert h["paired_ratio"] == pytest.approx(h["planner_ms"] / h["baseline_ms"])
+        assert (h["rounds_faster"], h["rounds_slower"]) == ((0, 0) if h["tie"] else (1, 0))
+    want = math.exp(sum(math.log(t["held_out"]["paired_ratio"]) for t in data["tasks"]) / 3)
+    assert data["held_out_paired_geomean"] == pytest.approx(want)
+    assert "held out, paired by round" in out
 
 
 def test_measure_kind_is_checked() -> None:

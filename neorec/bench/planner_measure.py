@@ -259,6 +259,16 @@ def measure_tasks(
             r["ms_per_step"] for r in rows if r["job"] == i and r["round"] % 2 == parity
         )
 
+    def by_round(t: dict[str, Any], label: str, parity: int) -> dict[int, float]:
+        """``label``'s plan of task ``t``: its ms/step per even (0) or odd (1) round (the median
+        over its copies)."""
+        i = t["job_of"][label]
+        got: dict[int, list[float]] = {}
+        for r in rows:
+            if r["job"] == i and r["round"] % 2 == parity:
+                got.setdefault(r["round"], []).append(r["ms_per_step"])
+        return {k: statistics.median(v) for k, v in got.items()}
+
     def held_out(t: dict[str, Any]) -> dict[str, Any] | None:
         """The best baseline picked on the even rounds, compared with the planner on the odd
         ones: free of the winner's curse of picking the minimum of several noisy baselines on
@@ -268,12 +278,19 @@ def measure_tasks(
         sel = {k: med_of(t, k, 0) for k in t["job_of"] if k in BASELINES}
         pick = min(sel, key=lambda k: (sel[k], k))
         p_ms, b_ms = med_of(t, "planner", 1), med_of(t, pick, 1)
+        # Paired by round: the two plans ran in the same processes and block of each round, so
+        # a round's drift (the host's load, the processes' luck) cancels in their ratio.
+        p_r, b_r = by_round(t, "planner", 1), by_round(t, pick, 1)
+        ratios = [p_r[k] / b_r[k] for k in sorted(p_r)]
         return {
             "baseline": pick,
             "planner_ms": p_ms,
             "baseline_ms": b_ms,
             "gain": 1 - p_ms / b_ms,
             "tie": t["job_of"][pick] == t["job_of"]["planner"],
+            "paired_ratio": statistics.median(ratios),
+            "rounds_faster": sum(x < 1 for x in ratios),
+            "rounds_slower": sum(x > 1 for x in ratios),
         }
 
     def fastest_of_all(t: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
@@ -380,6 +397,15 @@ def measure_tasks(
             f"{len(held_all) - h_wins - h_ties}"
         )
     print(f"planner / best baseline, geometric mean over the tasks: {ratio:.3f}")
+    paired = None
+    if held_all:
+        paired = math.exp(statistics.mean(math.log(h["paired_ratio"]) for h in held_all))
+        fast, slow = (sum(h[k] for h in held_all) for k in ("rounds_faster", "rounds_slower"))
+        print(
+            f"held out, paired by round (planner / that baseline in the same round, the median "
+            f"over the odd rounds): geometric mean {paired:.3f}; the planner faster in {fast} "
+            f"task-rounds, slower in {slow}"
+        )
     model_ratio = None
     if tune:
         model_ratio = math.exp(
@@ -415,6 +441,7 @@ def measure_tasks(
                 "ceiling_k": ceiling,
                 "ceiling_over_best_geomean": ceil_ratio,
                 "held_out_ties": h_ties if held_all else None,
+                "held_out_paired_geomean": paired,
                 "planner_over_best_geomean": ratio,
                 "planner_tune": tune,
                 "copies": copies,
