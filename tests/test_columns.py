@@ -38,6 +38,7 @@ def _layout(rng: random.Random, owners: int, features: int, dp: bool):
     return dims, col0, per_owner, dp_feats
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("seed", range(12))
 def test_place_columns_is_index_add_bitwise(seed):
     rng = random.Random(seed)
