@@ -199,6 +199,7 @@ def _dp_codec_run(rank: int, world: int) -> None:
         )
         plan = plan_by_type(tables, world, world, "data_parallel")
         ebc = sharded_ebc_from_config(cfg, plan)
+        ebc.dp_dense_max_elems = 0  # fp32 as (id, row) pairs too, as the codecs send them
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + rank)
             lengths = torch.randint(0, 4, (2 * 4,), generator=g)

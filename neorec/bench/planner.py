@@ -148,7 +148,8 @@ def plan_lower_bound_s(tables: Sequence[TableSpec], cm: CostModel) -> float:
             + cm.sample_side_s(t, o.sharding_type, len(o.shards))
             for o in _options(t, world)
         )
-    fixed = min(cm.fixed_s(sharded, dp) for sharded, dp in ((True, False), (False, True)))
+    kinds = ((True, False, False), (False, True, False), (False, False, True))
+    fixed = min(cm.fixed_s(*k) for k in kinds)
     return total + fixed
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from neorec.distributed.comm import Awaitable, Chain, CommStats, all_to_all, unit_major_order
 from neorec.modules.embedding import checked_batch
+from neorec.ops.row_split import split_rows
 from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.sharding.types import Shard
 from neorec.sparse import SparseFeatures
@@ -202,20 +203,12 @@ class InputDist:
                 for u in units:
                     out[u] = (lens, vals, wts)
                 continue
-            starts = torch.tensor([u.shard.row_start for u in units])
-            order = torch.argsort(starts)
-            sorted_starts = starts[order]
-            bucket = torch.bucketize(vals, sorted_starts[1:], right=True)
-            bag = torch.repeat_interleave(torch.arange(b), lens)
-            counts = torch.bincount(bucket * b + bag, minlength=len(units) * b).view(len(units), b)
-            perm = torch.argsort(bucket, stable=True)
-            sizes = counts.sum(1).tolist()
-            pieces = torch.split(vals[perm], sizes)
-            wpieces = torch.split(wts[perm], sizes) if wts is not None else None
-            for k, j in enumerate(order.tolist()):
-                u = units[j]
+            order = sorted(range(len(units)), key=lambda j: units[j].shard.row_start)
+            starts = [units[j].shard.row_start for j in order]
+            counts, pieces, wpieces = split_rows(vals, lens, starts, wts)
+            for k, j in enumerate(order):
                 w = wpieces[k] if wpieces is not None else None
-                out[u] = (counts[k], pieces[k] - u.shard.row_start, w)
+                out[units[j]] = (counts[k], pieces[k], w)
         return out
 
     def _dp_input(

@@ -1,7 +1,10 @@
 """Data-parallel tables of a sharded collection: full replicas on every rank, kept identical by
-all-gathering each rank's touched rows' gradients and adding them in rank order."""
+all-gathering each rank's touched rows' gradients and adding them in rank order: small tables
+(``DENSE_DP_MAX_ELEMS``) as dense blocks in one all-gather, larger ones as (id, row) pairs."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,6 +17,7 @@ from neorec.modules.embedding import init_rows
 from neorec.ops.memory import table_empty
 from neorec.ops.padded_rows import PaddedRows
 from neorec.ops.tbe import TBELayout
+from neorec.sharding.types import DENSE_DP_MAX_ELEMS
 
 __all__ = [
     "Replicas",
@@ -21,6 +25,8 @@ __all__ = [
     "gather_dp_grads_padded",
     "dp_bounds",
     "all_gather_varlen",
+    "dense_dp_tables",
+    "gather_dp_grads_dense",
 ]
 
 
@@ -109,6 +115,58 @@ def gather_dp_grads(
             else:
                 out_g[t].append(codec.decode(val_parts[t], c[t], dims[t]))
     return [(torch.cat(out_ids[t]), torch.cat(out_g[t])) for t in range(t_count)]
+
+
+def dense_dp_tables(lay: TBELayout, max_elems: int = DENSE_DP_MAX_ELEMS) -> list[int]:
+    """The DP tables whose gradients are summed as dense blocks (``gather_dp_grads_dense``): the
+    ones of at most ``max_elems`` rows x dim, in table order. A function of the layout alone, so
+    every rank agrees without a word."""
+    return [t for t, (r, d) in enumerate(zip(lay.rows, lay.dims)) if r * d <= max_elems]
+
+
+def gather_dp_grads_dense(
+    lay: TBELayout,
+    tables: Sequence[int],
+    grads: list[tuple[int, Tensor, Tensor]],
+    world: int,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """Per table of ``tables``: (sorted ids any rank touched, their gradient summed over ranks),
+    from one all-gather of a float32 buffer holding each table's dense [rows, dim] gradient of
+    this rank's touched rows (``grads``: ``row_grads``' sorted distinct ids and sums) and a
+    per-row touch mark. Every rank adds the buffers to zero in rank order: a row's sum is then
+    bitwise ``gather_dp_grads``' (its pairs added to zero in rank order; an untouched rank adds
+    +0.0), so the update is the same and replicas stay equal.
+    (Not an all-reduce: gloo's has a slow tail on small buffers here, and its order is its own.)"""
+    mine = {t: (ids, g) for t, ids, g in grads}
+    sizes = [lay.rows[t] * (lay.dims[t] + 1) for t in tables]
+    dev = next((g.device for _, g in mine.values()), torch.device("cpu"))
+    buf = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
+    parts = torch.split(buf, sizes)
+    for t, part in zip(tables, parts):
+        if t in mine and mine[t][0].numel():
+            ids, g = mine[t]
+            r, d = lay.rows[t], lay.dims[t]
+            part[: r * d].view(r, d).index_copy_(0, ids, g.to(torch.float32))
+            part[r * d :].index_fill_(0, ids, 1.0)
+    every = [buf]
+    if world > 1:
+        every = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(every, buf, group=group)
+        stats.add("dp_allgather", (world - 1) * 4 * buf.numel())
+    # From zero, as the fused update adds pairs: a zero partial sum is +0.0, so an untouched
+    # rank's +0.0 changes nothing and the sums are bitwise the pairs'.
+    buf = torch.zeros_like(buf)
+    for other in every:
+        buf += other
+    parts = torch.split(buf, sizes)
+    out: dict[int, tuple[Tensor, Tensor]] = {}
+    for t, part in zip(tables, parts):
+        r, d = lay.rows[t], lay.dims[t]
+        ids = torch.nonzero(part[r * d :]).view(-1)
+        out[t] = (ids, part[: r * d].view(r, d).index_select(0, ids))
+    return out
 
 
 def dp_bounds(mine: tuple[int, ...], world: int, host_group: dist.ProcessGroup | None) -> list[int]:

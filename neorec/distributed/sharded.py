@@ -40,8 +40,10 @@ from neorec.distributed.cw_rowwise import build_cw_groups, update_with_cw_rowwis
 from neorec.distributed.input_dist import InputDist, LocalInput, _Unit
 from neorec.distributed.replicas import (
     Replicas,
+    dense_dp_tables,
     dp_bounds,
     gather_dp_grads,
+    gather_dp_grads_dense,
     gather_dp_grads_padded,
 )
 from neorec.errors import ConfigError
@@ -58,7 +60,7 @@ from neorec.ops.tbe import (
     tbe_lookup,
 )
 from neorec.ops.tbe_checks import on_device
-from neorec.sharding.types import Shard, ShardingPlan, ShardingType
+from neorec.sharding.types import DENSE_DP_MAX_ELEMS, Shard, ShardingPlan, ShardingType
 from neorec.sparse import SparseFeatures
 
 __all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
@@ -134,6 +136,9 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         self.dp_codec: Codec | None = None
         """Wire codec of data-parallel tables' (id, row gradient) all-gather (``comm.allreduce``):
         every rank, the sender included, decodes the same bytes, so replicas stay identical."""
+        self.dp_dense_max_elems = DENSE_DP_MAX_ELEMS
+        """Data-parallel tables of at most this many rows x dim are summed as dense blocks in one
+        all-gather (without a codec); larger ones exchange (id, row) pairs. 0: pairs for all."""
         self._staged: list[tuple[SparseFeatures, Chain[LocalInput]]] = []
 
     def add_update_hook(self, hook: UpdateHook) -> None:
@@ -362,8 +367,9 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
     def _dp_update(self, local: LocalInput, grad: Tensor) -> None:
         """Sum row gradients over ranks (rank order), then the fused optimizer on touched rows.
 
-        Ranks exchange only the rows their batch touched (ids + summed gradients, all-gathered);
-        every rank adds the contributions to zero in rank order, so replicas stay bitwise equal.
+        Ranks exchange the rows their batch touched: small tables as dense blocks (one
+        all-gather), larger ones as ids + summed gradients (all-gathered). Every rank adds the
+        contributions to zero in rank order, so replicas stay bitwise equal.
         """
         assert self.dp is not None
         lay = self.dp.layout
@@ -375,10 +381,18 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
             self.backend, lay, local.dp_indices, local.dp_offsets, local.dp_weights,
             PoolingMode.SUM, grad,
         )  # fmt: skip
-        per_table = gather_dp_grads(
-            lay, grads, self.dp_codec, self.world, self.group, self.stats, self.device,
-            self._host_group,
-        )  # fmt: skip
+        # Small tables as dense blocks in one all-gather, the rest as (id, row) pairs; a codec
+        # (``comm.allreduce``) encodes pairs, so with one every table goes as pairs.
+        dense = dense_dp_tables(lay, self.dp_dense_max_elems) if self.dp_codec is None else []
+        per_table: list[tuple[Tensor, Tensor]] = []
+        if len(dense) < lay.num_tables:
+            per_table = gather_dp_grads(
+                lay, [g for g in grads if g[0] not in dense], self.dp_codec, self.world,
+                self.group, self.stats, self.device, self._host_group,
+            )  # fmt: skip
+        if dense:
+            summed = gather_dp_grads_dense(lay, dense, grads, self.world, self.group, self.stats)
+            per_table = [summed[t] if t in summed else per_table[t] for t in range(lay.num_tables)]
         step = self._next_step("dp_step")
         # Every rank's (id, row sum) pairs in rank order, added per row in that order and
         # applied once: the fused update of the backend, over all DP tables in a call or a few.

@@ -80,10 +80,17 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "neorec"
 
 
-_SOURCES = ("csrc/tbe_cpu.c", "csrc/row_cache.c", "csrc/id_map.c", "csrc/exfm_losses.c")
+_SOURCES = (
+    "csrc/tbe_cpu.c",
+    "csrc/row_cache.c",
+    "csrc/id_map.c",
+    "csrc/exfm_losses.c",
+    "csrc/row_split.c",
+)
 """Compiled together into one library: the TBE kernel, the row cache's bookkeeping, the
-dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares) and an ExFM student's
-losses (``neorec.ops.exfm_losses``)."""
+dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares), an ExFM student's
+losses (``neorec.ops.exfm_losses``) and the row-range split of row-split tables' ids
+(``neorec.ops.row_split``)."""
 
 
 def _source() -> str:

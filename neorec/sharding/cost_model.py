@@ -25,7 +25,9 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   Adagrad all-gather per-row sums of squares in their slices' subgroup (one collective per set of
   owner ranks, shared by the tables it owns).
   Data-parallel tables look up the rank's own samples, then all-gather every rank's (row id, row
-  gradient sum) pairs and add them in rank order before the update (no dense all-reduce).
+  gradient sum) pairs and add them in rank order before the update; tables of at most
+  ``DENSE_DP_MAX_ELEMS`` rows x dim instead all-gather a dense block of the table's gradient (and
+  a touch mark per row), one all-gather for all of them, and update the batch's distinct rows.
 - sample side (the same on every rank): each rank sends its ids and receives pooled outputs of
   every sharded table; row-split tables multiply the outputs, column-wise ones the ids; row-split
   tables (RW, TWRW) first bucketize the rank's ids by row range (``row_split_bw_gbs``); plus the
@@ -70,9 +72,11 @@ from neorec.sharding.tables import (
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     CACHED_STORAGES,
+    DENSE_DP_MAX_ELEMS,
     Shard,
     ShardingPlan,
     ShardingType,
+    TablePlan,
 )
 
 __all__ = [
@@ -86,6 +90,7 @@ __all__ = [
     "load_tables",
     "tables_from_config",
     "distinct_rows",
+    "dense_dp",
     "cache_hit_rates",
     "cache_rows",
     "ID_DISTRIBUTIONS",
@@ -97,6 +102,12 @@ kernel's sort of the ids into distinct rows, and the index tensors of every gath
 the torch update (its time shrinks far less than its row bytes for narrow rows)."""
 _ZIPF_HEAD = 64  # ranks summed exactly; the tail is integrated (as neorec.data.ids samples it)
 _ZIPF_GRID = 96  # trapezoid points of the tail integral over log(rank)
+
+
+def dense_dp(table: TableSpec | TablePlan) -> bool:
+    """Whether a data-parallel ``table`` is summed over ranks as a dense block (the runtime's
+    rule, ``DENSE_DP_MAX_ELEMS``) rather than as (id, row) pairs."""
+    return table.rows * table.dim <= DENSE_DP_MAX_ELEMS
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -485,13 +496,23 @@ class CostModel:
         if dp:
             # Per-id grads summed per row by the kernel, (ids, row sums) all-gathered from every
             # rank, then the kernel's fused update over those pairs: they are added per row in
-            # rank order and the batch's distinct rows updated once.
-            merged = w * touched  # gathered (id, row sum) pairs this rank adds up
+            # rank order and the batch's distinct rows updated once. A small table gathers dense
+            # blocks instead (its rows x (dim + 1) floats from every rank, added), then updates
+            # one pair per distinct row.
             glob = distinct_rows(table.rows, b * table.pooling_factor, alpha)
+            if dense_dp(table):
+                block = table.rows * (cols + 1) * 4.0
+                merged = glob  # one (id, summed row) pair per distinct row
+                pairs = w * block  # gathered blocks this rank adds up
+                extra = (w + 1) * block  # written, added, read back
+            else:
+                merged = w * touched  # gathered (id, row sum) pairs this rank adds up
+                pairs = merged * (self.id_bytes + cols * c4)
+                extra = 0.0
             rows_b, grad_b = self.update_bytes(table, glob, cols, out_rows + hits + merged)
             ids_b = _UNFUSED_ID_WORDS * self.id_bytes * (hits + merged + glob)
-            bwd = (rows_b + grad_b + ids_b) / (self.topo.dp_update_bw_gbs * GB) + 2 * overhead
-            pairs = merged * (self.id_bytes + cols * c4)
+            bwd = (rows_b + grad_b + ids_b + extra) / (self.topo.dp_update_bw_gbs * GB)
+            bwd += 2 * overhead
             ii, ie = self._a2a_s(pairs)
             fwd_comm, bwd_comm = 0.0, ii + ie
             inter = ie
@@ -559,11 +580,14 @@ class CostModel:
         intra, inter = self._a2a_s(ids + outs)
         return intra + inter + split
 
-    def fixed_s(self, sharded: bool = True, data_parallel: bool = False) -> float:
+    def fixed_s(
+        self, sharded: bool = True, data_parallel: bool = False, dense_dp: bool = False
+    ) -> float:
         """Per-step latency of the embedding collectives (same on every rank): ~6 with sharded
         tables (lengths, ids, outputs, grads), 3 all-gathers (counts, ids, row sums) with
-        data-parallel tables; plus the step's fixed host overhead."""
-        n = (6 if sharded else 0) + (3 if data_parallel else 0)
+        data-parallel tables that exchange pairs (``data_parallel``), 1 with small ones summed
+        as dense blocks (``dense_dp``); plus the step's fixed host overhead."""
+        n = (6 if sharded else 0) + (3 if data_parallel else 0) + (1 if dense_dp else 0)
         overhead = self.topo.step_overhead_us if n else 0.0
         return (n * self.topo.collective_latency_us + overhead) * 1e-6
 
@@ -574,8 +598,10 @@ class CostModel:
         ranks = [RankCost(r) for r in range(plan.world_size)]
         types = {t.sharding_type for t in plan.tables}
         sharded = any(t is not ShardingType.DATA_PARALLEL for t in types)
-        dp = ShardingType.DATA_PARALLEL in types
-        sample = self.fixed_s(sharded, dp)
+        dp_dense = {
+            dense_dp(tp) for tp in plan.tables if tp.sharding_type is ShardingType.DATA_PARALLEL
+        }
+        sample = self.fixed_s(sharded, False in dp_dense, True in dp_dense)
         cw_sets: set[tuple[int, ...]] = set()
         for tp in plan.tables:
             spec = specs.get(tp.name)

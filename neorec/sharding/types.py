@@ -44,6 +44,7 @@ __all__ = [
     "PLAN_FORMAT_VERSION",
     "split_evenly",
     "data_parallel",
+    "DENSE_DP_MAX_ELEMS",
     "table_wise",
     "row_wise",
     "column_wise",
@@ -506,6 +507,13 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
         out.append((pos, pos + size))
         pos += size
     return out
+
+
+DENSE_DP_MAX_ELEMS = 1 << 18
+"""A data-parallel table of at most this many elements (rows x dim, 1 MiB of float32) has its
+gradient summed over ranks as a dense block (``neorec.distributed.replicas``: one all-gather for
+every such table of a step, no row counts exchanged first); larger ones exchange their touched
+rows. The cost model prices the two the same way the runtime picks them."""
 
 
 def data_parallel(table: TableLike, world_size: int, storage: str = "device") -> TablePlan:
