@@ -10,8 +10,7 @@ from dist_util import run_ranks
 from neorec.config import TableConfig
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
-from neorec.sharding.cost_model import dense_dp
-from neorec.sharding.types import DENSE_DP_MAX_ELEMS, plan_by_type
+from neorec.sharding.types import DENSE_DP_MAX_ELEMS, dense_dp, plan_by_type
 from neorec.sparse import SparseFeatures
 
 # a, b: dense blocks by default; c: larger than DENSE_DP_MAX_ELEMS, so (id, row) pairs.
@@ -90,7 +89,7 @@ def test_cost_model_prices_the_rule_the_runtime_uses() -> None:
 
     small = TableSpec(name="s", rows=2000, dim=64, pooling_factor=5)
     big = TableSpec(name="g", rows=DENSE_DP_MAX_ELEMS // 64 + 1, dim=64, pooling_factor=5)
-    assert dense_dp(small) and not dense_dp(big)
+    assert dense_dp(small.rows, small.dim) and not dense_dp(big.rows, big.dim)
     cm = CostModel(Topology(world_size=2, ranks_per_host=2), 4096, "rowwise_adagrad")
     c = cm.shard_cost(small, ShardingType.DATA_PARALLEL, small.rows, small.dim)
     ii, ie = cm._a2a_s(2 * small.rows * (small.dim + 1) * 4.0)

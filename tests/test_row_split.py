@@ -62,5 +62,8 @@ def test_split_refuses_bad_starts_and_lengths() -> None:
     for fn in (split_rows_torch, lambda *a: split_rows_native(lib, *a)):
         with pytest.raises(ValueError, match="ascending"):
             fn(vals, lengths, [0, 6, 3])
-    with pytest.raises(ValueError, match="add up to 4, not 3"):
+    with pytest.raises(ValueError, match="add up to 3 ids; they add up to 4"):
         split_rows_native(lib, vals, torch.tensor([2, 2]), [0, 6])
+    # Negative lengths that still add up to n would send a bag past the ids: refused.
+    with pytest.raises(ValueError, match=r"min -2\) must be non-negative"):
+        split_rows_native(lib, vals, torch.tensor([5, -2]), [0, 6])

@@ -17,7 +17,7 @@ from neorec.modules.embedding import init_rows
 from neorec.ops.memory import table_empty
 from neorec.ops.padded_rows import PaddedRows
 from neorec.ops.tbe import TBELayout
-from neorec.sharding.types import DENSE_DP_MAX_ELEMS
+from neorec.sharding.types import DENSE_DP_MAX_ELEMS, dense_dp
 
 __all__ = [
     "Replicas",
@@ -121,7 +121,7 @@ def dense_dp_tables(lay: TBELayout, max_elems: int = DENSE_DP_MAX_ELEMS) -> list
     """The DP tables whose gradients are summed as dense blocks (``gather_dp_grads_dense``): the
     ones of at most ``max_elems`` rows x dim, in table order. A function of the layout alone, so
     every rank agrees without a word."""
-    return [t for t, (r, d) in enumerate(zip(lay.rows, lay.dims)) if r * d <= max_elems]
+    return [t for t, (r, d) in enumerate(zip(lay.rows, lay.dims)) if dense_dp(r, d, max_elems)]
 
 
 def gather_dp_grads_dense(

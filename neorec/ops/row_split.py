@@ -80,7 +80,10 @@ def split_rows_native(
         counts.data_ptr(),
     )  # fmt: skip
     if rc != 0:
-        raise ValueError(f"split_rows: the lengths add up to {int(lengths.sum())}, not {n} ids")
+        raise ValueError(
+            f"split_rows: the lengths (min {int(lengths.min()) if b else 0}) must be "
+            f"non-negative and add up to {n} ids; they add up to {int(lengths.sum())}"
+        )
     sizes = counts.sum(1).tolist()
     pieces = list(torch.split(out, sizes))
     wpieces = list(torch.split(out_w, sizes)) if out_w is not None else None

@@ -26,7 +26,7 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   owner ranks, shared by the tables it owns).
   Data-parallel tables look up the rank's own samples, then all-gather every rank's (row id, row
   gradient sum) pairs and add them in rank order before the update; tables of at most
-  ``DENSE_DP_MAX_ELEMS`` rows x dim instead all-gather a dense block of the table's gradient (and
+  ``DENSE_DP_MAX_ELEMS`` rows x dim (``types.dense_dp``) instead all-gather a dense block of the table's gradient (and
   a touch mark per row), one all-gather for all of them, and update the batch's distinct rows.
 - sample side (the same on every rank): each rank sends its ids and receives pooled outputs of
   every sharded table; row-split tables multiply the outputs, column-wise ones the ids; row-split
@@ -72,11 +72,10 @@ from neorec.sharding.tables import (
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     CACHED_STORAGES,
-    DENSE_DP_MAX_ELEMS,
     Shard,
     ShardingPlan,
     ShardingType,
-    TablePlan,
+    dense_dp,
 )
 
 __all__ = [
@@ -90,7 +89,6 @@ __all__ = [
     "load_tables",
     "tables_from_config",
     "distinct_rows",
-    "dense_dp",
     "cache_hit_rates",
     "cache_rows",
     "ID_DISTRIBUTIONS",
@@ -102,12 +100,6 @@ kernel's sort of the ids into distinct rows, and the index tensors of every gath
 the torch update (its time shrinks far less than its row bytes for narrow rows)."""
 _ZIPF_HEAD = 64  # ranks summed exactly; the tail is integrated (as neorec.data.ids samples it)
 _ZIPF_GRID = 96  # trapezoid points of the tail integral over log(rank)
-
-
-def dense_dp(table: TableSpec | TablePlan) -> bool:
-    """Whether a data-parallel ``table`` is summed over ranks as a dense block (the runtime's
-    rule, ``DENSE_DP_MAX_ELEMS``) rather than as (id, row) pairs."""
-    return table.rows * table.dim <= DENSE_DP_MAX_ELEMS
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -500,7 +492,7 @@ class CostModel:
             # blocks instead (its rows x (dim + 1) floats from every rank, added), then updates
             # one pair per distinct row.
             glob = distinct_rows(table.rows, b * table.pooling_factor, alpha)
-            if dense_dp(table):
+            if dense_dp(table.rows, table.dim):
                 block = table.rows * (cols + 1) * 4.0
                 merged = glob  # one (id, summed row) pair per distinct row
                 pairs = w * block  # gathered blocks this rank adds up
@@ -599,7 +591,9 @@ class CostModel:
         types = {t.sharding_type for t in plan.tables}
         sharded = any(t is not ShardingType.DATA_PARALLEL for t in types)
         dp_dense = {
-            dense_dp(tp) for tp in plan.tables if tp.sharding_type is ShardingType.DATA_PARALLEL
+            dense_dp(tp.rows, tp.dim)
+            for tp in plan.tables
+            if tp.sharding_type is ShardingType.DATA_PARALLEL
         }
         sample = self.fixed_s(sharded, False in dp_dense, True in dp_dense)
         cw_sets: set[tuple[int, ...]] = set()

@@ -45,6 +45,7 @@ __all__ = [
     "split_evenly",
     "data_parallel",
     "DENSE_DP_MAX_ELEMS",
+    "dense_dp",
     "table_wise",
     "row_wise",
     "column_wise",
@@ -514,6 +515,12 @@ DENSE_DP_MAX_ELEMS = 1 << 18
 gradient summed over ranks as a dense block (``neorec.distributed.replicas``: one all-gather for
 every such table of a step, no row counts exchanged first); larger ones exchange their touched
 rows. The cost model prices the two the same way the runtime picks them."""
+
+
+def dense_dp(rows: int, dim: int, max_elems: int = DENSE_DP_MAX_ELEMS) -> bool:
+    """Whether a data-parallel table of ``rows`` x ``dim`` is summed over ranks as a dense block
+    rather than as (id, row) pairs: the one rule the runtime and the cost model both follow."""
+    return rows * dim <= max_elems
 
 
 def data_parallel(table: TableLike, world_size: int, storage: str = "device") -> TablePlan:

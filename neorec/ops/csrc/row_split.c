@@ -26,11 +26,15 @@ static inline int64_t rs_bucket(int64_t v, const int64_t *starts, int64_t k) {
     return lo;
 }
 
-/* Returns 0; -1 when the lengths do not add up to n (nothing written past the buffers). */
+/* Returns 0; -1 when a length is negative or they do not add up to n (nothing read or written
+ * past the buffers). */
 int64_t rs_split(const int64_t *vals, const float *w, int64_t n, const int64_t *lengths, int64_t b,
                  const int64_t *starts, int64_t k, int64_t *out, float *out_w, int64_t *counts) {
     int64_t total = 0;
-    for (int64_t i = 0; i < b; i++) total += lengths[i];
+    for (int64_t i = 0; i < b; i++) {
+        if (lengths[i] < 0) return -1;
+        total += lengths[i];
+    }
     if (total != n) return -1;
     for (int64_t j = 0; j < k * b; j++) counts[j] = 0;
     int64_t p = 0;
