@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-isa lint bench-op bench-step clean
+.PHONY: install run test test-isa test-shm lint bench-op bench-step clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ test-isa: $(STAMP)
 	  echo "== bitwise tests under ATEN_CPU_CAPABILITY=$$cap"; \
 	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest tests -m bitwise $(PYTEST_ARGS) || exit 1; \
 	done
+
+# The distributed tests again with the default group's all-to-alls and all-gathers through shared
+# memory (neorec.distributed.shm; ~2.5 min). Training's embedding group uses it by default.
+SHM_TESTS = distributed dp_dense codecs columns sptt towers dynamic_sharded checkpoint_dist shm_transport
+test-shm: $(STAMP)
+	NEOREC_TEST_TRANSPORT=shm $(BIN)/python -m pytest $(SHM_TESTS:%=tests/test_%.py) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -113,11 +113,13 @@ def _train_distributed(cfg: Any) -> int:
     """
     import torch.distributed as dist
 
+    from neorec.distributed.comm import close_host_transports
     from neorec.launch import init_rank_group
     from neorec.train.trainer import train
 
     init_rank_group(cfg.train.device, cfg.train.collective_timeout_s)  # nccl on cuda, else gloo
     train(cfg)
+    close_host_transports()
     dist.destroy_process_group()
     return 0
 

@@ -368,8 +368,10 @@ def init_rank_group(device: str, timeout_s: float) -> str:
 
     from neorec.config.run import TrainConfig
     from neorec.distributed.comm import process_group_backend, rank_device
+    from neorec.ops.memory import keep_freed_heap
 
     TrainConfig(device=device).check_device()
+    keep_freed_heap()  # no page faults on every step's buffers (ops.memory)
     backend = process_group_backend(device)
     if backend == "nccl":
         torch.cuda.set_device(rank_device(device))

@@ -15,10 +15,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from neorec.distributed.comm import process_group_backend
+from neorec.distributed.comm import (
+    close_host_transports,
+    init_host_transport,
+    process_group_backend,
+)
 
 DEVICE = os.environ.get("NEOREC_TEST_DEVICE", "cpu")
 """``train.device`` of the distributed tests' process groups."""
+TRANSPORT = os.environ.get("NEOREC_TEST_TRANSPORT", "gloo")
+"""All-to-alls of the default group: ``gloo``, or ``shm`` (``neorec.distributed.shm``) to run
+the distributed tests over shared memory (``make test-shm``)."""
 
 
 def free_port() -> int:
@@ -34,6 +41,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    if backend == "gloo" and TRANSPORT != "gloo":
+        init_host_transport(TRANSPORT, timeout_s=60.0)
     try:
         fn(rank, world, *args)
         # Every rank done (its collectives and their threads finished) before any group goes.
@@ -43,6 +52,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         raise
     finally:
         gc.collect()
+        close_host_transports()
         dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -53,3 +54,19 @@ def test_large_table_is_faulted_in_as_huge_pages() -> None:
     # The kernel may fall back to small pages under fragmentation; most of the table is huge.
     assert _anon_huge_kb() - before >= 128 * 1024, "table not backed by huge pages"
     del t
+
+
+def test_keep_freed_heap_sets_glibc_thresholds_or_says_it_did_not() -> None:
+    import platform
+    import subprocess
+    import sys
+
+    code = "from neorec.ops.memory import keep_freed_heap; print(keep_freed_heap())"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**os.environ, "NEOREC_KEEP_HEAP": "0"}
+    off = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert on.stdout.strip() == str(glibc)
+    assert off.stdout.strip() == "False"

@@ -48,6 +48,8 @@ from neorec.bench.calibrate_learned import (
     _refit,
     calibrate_learned,
 )
+from neorec.distributed.comm import close_host_transports, init_host_transport
+from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.topology import GB, Topology
 
 __all__ = [
@@ -393,7 +395,9 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    keep_freed_heap()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    init_host_transport()
 
     def run(per_peer: int) -> float:
         send = torch.zeros(per_peer * world)
@@ -444,6 +448,7 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
                 "a2a_gbs": off_rank / max(big - small, 1e-9) / GB,
             }
         )
+    close_host_transports()
     dist.destroy_process_group()
 
 

@@ -28,7 +28,9 @@ import torch.multiprocessing as mp
 
 from neorec.bench.step import make_batches
 from neorec.config import CommConfig, load_config
+from neorec.distributed.comm import TRANSPORTS, close_host_transports, init_host_transport
 from neorec.distributed.model_parallel import DistributedModel, sharded_ebc_from_config
+from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import make_dense_optimizer, train_step
@@ -68,6 +70,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--fp8-scaling", default="row", choices=["row", "tensor"])
     p.add_argument(
+        "--transport",
+        default=os.environ.get("NEOREC_TRANSPORT", "auto"),
+        choices=list(TRANSPORTS),
+        help="the all-to-alls: auto (shared memory on one host), shm, or gloo "
+        "(default: $NEOREC_TRANSPORT, else auto)",
+    )
+    p.add_argument(
         "--pipelines", default="overlapped", help="comma-separated: overlapped, sequential"
     )
     p.add_argument("--json-out", default="", help="also write the results here")
@@ -103,11 +112,13 @@ def _plan(cfg, kind: str, world: int, rph: int):
     return plan_by_type(tables, world, rph, "table_wise", types)
 
 
-def _comm(spec: str, fp8_scaling: str) -> CommConfig:
+def _comm(spec: str, fp8_scaling: str, transport: str = "auto") -> CommConfig:
     """``fwd/bwd/allreduce`` or one codec name for all three."""
     parts = spec.split("/")
     fwd, bwd, ar = parts if len(parts) == 3 else parts * 3
-    return CommConfig(forward=fwd, backward=bwd, allreduce=ar, fp8_scaling=fp8_scaling)
+    return CommConfig(
+        forward=fwd, backward=bwd, allreduce=ar, fp8_scaling=fp8_scaling, transport=transport
+    )
 
 
 def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dict:
@@ -215,7 +226,9 @@ def _rank(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    keep_freed_heap()  # as a training rank does (launch.init_rank_group)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    used = init_host_transport(a.transport)
     cfg = _config(a)
     batches = make_batches(cfg, 4, a.alpha)
     rows = []
@@ -224,16 +237,23 @@ def _rank(
     embedding_only = getattr(a, "embedding_only", False)
     for kind, plan in plans:
         for spec in a.codecs.split(","):
-            cfg.comm = _comm(spec, a.fp8_scaling)
+            cfg.comm = _comm(spec, a.fp8_scaling, a.transport)
             if embedding_only:
                 row = measure_embedding(cfg, plan, batches, rank, world, a)
-                rows.append({"type": kind, "codecs": spec, "pipeline": "embedding_only", **row})
+                rows.append(
+                    {"type": kind, "codecs": spec, "pipeline": "embedding_only", **row}
+                    | {"transport": used}
+                )
                 continue
             for pipeline in a.pipelines.split(","):
                 row = _measure(cfg, plan, pipeline, batches, rank, world, a)
-                rows.append({"type": kind, "codecs": spec, "pipeline": pipeline, **row})
+                rows.append(
+                    {"type": kind, "codecs": spec, "pipeline": pipeline, **row}
+                    | {"transport": used}
+                )
     if rank == 0:
         q.put(rows)
+    close_host_transports()
     dist.destroy_process_group()
 
 
@@ -260,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         + "".join(f"{n:>16}" for n in names)
     )
     print(
-        f"bench dist: {a.nproc} gloo ranks, {a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
+        f"bench dist: {a.nproc} gloo ranks (all-to-alls: {rows[0]['transport'] if rows else '-'}), "
+        f"{a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
         f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}; bytes per step, all ranks"
     )
     print(head)
@@ -332,7 +353,9 @@ def _jobs_rank(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    keep_freed_heap()  # as a training rank does (launch.init_rank_group)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    init_host_transport()
     rows = []
     t_start = time.time()
     built: dict[str, dict] = {}  # this block's placements, built once, stepped in each pass
@@ -373,6 +396,7 @@ def _jobs_rank(
     built.clear()
     if rank == 0:
         q.put(rows)
+    close_host_transports()
     dist.destroy_process_group()
 
 

@@ -396,6 +396,10 @@ class CommConfig:
     loss_scale: float = field(default=0.0, metadata=rule(0, 3.4e38))
     """fp16/fp8 gradients (backward, allreduce): 0 = a power-of-two scale per message from its
     largest value (cannot overflow); > 0 = this fixed factor (overflow is an error)."""
+    transport: str = field(default="auto", metadata=rule(choices=("auto", "shm", "gloo")))
+    """All-to-alls between ranks on CPU: ``auto`` = through shared memory when every rank is on
+    one host (``neorec.distributed.shm``; same bytes as gloo, without its socket round trips),
+    else gloo; ``shm`` = shared memory or an error at start; ``gloo`` = always the process group."""
 
     def __post_init__(self) -> None:
         check_fields(self, "comm")

@@ -4,6 +4,7 @@ vectors, deterministic all-reduce and reduce-scatter built from collectives ever
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from neorec.distributed.shm import HostTransport
 from neorec.sparse import SparseFeatureError
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ __all__ = [
     "Chain",
     "CommStats",
     "all_to_all",
+    "all_gather",
     "coded_all_to_all",
     "coded_all_reduce",
     "AllToAllPooled",
@@ -35,6 +38,10 @@ __all__ = [
     "unit_major_order",
     "process_group_backend",
     "rank_device",
+    "TRANSPORTS",
+    "init_host_transport",
+    "close_host_transports",
+    "host_transport",
 ]
 
 T = TypeVar("T")
@@ -172,6 +179,18 @@ def all_to_all(
     if world == 1:
         recv.copy_(send)
         return Done(recv)
+    host = _HOST.get(_group_key(group))
+    if host is not None:
+        read = host.all_to_all(send, send_splits, recv_splits)
+
+        def finish_host() -> Tensor:
+            t0 = time.perf_counter()
+            got = read()
+            if stats is not None:
+                stats.waited(name, time.perf_counter() - t0)
+            return got
+
+        return Awaitable(finish_host)
     work = dist.all_to_all_single(
         recv, send.contiguous(), list(recv_splits), list(send_splits), group=group, async_op=True
     )
@@ -312,6 +331,30 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def all_gather(
+    t: Tensor, group: dist.ProcessGroup | None = None, sizes: Sequence[int] | None = None
+) -> list[Tensor]:
+    """Every rank's 1-D ``t`` in rank order; rank q's has ``sizes[q]`` elements (None: all as
+    many as ``t``). Through shared memory when ``group`` has a host transport, else gloo's
+    all-gather (of ``t`` padded to the largest size when the sizes differ)."""
+    world = dist.get_world_size(group)
+    t = t.reshape(-1)
+    sizes = [t.numel()] * world if sizes is None else [int(n) for n in sizes]
+    host = _HOST.get(_group_key(group))
+    if host is not None:
+        return host.all_gather(t, sizes)()
+    n = max(sizes) if sizes else 0
+    if all(k == n for k in sizes):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return parts
+    padded = torch.zeros(n, dtype=t.dtype, device=t.device)
+    padded[: t.numel()] = t
+    parts = [torch.empty(n, dtype=t.dtype, device=t.device) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:k] for p, k in zip(parts, sizes)]
+
+
 def ordered_all_reduce(
     t: Tensor, group: dist.ProcessGroup | None = None, stats: CommStats | None = None
 ) -> Tensor:
@@ -348,6 +391,61 @@ def reduce_scatter(
     for p in parts[1:]:
         out.add_(p)
     return out
+
+
+TRANSPORTS = ("auto", "shm", "gloo")
+"""``comm.transport`` / ``NEOREC_TRANSPORT``: ``auto`` = shared memory when every rank is on this
+host, else the process group; ``shm`` = shared memory or an error; ``gloo`` = the process group."""
+
+_HOST: dict[int, HostTransport] = {}
+_GROUPS: list[Any] = []  # the groups of _HOST's keys, kept alive so that their ids stay theirs
+
+
+def _group_key(group: dist.ProcessGroup | None) -> int:
+    return id(group if group is not None else dist.group.WORLD)
+
+
+def init_host_transport(
+    mode: str | None = None, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+) -> str:
+    """Route ``group``'s all-to-alls through shared memory (``neorec.distributed.shm``) when
+    ``mode`` allows and every rank is on this host. A collective over ``group``: every rank must
+    call it with the same mode. ``mode`` None reads ``NEOREC_TRANSPORT`` (default ``auto``).
+    Returns the transport the all-to-alls use: ``"shm"`` or the process group's backend."""
+    mode = mode if mode is not None else os.environ.get("NEOREC_TRANSPORT", "auto")
+    if mode not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {mode!r}")
+    backend = str(dist.get_backend(group))
+    key = _group_key(group)
+    if key in _HOST:
+        return "shm"
+    if mode == "gloo" or backend != "gloo" or dist.get_world_size(group) == 1:
+        if mode == "shm" and backend != "gloo":
+            raise ValueError(f"transport 'shm' needs the gloo backend, not {backend}")
+        return backend
+    host = HostTransport.create(group, timeout_s)
+    if host is None:
+        if mode == "shm":
+            raise ValueError(
+                "transport 'shm' needs every rank on this host, /dev/shm and a C compiler"
+            )
+        return backend
+    _HOST[key] = host
+    _GROUPS.append(group if group is not None else dist.group.WORLD)
+    return "shm"
+
+
+def close_host_transports() -> None:
+    """Forget every shared-memory transport (before the process group is destroyed)."""
+    for host in _HOST.values():
+        host.close()
+    _HOST.clear()
+    _GROUPS.clear()
+
+
+def host_transport(group: dist.ProcessGroup | None = None) -> HostTransport | None:
+    """The shared-memory transport of ``group``, if ``init_host_transport`` set one up."""
+    return _HOST.get(_group_key(group))
 
 
 def process_group_backend(device: str) -> str:

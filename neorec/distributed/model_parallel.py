@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from neorec.config import Config, ConfigError
 from neorec.distributed.codecs import Codec, make_codec
-from neorec.distributed.comm import CommStats, coded_all_reduce, rank_device
+from neorec.distributed.comm import CommStats, coded_all_reduce, init_host_transport, rank_device
 from neorec.distributed.dense_blocks import block_dense, exact_world, local_blocks
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.modules.dlrm import DenseArch, check_dense_input
@@ -74,6 +74,11 @@ class DistributedModel(nn.Module):
         self.stats = CommStats()
         # Embedding collectives get their own group so their order never interleaves with DDP's.
         emb_group = dist.new_group(backend=dist.get_backend()) if dist.is_initialized() else None
+        if emb_group is not None and group is None:
+            # On one host, their all-to-alls through shared memory (``comm.transport``).
+            init_host_transport(
+                cfg.comm.transport, emb_group, float(cfg.train.collective_timeout_s)
+            )
         torch.manual_seed(cfg.train.seed)  # same dense init as the unsharded DLRM
         from neorec.distributed.dynamic_reshard import has_dynamic, sharded_dynamic_from_config
 

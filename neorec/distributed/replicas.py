@@ -12,7 +12,7 @@ from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.distributed.codecs import Codec
-from neorec.distributed.comm import CommStats
+from neorec.distributed.comm import CommStats, all_gather, host_transport
 from neorec.modules.embedding import init_rows
 from neorec.ops.memory import table_empty
 from neorec.ops.padded_rows import PaddedRows
@@ -91,7 +91,11 @@ def gather_dp_grads(
 
     if world > 1:
         all_counts: list[list[int]] = [[] for _ in range(world)]
-        dist.all_gather_object(all_counts, counts, group=host_group or group)
+        if host_transport(host_group or group) is not None:  # one host: a CPU tensor
+            got = all_gather(torch.tensor(counts, dtype=torch.int64), host_group or group)
+            all_counts = [g.tolist() for g in got]
+        else:
+            dist.all_gather_object(all_counts, counts, group=host_group or group)
         n_ids = [sum(c) for c in all_counts]
         n_vals = [sum(block_sizes(c)) for c in all_counts]
         all_ids = all_gather_varlen(ids_flat, n_ids, group)
@@ -152,8 +156,7 @@ def gather_dp_grads_dense(
             part[r * d :].index_fill_(0, ids, 1.0)
     every = [buf]
     if world > 1:
-        every = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(every, buf, group=group)
+        every = all_gather(buf, group)
         stats.add("dp_allgather", (world - 1) * 4 * buf.numel())
     # From zero, as the fused update adds pairs: a zero partial sum is +0.0, so an untouched
     # rank's +0.0 changes nothing and the sums are bitwise the pairs'.
@@ -209,10 +212,8 @@ def gather_dp_grads_padded(
         )
         sizes = [codec.nbytes(n, d) if n else 0 for n, d in zip(bounds, dims)]
     if world > 1:
-        all_ids = [torch.empty_like(ids_flat) for _ in range(world)]
-        all_vals = [torch.empty_like(vals_flat) for _ in range(world)]
-        dist.all_gather(all_ids, ids_flat, group=group)
-        dist.all_gather(all_vals, vals_flat, group=group)
+        all_ids = all_gather(ids_flat, group)
+        all_vals = all_gather(vals_flat, group)
         item = 4 if codec is None else 1
         stats.add("dp_allgather", (world - 1) * (8 * ids_flat.numel() + item * vals_flat.numel()))
     else:
@@ -240,9 +241,4 @@ def gather_dp_grads_padded(
 
 def all_gather_varlen(t: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> list[Tensor]:
     """All-gather 1-D tensors of different lengths (``sizes`` known on every rank)."""
-    n = max(sizes) if sizes else 0
-    padded = torch.zeros(n, dtype=t.dtype, device=t.device)
-    padded[: t.numel()] = t
-    parts = [torch.empty(n, dtype=t.dtype, device=t.device) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [p[:k] for p, k in zip(parts, sizes)]
+    return all_gather(t, group, sizes)
