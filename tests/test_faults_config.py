@@ -263,6 +263,7 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "comm.allreduce": ("choice", ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")),
     "comm.fp8_scaling": ("choice", ("row", "tensor")),
     "comm.loss_scale": ("float", 0, False, 3.4e38),
+    "comm.transport": ("choice", ("auto", "shm", "gloo")),
     "lowp.mode": ("choice", ("off", "auto", "bf16", "fp16", "fp8")),
     "lowp.tolerance": ("float", 0, True, 1.0),
     "lowp.probe_steps": ("int", 1, 10_000),

@@ -26,6 +26,7 @@ import ctypes
 import mmap
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -97,7 +98,6 @@ class HostTransport:
     ) -> None:
         self.lib = lib
         self.control = control
-        self.ctl = torch.frombuffer(control.mm, dtype=torch.int64)
         self.prefix = prefix
         self.rank = rank
         self.world = world
@@ -112,7 +112,7 @@ class HostTransport:
         self._pending: dict[int, Callable[[], None]] = {}
         self._lock = threading.RLock()
         self.closed = False
-        self.ctl[rank * _STRIDE + _PID] = os.getpid()
+        self._put(rank, _PID, os.getpid())
 
     # -- setup -----------------------------------------------------------------------------
     @classmethod
@@ -225,10 +225,9 @@ class HostTransport:
             self._wait(_CONS, s - 2, f"read collective {s - 2}")
             own = self._slot_for(s, self.header + src.numel())
             base = (s % 2) * (own.size // 2)
-            hdr = own.bytes[base : base + 16 * w].view(torch.int64)
-            hdr.copy_(torch.tensor([self.header + o for o in offs] + nbytes, dtype=torch.int64))
+            struct.pack_into(f"{2 * w}q", own.mm, base, *[self.header + o for o in offs], *nbytes)
             own.bytes[base + self.header : base + self.header + src.numel()].copy_(src)
-            self.ctl[r * _STRIDE + _GEN0 + s % 2] = self._gen
+            self._put(r, _GEN0 + s % 2, self._gen)
             self.lib.shm_store(self._ctl_addr(r, _PUB), s)
 
             def read() -> None:
@@ -236,10 +235,10 @@ class HostTransport:
                 for j in range(w):
                     if j == r:
                         continue
-                    peer = self._peer(j, int(self.ctl[j * _STRIDE + _GEN0 + s % 2]))
+                    peer = self._peer(j, self._get(j, _GEN0 + s % 2))
                     pbase = (s % 2) * (peer.size // 2)
-                    ph = peer.bytes[pbase : pbase + 16 * w].view(torch.int64)
-                    off, n = int(ph[r]), int(ph[w + r])
+                    off = struct.unpack_from("q", peer.mm, pbase + 8 * r)[0]
+                    n = struct.unpack_from("q", peer.mm, pbase + 8 * (w + r))[0]
                     if n != dests[j].numel():
                         raise ShmTransportError(
                             f"shm {what} {s}: rank {j} sent {n} bytes to rank {r}, which "
@@ -257,6 +256,14 @@ class HostTransport:
         return finish
 
     # -- internals -------------------------------------------------------------------------
+    def _put(self, rank: int, field: int, value: int) -> None:
+        """A plain store of this rank's control field (ordered by the release store after it)."""
+        struct.pack_into("q", self.control.mm, 8 * (rank * _STRIDE + field), value)
+
+    def _get(self, rank: int, field: int) -> int:
+        """A control field as a Python int (read after the acquire load that ordered it)."""
+        return int(struct.unpack_from("q", self.control.mm, 8 * (rank * _STRIDE + field))[0])
+
     def _ctl_addr(self, rank: int, field: int) -> int:
         return int(self.control.addr + 8 * (rank * _STRIDE + field))
 
@@ -276,7 +283,7 @@ class HostTransport:
             )
             if late < 0:
                 return
-            pid = int(self.ctl[late * _STRIDE + _PID])
+            pid = self._get(late, _PID)
             if not _alive(pid):
                 raise ShmTransportError(
                     f"shm transport: rank {late} (pid {pid}) exited before it could {what}"
