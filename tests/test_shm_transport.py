@@ -192,31 +192,16 @@ def test_shm_dead_peer_is_reported_not_waited_for() -> None:
 
 def _train(rank: int, world: int, out: str) -> None:
     comm.close_host_transports()  # (make test-shm set one up for the world already)
-    from neorec.config import load_config
+    from pathlib import Path
+
+    from test_checkpoint_dist import PLAN_A, cfg_for
+
     from neorec.train.trainer import Trainer
 
     got = {}
     for transport in ("gloo", "auto"):
-        cfg = load_config(
-            overrides=[
-                "embedding.num_tables=4",
-                "embedding.rows=101",
-                "embedding.dim=8",
-                "model.bottom_mlp=[16, 8]",
-                "model.top_mlp=[16, 1]",
-                "data.batch_size=32",
-                "data.train_samples=320",
-                "data.eval_samples=64",
-                f"train.run_dir='{out}/{transport}'",
-                "train.progress=false",
-                "checkpoint.fsync=false",
-                "sharding.types.t0='data_parallel'",
-                "sharding.types.t1='column_wise'",
-                "sharding.types.t2='row_wise'",
-                "sharding.types.t3='table_wise'",
-                f"comm.transport='{transport}'",
-            ]
-        )
+        # Every sharding type: DP, CW (row-wise Adagrad across slices), RW, TW.
+        cfg = cfg_for(Path(out) / transport, PLAN_A, f"comm.transport='{transport}'")
         trainer = Trainer(cfg)
         result = trainer.fit()
         ebc = trainer.model.ebc
