@@ -41,9 +41,9 @@ def _messages(rank: int, world: int) -> None:
         # Three in flight before the first is awaited, awaited out of order.
         shm = [comm.all_to_all(send + k, send_splits, recv_splits) for k in range(3)]
         got = [shm[2].wait(), shm[0].wait(), shm[1].wait()]
-        comm._HOST.pop(comm._group_key(None))  # the same exchange through gloo
+        entry = comm._HOST.pop(comm._group_key(None))  # the same exchange through gloo
         ref = [comm.all_to_all(send + k, send_splits, recv_splits).wait() for k in range(3)]
-        comm._HOST[comm._group_key(None)] = host
+        comm._HOST[comm._group_key(None)] = entry
         for k, out in zip((2, 0, 1), got):
             assert out.dtype == dt
             assert torch.equal(out, ref[k]), (step, k)

@@ -179,29 +179,26 @@ def all_to_all(
     if world == 1:
         recv.copy_(send)
         return Done(recv)
-    host = _HOST.get(_group_key(group))
+    host = host_transport(group)
     if host is not None:
-        read = host.all_to_all(send, send_splits, recv_splits)
+        wait = host.all_to_all(send, send_splits, recv_splits, recv)
+    else:
+        work = dist.all_to_all_single(
+            recv, send.contiguous(), list(recv_splits), list(send_splits), group=group,
+            async_op=True,
+        )  # fmt: skip
 
-        def finish_host() -> Tensor:
-            t0 = time.perf_counter()
-            got = read()
-            if stats is not None:
-                stats.waited(name, time.perf_counter() - t0)
-            return got
-
-        return Awaitable(finish_host)
-    work = dist.all_to_all_single(
-        recv, send.contiguous(), list(recv_splits), list(send_splits), group=group, async_op=True
-    )
+        def wait() -> Tensor:
+            assert work is not None
+            work.wait()
+            return recv
 
     def finish() -> Tensor:
-        assert work is not None
         t0 = time.perf_counter()
-        work.wait()
+        got = wait()
         if stats is not None:
             stats.waited(name, time.perf_counter() - t0)
-        return recv
+        return got
 
     return Awaitable(finish)
 
@@ -340,7 +337,7 @@ def all_gather(
     world = dist.get_world_size(group)
     t = t.reshape(-1)
     sizes = [t.numel()] * world if sizes is None else [int(n) for n in sizes]
-    host = _HOST.get(_group_key(group))
+    host = host_transport(group)
     if host is not None:
         return host.all_gather(t, sizes)()
     n = max(sizes) if sizes else 0
@@ -397,8 +394,8 @@ TRANSPORTS = ("auto", "shm", "gloo")
 """``comm.transport`` / ``NEOREC_TRANSPORT``: ``auto`` = shared memory when every rank is on this
 host, else the process group; ``shm`` = shared memory or an error; ``gloo`` = the process group."""
 
-_HOST: dict[int, HostTransport] = {}
-_GROUPS: list[Any] = []  # the groups of _HOST's keys, kept alive so that their ids stay theirs
+_HOST: dict[int, tuple[Any, HostTransport]] = {}
+"""id(group) -> (the group, kept alive so that its id stays its own; its transport)."""
 
 
 def _group_key(group: dist.ProcessGroup | None) -> int:
@@ -430,22 +427,21 @@ def init_host_transport(
                 "transport 'shm' needs every rank on this host, /dev/shm and a C compiler"
             )
         return backend
-    _HOST[key] = host
-    _GROUPS.append(group if group is not None else dist.group.WORLD)
+    _HOST[key] = (group if group is not None else dist.group.WORLD, host)
     return "shm"
 
 
 def close_host_transports() -> None:
     """Forget every shared-memory transport (before the process group is destroyed)."""
-    for host in _HOST.values():
+    for _, host in _HOST.values():
         host.close()
     _HOST.clear()
-    _GROUPS.clear()
 
 
 def host_transport(group: dist.ProcessGroup | None = None) -> HostTransport | None:
     """The shared-memory transport of ``group``, if ``init_host_transport`` set one up."""
-    return _HOST.get(_group_key(group))
+    got = _HOST.get(_group_key(group))
+    return got[1] if got is not None else None
 
 
 def process_group_backend(device: str) -> str:

@@ -24,7 +24,6 @@ __all__ = [
     "gather_dp_grads",
     "gather_dp_grads_padded",
     "dp_bounds",
-    "all_gather_varlen",
     "dense_dp_tables",
     "gather_dp_grads_dense",
 ]
@@ -98,8 +97,8 @@ def gather_dp_grads(
             dist.all_gather_object(all_counts, counts, group=host_group or group)
         n_ids = [sum(c) for c in all_counts]
         n_vals = [sum(block_sizes(c)) for c in all_counts]
-        all_ids = all_gather_varlen(ids_flat, n_ids, group)
-        all_vals = all_gather_varlen(vals_flat, n_vals, group)
+        all_ids = all_gather(ids_flat, group, n_ids)
+        all_vals = all_gather(vals_flat, group, n_vals)
         item = 4 if codec is None else 1
         stats.add(
             "dp_allgather",
@@ -237,8 +236,3 @@ def gather_dp_grads_padded(
         (t, torch.cat(out_ids[t]), torch.cat(out_g[t]), torch.cat(out_ok[t]))
         for t in range(t_count)
     ]
-
-
-def all_gather_varlen(t: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> list[Tensor]:
-    """All-gather 1-D tensors of different lengths (``sizes`` known on every rank)."""
-    return all_gather(t, group, sizes)

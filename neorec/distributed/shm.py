@@ -160,10 +160,15 @@ class HostTransport:
 
     # -- the collective --------------------------------------------------------------------
     def all_to_all(
-        self, send: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+        self,
+        send: Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        recv: Tensor | None = None,
     ) -> Callable[[], Tensor]:
         """Write ``send`` (1-D, chunk q of ``send_splits[q]`` elements to rank q) and return a
-        function that waits for the peers and returns what they sent here."""
+        function that waits for the peers and returns what they sent here (in ``recv`` when
+        given: ``sum(recv_splits)`` elements of ``send``'s dtype)."""
         w, r = self.world, self.rank
         if len(send_splits) != w or len(recv_splits) != w:
             raise ShmTransportError(
@@ -184,7 +189,14 @@ class HostTransport:
         src = send.detach().contiguous().view(-1).view(torch.uint8)
         nbytes = [int(n) * esz for n in send_splits]
         offs = [sum(nbytes[:q]) for q in range(w)]
-        recv = torch.empty(int(sum(recv_splits)), dtype=send.dtype, device=send.device)
+        if recv is None:
+            recv = torch.empty(int(sum(recv_splits)), dtype=send.dtype, device=send.device)
+        if recv.dtype != send.dtype or recv.numel() != int(sum(recv_splits)):
+            raise ShmTransportError(
+                f"shm all-to-all: the receive buffer holds {recv.numel()} {recv.dtype}, the "
+                f"splits want {int(sum(recv_splits))} {send.dtype}"
+            )
+        out = recv
         rbytes = recv.view(torch.uint8)
         bounds = [0]
         for n in recv_splits:
@@ -192,7 +204,7 @@ class HostTransport:
         dests = [rbytes[bounds[q] : bounds[q + 1]] for q in range(w)]
         dests[r].copy_(src[offs[r] : offs[r] + nbytes[r]])
         read = self._start(src, offs, nbytes, dests, "all-to-all")
-        return lambda: (read(), recv)[1]
+        return lambda: (read(), out)[1]
 
     def all_gather(self, t: Tensor, sizes: Sequence[int]) -> Callable[[], list[Tensor]]:
         """Write ``t`` (1-D, ``sizes[rank]`` elements) once for every peer and return a function
