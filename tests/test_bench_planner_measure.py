@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import neorec.bench.dist as bench_dist
+import neorec.measure.jobs as measure_jobs
 from neorec.bench.planner_measure import PASSES, measure_tasks
 
 
@@ -39,7 +39,7 @@ def test_measure_counts_ties_and_measures_each_plan_once(
                         "comm_wait_ms": 0.0})  # fmt: skip
         return out
 
-    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
     batch = 2048 if kind == "pool" else None  # a mix draws its own batch
     assert (
         measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind, pool_batch=batch)
@@ -207,7 +207,7 @@ def test_measure_ceiling_picks_the_fastest_plan_of_all(
             for i, j in enumerate(jobs)
         ]  # fmt: skip
 
-    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
     assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical", ceiling=2) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["ceiling_k"] == 2
@@ -273,7 +273,7 @@ def test_planner_tune_measures_the_pick_again_next_to_the_model_pick(
             for i, j in enumerate(jobs)
         ]  # fmt: skip
 
-    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
     assert measure_tasks(2, repeats=2, seed=0, cost_model="analytical", tune=4, tune_rounds=2) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["planner_tune"] == 4 and data["model_pick_over_best_geomean"] > 0
@@ -325,7 +325,7 @@ def test_measure_copies_report_the_noise_floor(
             for i, j in enumerate(jobs)
         ]  # fmt: skip
 
-    monkeypatch.setattr(bench_dist, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
     assert measure_tasks(2, repeats=2, seed=0, cost_model="analytical", copies=2) == 0
     out = capsys.readouterr().out
     data = json.loads(out.strip().splitlines()[-1])

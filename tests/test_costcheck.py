@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from neorec.bench.calibrate import measure_row_split, measure_tbe, measure_unfused
 from neorec.bench.costcheck import main
+from neorec.measure.calibrate import measure_row_split, measure_tbe, measure_unfused
 from neorec.sharding.topology import Topology
 
 
@@ -96,7 +96,7 @@ def test_measure_unfused_and_row_split_small() -> None:
 
 
 def test_measure_dp_update_small() -> None:
-    from neorec.bench.calibrate import measure_dp_update
+    from neorec.measure.calibrate import measure_dp_update
 
     m = measure_dp_update(1, rows=1000, dim=8, tables=2, batch=32, pooling=2, ranks=3, repeat=2)
     assert m["dp_update_gbs"] > 0 and m["dp_update_ms"] > 0

@@ -63,7 +63,7 @@ def test_check_pair_accepts_a_vertical_student_and_refuses_a_vertical_fm() -> No
 
 
 def test_recalibrated_ne_undoes_a_constant_offset() -> None:
-    from neorec.train.metrics import binary_metrics
+    from neorec.metrics import binary_metrics
 
     g = torch.Generator().manual_seed(0)
     z = torch.randn(4000, generator=g, dtype=torch.float64)

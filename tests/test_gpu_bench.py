@@ -83,7 +83,7 @@ def test_device_campaign(tmp_path):
 
 # ---- GPU topology presets of the cost model -------------------------------------------------
 def _plan_ms(capsys, *argv: str) -> tuple[float, str]:
-    from neorec.sharding.commands import main as plan_main
+    from neorec.cli.plan import main as plan_main
 
     assert plan_main(["--config", "configs/default.toml", "--world-size", "16", *argv]) == 0
     out = capsys.readouterr().out
@@ -114,7 +114,7 @@ def test_plan_with_a_preset(capsys):
         ms[name], out = _plan_ms(capsys, "--topology-preset", name)
         assert out.startswith("SIMULATION") and "preset: 2 host(s) x 8 GPUs" in out
     assert ms["h100_nvlink"] < ms["a100_nvlink"] < ms["pcie"]
-    from neorec.sharding.commands import main as plan_main
+    from neorec.cli.plan import main as plan_main
 
     argv = ["--config", "configs/default.toml", "--world-size", "16"]
     assert plan_main([*argv, "--topology-preset", "nope"]) == 2

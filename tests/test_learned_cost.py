@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from faults import campaign
 
-from neorec.sharding.commands import main as plan_main
+from neorec.cli.plan import main as plan_main
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import (
     FEATURES,
@@ -317,8 +317,8 @@ def test_fit_needs_two_mixes() -> None:
 
 
 def test_calibration_is_bounded_in_time() -> None:
-    from neorec.bench.calibrate import calibrate_learned
-    from neorec.bench.dist import run_jobs
+    from neorec.measure.calibrate import calibrate_learned
+    from neorec.measure.jobs import run_jobs
 
     # A deadline already past: nothing is measured, no process spawned, a one-line error.
     t0 = time.time()

@@ -332,7 +332,7 @@ def test_speed_references_anchor_the_fit_and_the_prediction() -> None:
 def test_calibration_spawns_fresh_ranks_every_few_blocks() -> None:
     """Whole blocks per pair of rank processes (one pair for all of a 7-minute calibration
     slowed down as it went); every job in exactly one part, in order."""
-    from neorec.bench.calibrate_learned import SPAWN_BLOCKS, _spawn_parts
+    from neorec.measure.calibrate_learned import SPAWN_BLOCKS, _spawn_parts
 
     jobs = designed_jobs(Topology.local_cpu(2), 2, 2, 200, seed=5, repeats=3)
     parts = _spawn_parts(jobs, SPAWN_BLOCKS)

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from neorec.train.metrics import auc, binary_metrics, log_loss, normalized_entropy
+from neorec.metrics import auc, binary_metrics, log_loss, normalized_entropy
 
 
 def brute_auc(s, y):

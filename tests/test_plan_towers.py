@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 
-from neorec.sharding.commands import run_plan
+from neorec.cli.plan import run as run_plan
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner, PlanningError, plan_tables
 from neorec.sharding.topology import Topology

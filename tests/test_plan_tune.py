@@ -14,8 +14,8 @@ import pytest
 from test_learned_cost import _samples
 
 import neorec.sharding.planner_shortlist as shortlist_mod
-from neorec.bench.plan_tune import tune
-from neorec.sharding.commands import main as plan_main
+from neorec.cli.plan import main as plan_main
+from neorec.measure.plan_tune import tune
 from neorec.sharding.cost_model import TableSpec
 from neorec.sharding.learned_placements import fit
 from neorec.sharding.planner import Planner

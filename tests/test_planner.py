@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from neorec.sharding.commands import run_plan
+from neorec.cli.plan import run as run_plan
 from neorec.sharding.cost_model import CostModel, TableSpec, distinct_rows, load_tables
 from neorec.sharding.planner import Planner, PlanningError, format_report, plan_tables
 from neorec.sharding.topology import Topology

@@ -257,7 +257,7 @@ def test_cli_report_latest_and_a_cut_last_line(run, tmp_path, capsys):
         fh.write('{"step": 11, "loss": 0.')  # killed while writing
     n = len(report.read_events(copy))
     assert n == len(read_events(folder))
-    code = report.main(["latest", "--root", str(tmp_path / "runs"), "--html"])
+    code = cli_main(["report", "latest", "--root", str(tmp_path / "runs"), "--html"])
     assert code == 0, capsys.readouterr().err
     assert capsys.readouterr().out.split() == [
         "wrote",
@@ -309,7 +309,7 @@ def test_report_errors(run, tmp_path, monkeypatch, capsys):
     ]
     for name, argv, match in cases:
         C.expect_error(name, lambda a=argv: report.run_report(_args(a)), match)
-        code = report.main(argv)
+        code = cli_main(["report", *argv])
         err = capsys.readouterr().err.strip()
         if code != 2 or len(err.splitlines()) != 1 or not err.startswith("neorec: error: "):
             C.record(f"{name} (main)", "crash", f"exit {code}: {err!r}")
@@ -324,8 +324,6 @@ def test_report_errors(run, tmp_path, monkeypatch, capsys):
 
 
 def _args(argv: list[str]) -> Any:
-    import argparse
+    from neorec.cli import build_parser
 
-    p = argparse.ArgumentParser()
-    report.add_parser(p.add_subparsers())
-    return p.parse_args(["report", *argv])
+    return build_parser().parse_args(["report", *argv])

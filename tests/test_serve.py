@@ -20,10 +20,10 @@ from faults import campaign, judge_cli
 from test_trainer import tiny_cfg
 
 from neorec.checkpoint.format import seal_manifest
+from neorec.metrics import binary_metrics
 from neorec.serve import load_model, save_model
-from neorec.serve.commands import main
+from neorec.cli import main
 from neorec.serve.export import export_model
-from neorec.train.metrics import binary_metrics
 from neorec.train.trainer import Trainer, predict
 
 # Measured on the fixture's model (100 steps, 3 tables x 200 rows x dim 8; eval NE 0.9860):
@@ -403,7 +403,7 @@ def test_model_dir_faults(trained: SimpleNamespace, tmp_path: Path) -> None:
         ("cli: eval of a missing run", ["eval", "--model", str(tmp_path / "nope")]),
         ("cli: export into a busy dir", ["export", "--model", run, "--out", str(keep)]),
     ):
-        code = "import sys; from neorec.serve.commands import main; sys.exit(main(sys.argv[1:]))"
+        code = "import sys; from neorec.cli import main; sys.exit(main(sys.argv[1:]))"
         r = subprocess.run(
             [sys.executable, "-c", code, *argv],
             capture_output=True,
@@ -419,11 +419,7 @@ def test_model_dir_faults(trained: SimpleNamespace, tmp_path: Path) -> None:
 
 def main_raising(argv: list[str]) -> None:
     """The command's handler with its ``NeorecError`` left to the caller."""
-    import argparse
+    from neorec.cli import build_parser
 
-    from neorec.serve.commands import add_parsers
-
-    p = argparse.ArgumentParser(prog="neorec")
-    add_parsers(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.func(args)

@@ -431,7 +431,7 @@ def test_config_errors_are_config_errors(tmp_path: Path) -> None:
 def test_predict_cli_window_split_and_das(
     fms: SimpleNamespace, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from neorec.serve.commands import main
+    from neorec.cli import main
 
     cfg = stream_cfg(fms.tmp)
     ref = fms.tmp / "ref"

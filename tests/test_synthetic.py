@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from neorec.config import DataConfig, EmbeddingConfig, TableConfig
-from neorec.data.synthetic import SyntheticClickData, binary_metrics
+from neorec.data.synthetic import SyntheticClickData
+from neorec.metrics import binary_metrics
 
 
 def _tables() -> list[TableConfig]:

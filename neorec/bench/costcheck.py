@@ -14,7 +14,7 @@ also splits them). With a topology that carries a learned cost model fitted on t
 (``neorec plan --calibrate``), predictions are the learned model's (``--cost-model``), and the
 analytical model's errors on the same measurements are reported next to them (its baseline).
 
-The topology comes from ``--topology FILE`` or is calibrated here (``neorec.bench.calibrate``)
+The topology comes from ``--topology FILE`` or is calibrated here (``neorec.measure.calibrate``)
 once per round, just before the round measures every plan: on a shared host the load from other
 processes changes by tens of percent within minutes, so constants and steps are taken under the
 same load. ``--repeats`` rounds; predictions and measurements are medians over rounds (with the
@@ -38,7 +38,8 @@ import sys
 from typing import Any
 
 from neorec.bench import dist as bench_dist
-from neorec.bench.calibrate import calibrate
+from neorec.measure import jobs as measure_jobs
+from neorec.measure.calibrate import calibrate
 from neorec.sharding.cost_model import CostModel, tables_from_config
 from neorec.sharding.learned_cost import (
     COST_MODEL_MODES,
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         # One round: every plan, random plan and speed reference built once and measured in
         # --passes interleaved passes of --iters / --passes steps (each spread over the round).
         block = [*fixed_jobs, *jobs, *refs]
-        per = bench_dist.run_passes(block, world, passes, a.iters // passes, a.warmup, rnd)
+        per = measure_jobs.run_passes(block, world, passes, a.iters // passes, a.warmup, rnd)
         ref_now = {j["reference"]: per[len(fixed_jobs) + len(jobs) + n]["ms_per_step"]
                    for n, j in enumerate(refs)}  # fmt: skip
         speed = speed_of(ref_now, anchor) if anchor else 1.0

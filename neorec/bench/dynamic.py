@@ -179,7 +179,7 @@ def _run(cfg: Config, a: argparse.Namespace, kind: str, m: int) -> dict[str, Any
     """Train window by window; eval NE per window; seconds of training steps (the hashed
     table's include hashing its ids, the dynamic table's its id maps)."""
     from neorec.data.stream import DriftingClickData
-    from neorec.train.metrics import binary_metrics
+    from neorec.metrics import binary_metrics
 
     model = _model(cfg, a, kind, m)
     opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=cfg.train.dense_lr)

@@ -141,8 +141,8 @@ def measure_tasks(
     fastest of all its measured plans (picked on the even rounds) against the best baseline
     (picked the same way), both compared on the odd rounds: how much faster than the greedy
     baselines any plan measured here was (needs ``repeats`` >= 2)."""
-    from neorec.bench.dist import run_passes
-    from neorec.bench.plan_tune import tune as tune_plans
+    from neorec.measure.jobs import run_passes
+    from neorec.measure.plan_tune import tune as tune_plans
     from neorec.sharding.learned_placements import plan_job, random_mix
 
     if kind not in MEASURE_KINDS:

@@ -22,7 +22,7 @@ from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.config import load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
-from neorec.data.ids import zipf_ids
+from neorec.data.synthetic import zipf_batches
 from neorec.modules.dlrm import DLRM, build_dlrm
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
@@ -36,21 +36,9 @@ DEFAULT_CONFIG = "configs/dlrm_benchmark.toml"
 
 def make_batches(cfg, n: int, alpha: float, seed: int = 0) -> list[Batch]:
     """``n`` random batches of the config's shape; fixed pooling, Zipf(alpha) ids (0 = uniform)."""
-    g = torch.Generator().manual_seed(seed)
-    b = cfg.data.batch_size
-    out = []
-    for _ in range(n):
-        values, lengths = [], []
-        for i, t in enumerate(cfg.embedding.tables):
-            for _f in t.features:
-                pf = int(round(t.pooling_factor))
-                values.append(zipf_ids(t.rows, b * pf, alpha, g, salt=i))
-                lengths.append(torch.full((b,), pf, dtype=torch.int64))
-        sparse = SparseFeatures(cfg.embedding.feature_names, torch.cat(values), torch.cat(lengths))
-        dense = torch.randn(b, cfg.model.num_dense, generator=g)
-        labels = (torch.rand(b, generator=g) < 0.25).float()
-        out.append(Batch(dense, sparse, labels))
-    return out
+    return zipf_batches(
+        cfg.embedding.tables, cfg.data.batch_size, cfg.model.num_dense, n, alpha, seed
+    )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

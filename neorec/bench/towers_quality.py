@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from neorec.config import Config, load_config
 from neorec.data.synthetic import SyntheticClickData
+from neorec.metrics import binary_metrics
 from neorec.modules.dlrm import build_dlrm, build_flat_dlrm
 from neorec.modules.towers import learned_groups, tower_groups
-from neorec.train.metrics import binary_metrics
 
 __all__ = ["grouped_config", "grouped_data", "adjusted_rand", "captured", "train_eval", "run"]
 

@@ -70,7 +70,7 @@ from neorec.data.synthetic import (
     _mix_int,
 )
 from neorec.errors import DataError
-from neorec.train.metrics import binary_metrics
+from neorec.metrics import binary_metrics
 
 __all__ = [
     "DriftingClickData",

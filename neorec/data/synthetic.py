@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,10 +57,10 @@ from neorec.data.ids import (
     zipf_rank_prob,
 )
 from neorec.errors import ConfigError
+from neorec.metrics import binary_metrics
 from neorec.sparse import SparseFeatures
-from neorec.train.metrics import binary_metrics
 
-__all__ = ["SyntheticClickData", "binary_metrics", "TEACHER_DIM"]
+__all__ = ["SyntheticClickData", "TEACHER_DIM", "zipf_batches"]
 
 TEACHER_DIM = 4
 """K: dimension of the teacher's per-row vectors (a dim-16 model represents them exactly)."""
@@ -368,3 +368,32 @@ class SyntheticClickData:
             else:
                 hi = mid
         return (lo + hi) / 2
+
+
+def zipf_batches(
+    tables: Sequence[TableConfig],
+    batch_size: int,
+    num_dense: int,
+    n: int,
+    alpha: float,
+    seed: int = 0,
+) -> list[Batch]:
+    """``n`` random batches for ``tables`` (benchmarks and measured placements): each feature's
+    bags of ``round(pooling_factor)`` Zipf(``alpha``) ids (0 = uniform), normal dense features,
+    25% positive labels."""
+    g = torch.Generator().manual_seed(seed)
+    b = batch_size
+    names = [f for t in tables for f in t.features]
+    out = []
+    for _ in range(n):
+        values, lengths = [], []
+        for i, t in enumerate(tables):
+            for _f in t.features:
+                pf = int(round(t.pooling_factor))
+                values.append(zipf_ids(t.rows, b * pf, alpha, g, salt=i))
+                lengths.append(torch.full((b,), pf, dtype=torch.int64))
+        sparse = SparseFeatures(names, torch.cat(values), torch.cat(lengths))
+        dense = torch.randn(b, num_dense, generator=g)
+        labels = (torch.rand(b, generator=g) < 0.25).float()
+        out.append(Batch(dense, sparse, labels))
+    return out

@@ -1,8 +1,5 @@
-"""``neorec eval | predict | export``: a saved model (a run folder or its ``model/``) put to use.
-
-``neorec/cli.py`` calls ``add_parsers(sub)``; ``main(argv)`` runs these commands alone with the
-CLI's error handling (tests, ``python -m neorec.serve.commands``).
-"""
+"""``neorec eval | predict | export``: a saved model (a run folder or its ``model/``) put to use
+(their flags: ``neorec.cli.eval`` / ``predict`` / ``export``)."""
 
 from __future__ import annotations
 
@@ -15,84 +12,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from neorec.config import ConfigError
-from neorec.errors import NeorecError
 
-__all__ = ["add_parsers", "run_eval", "run_predict", "run_export", "main"]
-
-_MODEL_HELP = "a run folder (its model/ is used) or a model directory written by save_model"
-_DATA_HELP = (
-    "data to read instead of the config's eval split: a Criteo TSV file or directory of them "
-    "(every line, in order) or a preprocessed directory (its held-out split if it has one, else "
-    "all of it)"
-)
-
-
-def _common(p: argparse.ArgumentParser, data_help: str = _DATA_HELP) -> None:
-    p.add_argument("--model", required=True, metavar="RUN", help=_MODEL_HELP)
-    p.add_argument("--data", metavar="PATH", help=data_help)
-    p.add_argument(
-        "--window",
-        type=int,
-        metavar="W",
-        help="stream data (data.source = stream): read window W of the stream (the same as "
-        "--set data.window=W; data.windows is raised to W + 1 if needed)",
-    )
-    p.add_argument(
-        "--split",
-        choices=["train", "eval"],
-        default="eval",
-        help="synthetic / stream data: which split of the config's data (default: eval)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="data.KEY=VALUE",
-        help="override the saved config's data section (repeatable), e.g. --set "
-        "data.eval_samples=10000; also train.threads and train.bf16_dense",
-    )
-
-
-def add_parsers(sub: Any) -> None:
-    """Add ``eval``, ``predict`` and ``export`` to ``sub`` (argparse subparsers)."""
-    e = sub.add_parser("eval", help="evaluate a saved model: AUC, log loss, NE, calibration")
-    _common(e)
-    e.add_argument("--json", action="store_true", help="print the metrics as one JSON line too")
-    e.set_defaults(func=run_eval)
-
-    p = sub.add_parser(
-        "predict",
-        help="batch inference: click probabilities (float32 .npy) of every sample, in data order",
-    )
-    _common(p, _DATA_HELP + "; default: the config's eval split (the trainer's eval order)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--out",
-        metavar="PREDS.npy",
-        help="where to write the probabilities: float32 [samples], sigmoid of the model's logits "
-        "(what the trainer's eval computes), in the order of the data",
-    )
-    where.add_argument(
-        "--das",
-        metavar="DIR",
-        help="stream data: write the model's float32 LOGITS of --window's --split as a DAS side "
-        "file DIR/fm_w{W}_{split}.npy + .json (the model is the FM of the window it was trained "
-        "on), for students' data.fm_logits = DIR",
-    )
-    p.set_defaults(func=run_predict)
-
-    x = sub.add_parser(
-        "export", help="write a serving artifact that loads with torch + numpy only (no neorec)"
-    )
-    x.add_argument("--model", required=True, metavar="RUN", help=_MODEL_HELP)
-    x.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
-    x.add_argument(
-        "--quantize",
-        choices=["none", "int8", "int4"],
-        default="none",
-        help="table rows: none (fp32), int8 or int4 row-wise codes with per-row scale and offset",
-    )
-    x.set_defaults(func=run_export)
+__all__ = ["run_eval", "run_predict", "run_export"]
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -220,22 +141,3 @@ def run_export(args: argparse.Namespace, out: TextIO | None = None) -> int:
         flush=True,
     )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """These commands alone, with ``neorec.cli.main``'s error handling (one line, exit 2)."""
-    p = argparse.ArgumentParser(prog="neorec", description="Use a trained model.")
-    add_parsers(p.add_subparsers(dest="command", required=True))
-    try:
-        args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-        return int(args.func(args))
-    except NeorecError as e:
-        print(f"neorec: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("neorec: interrupted", file=sys.stderr, flush=True)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,8 +19,8 @@ from torch import Tensor
 from neorec.config import Config, ConfigError, apply_overrides
 from neorec.data.batch import Batch
 from neorec.errors import DataError
+from neorec.metrics import binary_metrics
 from neorec.serve.model import config_from_dict
-from neorec.train.metrics import binary_metrics
 
 __all__ = [
     "OVERRIDABLE",

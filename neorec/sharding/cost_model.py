@@ -50,7 +50,7 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
 A rank's predicted time is the sum of its shards' times plus the sample-side term (every shard's
 cost is its own: no shard changes how the others on its rank are updated); the step's
 predicted embedding time is, per phase, the slowest rank's, summed. Constants come from the
-``Topology`` and can be calibrated (``neorec plan --calibrate``, ``neorec.bench.calibrate``);
+``Topology`` and can be calibrated (``neorec plan --calibrate``, ``neorec.measure.calibrate``);
 ``neorec bench costcheck`` compares predictions with measured steps on this machine.
 """
 
@@ -448,7 +448,7 @@ class CostModel:
 
         ``unfused``: whether the backward takes the unfused update path; ``None`` = what the
         runtime does for this shard (``cw_unfused``; ``evaluate`` always passes None). Forcing it
-        prices another shape on that path (``neorec.bench.calibrate`` converts its measured
+        prices another shape on that path (``neorec.measure.calibrate`` converts its measured
         unfused update to a bandwidth that way).
         ``cache_fraction``: the row cache of a cached ``storage`` (``dram`` / ``ssd``).
         """

@@ -165,7 +165,7 @@ def random_jobs(
     n_mixes: int, world: int, rph: int, seed: int = 0, per_mix: int = 2
 ) -> list[dict[str, Any]]:
     """``n_mixes`` random table mixes x ``per_mix`` random placements each, as measurable jobs
-    (``neorec.bench.dist.run_jobs``): tables, batch, optimizer, alpha, plan and the mix label.
+    (``neorec.measure.jobs.run_jobs``): tables, batch, optimizer, alpha, plan and the mix label.
     Different seeds give other mixes (``neorec bench costcheck --random-plans`` holds them out)."""
     import random
 
@@ -253,7 +253,7 @@ def searched_plans(
 def plan_job(
     tables: Sequence[TableSpec], batch: int, optimizer: str, plan: ShardingPlan, **labels: Any
 ) -> dict[str, Any]:
-    """``plan`` of ``tables`` as one measurable job (``neorec.bench.dist.run_passes``): the
+    """``plan`` of ``tables`` as one measurable job (``neorec.measure.jobs.run_passes``): the
     tables, batch, optimizer, the ids' Zipf alpha (one for all tables: the first's) and the plan,
     with ``labels`` (``mix``, ``task``, ``label``, ...) first, which the runtime ignores."""
     return {
@@ -520,7 +520,7 @@ def _rel_err(corr: np.ndarray, meas: np.ndarray, base: np.ndarray) -> np.ndarray
 def fit(
     topo: Topology, samples: Sequence[dict[str, Any]], folds: int = 5, extra: dict | None = None
 ) -> LearnedCostModel:
-    """Fit the learned model on measured ``samples`` (see ``neorec.bench.calibrate``).
+    """Fit the learned model on measured ``samples`` (see ``neorec.measure.calibrate``).
 
     Each sample: ``tables`` (TableSpec fields), ``batch``, ``optimizer``, ``plan`` (plan dict),
     ``measured`` (ms per target) and ``mix`` (its table mix: the cross-validation group);

@@ -46,7 +46,7 @@ class PlanResult:
     ``neorec.sharding.planner_shortlist`` draws the plans to measure from them."""
     tuning: dict[str, Any] | None = None
     """When the plan was picked by measuring a shortlist here (``neorec plan --tune``): what was
-    measured and how (``neorec.bench.plan_tune``); None: picked by the cost model alone."""
+    measured and how (``neorec.measure.plan_tune``); None: picked by the cost model alone."""
 
     @property
     def predicted_step_s(self) -> float:

@@ -3,7 +3,7 @@
 A cost model ranks a task's plans only as well as its error allows. On 2 ranks of the 2-core VM
 the table-wise plans of a 6-12-table task differ by a few percent, and neither the calibrated
 learned model nor the analytical one orders them better than chance (``docs/autoshard.md``).
-Measuring a few of them settles what the models cannot: ``neorec.bench.plan_tune`` runs the
+Measuring a few of them settles what the models cannot: ``neorec.measure.plan_tune`` runs the
 shortlist on this machine and keeps the fastest.
 
 The shortlist, in order: the plan the planner returned (``planner``); the greedy baselines' plans
@@ -37,7 +37,7 @@ __all__ = [
 
 TUNE_ROUNDS = 4
 """``--tune``'s rounds by default (``neorec plan --tune-rounds``, ``bench planner
---planner-tune-rounds``, ``neorec.bench.plan_tune.tune``)."""
+--planner-tune-rounds``, ``neorec.measure.plan_tune.tune``)."""
 
 TUNE_MAX_RANKS = 8
 """``--tune`` runs every plan on ``world_size`` gloo ranks of this one machine: at most this many."""

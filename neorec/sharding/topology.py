@@ -2,7 +2,7 @@
 
 Every constant the cost model uses lives here, in human units (GB, GB/s, microseconds), so a
 topology can be written by hand, loaded from JSON/TOML, or measured on this machine by
-``neorec plan --calibrate`` (``neorec.bench.calibrate``).
+``neorec plan --calibrate`` (``neorec.measure.calibrate``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ __all__ = [
     "recalibrated_ne",
     "train_student",
     "run_chain",
-    "add_parser",
 ]
 
 
@@ -126,7 +125,7 @@ def recalibrated_ne(model: Any, batches: Any) -> float:
     """NE of ``model``'s logits on ``batches`` after the best constant shift of the logit (fitted
     on these labels by Newton's method): the FM at its best on a vertical whose click rate differs
     from the traffic it learned from (a stricter reference for ``gap_closed``)."""
-    from neorec.train.metrics import binary_metrics
+    from neorec.metrics import binary_metrics
 
     model.train(False)
     logits, labels = [], []
@@ -148,7 +147,7 @@ def train_student(
     """One student over the windows: ``(model, per-window eval NE of the serving head, per-window
     NE of the stale FM logits it read (NaN where none))``; ``log(line)`` per window if given."""
     from neorec.data.stream import read_fm_logits
-    from neorec.train.metrics import binary_metrics
+    from neorec.metrics import binary_metrics
     from neorec.train.sources import StreamSource
     from neorec.train.steps import evaluate, train_step
 
@@ -239,20 +238,6 @@ def run_chain(
         "seconds": round(time.perf_counter() - t0, 1),
     }
     return result
-
-
-def add_parser(sub: Any) -> None:
-    """Add ``exfm`` to ``sub`` (argparse subparsers)."""
-    p = sub.add_parser(
-        "exfm", help="ExFM on a stream: FM window by window, DAS logits, the distilled student"
-    )
-    p.add_argument("--config", default="configs/exfm_stream.toml", help="stream + student")
-    p.add_argument("--fm-config", default="configs/exfm_fm.toml", help="the FM (same stream)")
-    p.add_argument("--windows", type=int, default=0, help="windows (0 = data.windows)")
-    p.add_argument("--out", default="runs/exfm", help="new or empty folder for models and DAS")
-    p.add_argument("--set", action="append", default=[], help="student override section.key=v")
-    p.add_argument("--fm-set", action="append", default=[], help="FM override section.key=v")
-    p.set_defaults(func=run_exfm)
 
 
 def run_exfm(args: argparse.Namespace) -> int:

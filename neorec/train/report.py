@@ -19,7 +19,6 @@ import html
 import importlib
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,7 @@ __all__ = [
     "summary_rows",
     "write_html",
     "make_report",
-    "add_parser",
     "run_report",
-    "main",
 ]
 
 _PLOT_EXTRA = "neorec report needs matplotlib: pip install 'neorec[plot]'"
@@ -413,19 +410,6 @@ def make_report(folder: Path, out: Path | None = None, as_html: bool = False) ->
     return written
 
 
-# ---- command line ----------------------------------------------------------------------------
-def add_parser(sub: Any) -> None:
-    """Add ``report`` to ``sub`` (argparse subparsers)."""
-    r = sub.add_parser("report", help="plot a run's curves: report.png (and --html)")
-    r.add_argument("run", metavar="RUN", help="a run folder, a run name under --root, or 'latest'")
-    r.add_argument("--root", default="runs", help="the runs folder (train.runs_dir; default runs)")
-    r.add_argument("--out", metavar="FILE.png", help="where to write (default: RUN/report.png)")
-    r.add_argument(
-        "--html", action="store_true", help="also a self-contained report.html beside the PNG"
-    )
-    r.set_defaults(func=run_report)
-
-
 def run_report(args: argparse.Namespace) -> int:
     """``neorec report``: write the report of a run; print what was written."""
     _pyplot()  # the extra is checked before any reading
@@ -433,19 +417,3 @@ def run_report(args: argparse.Namespace) -> int:
     for path in make_report(folder, Path(args.out) if args.out else None, args.html):
         print(f"wrote {path}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``neorec report`` alone, with the CLI's one-line errors (tests; python -m)."""
-    p = argparse.ArgumentParser(prog="neorec")
-    add_parser(p.add_subparsers(dest="command", required=True))
-    try:
-        args = p.parse_args(["report", *(sys.argv[1:] if argv is None else argv)])
-        return int(args.func(args))
-    except NeorecError as e:
-        print(f"neorec: error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

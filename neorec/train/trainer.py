@@ -23,8 +23,9 @@ from neorec.data.batch import Batch
 from neorec.distributed.comm import rank_device
 from neorec.distributed.dense_blocks import block_dense
 from neorec.errors import NeorecError
+from neorec.metrics import binary_metrics
 from neorec.modules.dlrm import build_dlrm
-from neorec.train.metrics import DynamicLine, binary_metrics, dynamic_counters, dynamic_fields
+from neorec.train.metrics import DynamicLine, dynamic_counters, dynamic_fields
 from neorec.train.pipeline import make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of
 from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now

@@ -12,7 +12,7 @@ the difference, estimated from the rounds' spread; with fewer than ``MIN_ROUNDS_
 rounds the fastest is kept); ties go to the earlier plan. A lead within the noise keeps the
 planner's plan: the measurement could not tell the two apart, and the planner's is deterministic.
 
-``python -m neorec.bench.plan_tune --request IN.json --out OUT.json`` is what ``neorec plan``
+``python -m neorec.measure.plan_tune --request IN.json --out OUT.json`` is what ``neorec plan``
 runs (in a subprocess: the planner itself never imports torch); ``tune`` is the library call.
 """
 
@@ -49,7 +49,7 @@ a lead smaller than that is as likely the measurement's as the plan's."""
 
 Measure = Callable[[list[dict], int, int, int, int], list[dict[str, float]]]
 """``(jobs, world, passes, iters, round) -> per job {"ms_per_step": ...}``: one round in fresh
-ranks (``neorec.bench.dist.run_passes``; tests pass a fake)."""
+ranks (``neorec.measure.jobs.run_passes``; tests pass a fake)."""
 
 
 def _median_se(xs: Sequence[float]) -> float:
@@ -58,7 +58,7 @@ def _median_se(xs: Sequence[float]) -> float:
 
 
 def _run_passes(jobs: list[dict], world: int, passes: int, iters: int, rnd: int):
-    from neorec.bench.dist import run_passes
+    from neorec.measure.jobs import run_passes
 
     return run_passes(jobs, world, passes, iters, 3, rnd)
 
@@ -139,7 +139,7 @@ def tune(
 
 def main(argv: list[str] | None = None) -> int:
     """The subprocess ``neorec plan --tune`` runs: a request JSON in, the tuning record out."""
-    ap = argparse.ArgumentParser(prog="python -m neorec.bench.plan_tune", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m neorec.measure.plan_tune", description=__doc__)
     ap.add_argument(
         "--request",
         required=True,

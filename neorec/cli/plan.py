@@ -1,4 +1,4 @@
-"""CLI glue for ``neorec plan``: read tables and topology, plan, print the report or JSON.
+"""``neorec plan``: read tables and topology, plan, print the report or JSON.
 
 A config file is a neorec TOML config; an optional ``[planner]`` section (read only here) adds
 what the planner needs beyond it::
@@ -20,7 +20,7 @@ or ``--no-cached-tiers``; the distributed runtime plans without them (it does no
 tables), so that flag shows the plan ``neorec train`` on several ranks would make. Tables of the
 config with ``storage = "dram" | "ssd"`` keep that tier (and their cache size) in ``neorec plan``.
 
-``--calibrate`` measures this machine (``neorec.bench.calibrate``): the topology constants, then
+``--calibrate`` measures this machine (``neorec.measure.calibrate``): the topology constants, then
 the designed placements (``neorec.sharding.learned_placements``: random and bench-like table
 mixes, whole-plan kinds, the greedy baselines' and planner's plans, each block with the speed
 references) on gloo ranks until ``--budget-s`` (default 300 s, the whole calibration) is spent,
@@ -89,7 +89,9 @@ from neorec.sharding.towers_cost import (
 )
 from neorec.sharding.types import CACHED_STORAGES
 
-__all__ = ["add_plan_arguments", "run_plan", "PlanInputs", "load_plan_inputs"]
+__all__ = ["HELP", "add_arguments", "run", "main", "PlanInputs", "load_plan_inputs"]
+
+HELP = "plan how tables are sharded over ranks"
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -106,8 +108,8 @@ _SECTIONS = {
 }
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``neorec plan``."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``neorec plan``."""
     parser.add_argument("--config", help="neorec TOML config (tables, batch size, [planner])")
     parser.add_argument("--tables", help="CSV/JSON table list instead of the config's tables")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
@@ -308,11 +310,11 @@ def _config_storage(tables: list[TableSpec], cfg: Config) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    """Run ``neorec.bench.calibrate`` in a subprocess (keeps torch out of the planner); its
+    """Run ``neorec.measure.calibrate`` in a subprocess (keeps torch out of the planner); its
     progress goes to stderr, its one-line error becomes ours."""
     out = args.topology or "topology.json"
     args.topology = out
-    cmd = [sys.executable, "-m", "neorec.bench.calibrate", "--out", out]
+    cmd = [sys.executable, "-m", "neorec.measure.calibrate", "--out", out]
     cmd += ["--world-size", str(args.world_size)]
     if args.ranks_per_host:
         cmd += ["--ranks-per-host", str(args.ranks_per_host)]
@@ -349,7 +351,7 @@ def _tune_flags(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _tune(planner: Planner, result: PlanResult, inp: PlanInputs, k: int, rounds: int) -> PlanResult:
-    """``--tune``: measure ``result``'s shortlist in ``neorec.bench.plan_tune`` (a subprocess:
+    """``--tune``: measure ``result``'s shortlist in ``neorec.measure.plan_tune`` (a subprocess:
     torch stays out of the planner; its progress goes to stderr) and return the result with the
     fastest plan and the tuning record."""
     import tempfile
@@ -368,7 +370,7 @@ def _tune(planner: Planner, result: PlanResult, inp: PlanInputs, k: int, rounds:
     with tempfile.TemporaryDirectory(prefix="neorec-tune-") as tmp:
         rq, out = Path(tmp) / "request.json", Path(tmp) / "tuning.json"
         rq.write_text(json.dumps(req))
-        cmd = [sys.executable, "-m", "neorec.bench.plan_tune", "--request", str(rq)]
+        cmd = [sys.executable, "-m", "neorec.measure.plan_tune", "--request", str(rq)]
         try:  # progress straight to our stderr; captured and copied there when it has no fd
             sink: Any = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):
@@ -393,12 +395,12 @@ def _tune(planner: Planner, result: PlanResult, inp: PlanInputs, k: int, rounds:
         "measured_ms": {m["label"]: round(m["ms_per_step"], 3) for m in rec["measured"]},
         "rounds": rec["rounds"],
         "world": rec["world"],
-        "note": "measured here with neorec plan --tune (neorec.bench.plan_tune)",
+        "note": "measured here with neorec plan --tune (neorec.measure.plan_tune)",
     }
     return tuned
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``neorec plan``: print the report (or JSON), optionally write the plan.
 
     Bad input and an infeasible plan print ``neorec: error: ...`` on stderr and return 2.
@@ -498,10 +500,10 @@ def _run_towers(args: argparse.Namespace, inp: PlanInputs, flat: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -m neorec.sharding.commands``)."""
+    """Standalone entry point (``python -m neorec.cli.plan``)."""
     ap = argparse.ArgumentParser(prog="neorec plan", description="Plan embedding sharding.")
-    add_plan_arguments(ap)
-    return run_plan(ap.parse_args(argv))
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

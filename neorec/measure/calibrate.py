@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from neorec.bench.calibrate_learned import (
+from neorec.distributed.comm import close_host_transports, init_host_transport
+from neorec.measure.calibrate_learned import (
     DEFAULT_BUDGET_S,
     _print_model,
     _refit,
     calibrate_learned,
 )
-from neorec.distributed.comm import close_host_transports, init_host_transport
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.topology import GB, Topology
 
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure, print a table and a JSON line, write the topology JSON; with ``--budget-s`` > 0
     also measure random placements until the budget is spent and fit the learned cost model
     (stored in the topology; the samples in ``--samples-out``)."""
-    ap = argparse.ArgumentParser(prog="python -m neorec.bench.calibrate", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m neorec.measure.calibrate", description=__doc__)
     ap.add_argument("--out", default="topology.json")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=0)

@@ -3,7 +3,7 @@ set of placements (``neorec.sharding.learned_placements.designed_jobs``: whole-p
 the greedy baselines' and planner's plans of bench-like mixes, planner-task-like mixes, random
 mixes and placements) measured on this machine's gloo ranks with the real sharded runtime, each
 placement ``REPEATS`` times (median), until the budget is spent; then the fit. Split from
-``neorec.bench.calibrate`` (the analytical constants)."""
+``neorec.measure.calibrate`` (the analytical constants)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def calibrate_learned(
     after it), then fit the learned model on ``topo``'s analytical predictions:
     (``LearnedCostModel``, samples; written first to ``samples_out`` when given).
     ``LearnedModelError`` when too few were measured to validate a fit."""
-    from neorec.bench.dist import run_jobs
+    from neorec.measure.jobs import run_jobs
     from neorec.sharding.learned_placements import (
         designed_jobs,
         fit,

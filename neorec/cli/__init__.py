@@ -1,0 +1,85 @@
+"""The command line: ``neorec <command>``, one module per command in ``neorec.cli``.
+
+Every command module registers itself the same way: it is named in ``COMMANDS`` and defines
+``HELP`` (its line in ``neorec --help``), ``add_arguments(parser)`` and ``run(args) -> int``. At
+module level it imports nothing heavier than the standard library and the config, so ``neorec
+--help`` and ``neorec <command> --help`` never load torch; ``run`` imports the work. A command
+whose flags belong to a tool of its own (``bench NAME ...``, ``data preprocess ...``) also
+defines ``passthrough(argv) -> int | None``, which gets them unparsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+from neorec.errors import NeorecError
+
+__all__ = ["COMMANDS", "main", "build_parser", "command"]
+
+COMMANDS = (
+    "train",
+    "runs",
+    "report",
+    "eval",
+    "predict",
+    "export",
+    "exfm",
+    "plan",
+    "bench",
+    "data",
+    "ckpt",
+)
+"""Each is ``neorec.cli.<name>``."""
+
+EXIT_INTERRUPTED = 130
+
+
+def command(name: str) -> ModuleType:
+    """The module of command ``name``."""
+    return importlib.import_module(f"neorec.cli.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command."""
+    p = argparse.ArgumentParser(prog="neorec", description="Train DLRMs at scale.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        mod = command(name)
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__)
+        mod.add_arguments(sp)
+        sp.set_defaults(func=mod.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``neorec`` command.
+
+    A ``NeorecError`` (bad input, config, data, plan, checkpoint) is printed as one line and exits
+    with its code (2); Ctrl-C prints one line and exits 130 (a rank of a distributed run stays
+    quiet: its launcher prints); anything else is a defect and keeps its traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] and argv[0] in COMMANDS:
+            passthrough = getattr(command(argv[0]), "passthrough", None)
+            code = passthrough(argv[1:]) if passthrough is not None else None
+            if code is not None:
+                return int(code)
+        args = build_parser().parse_args(argv)
+        return int(args.func(args))
+    except NeorecError as e:
+        print(f"neorec: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        from neorec.launch import is_worker
+
+        if not is_worker():
+            print("neorec: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""``neorec bench NAME``: benchmarks; each prints a table and a JSON line (its flags: ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "benchmarks (print a table and a JSON line)"
+
+BENCHES = (
+    "op",
+    "step",
+    "planner",
+    "locality",
+    "dist",
+    "costcheck",
+    "cache",
+    "ckpt",
+    "data",
+    "lowp",
+    "dmt",
+    "dynamic",
+    "distill",
+)
+"""Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``neorec bench``: the benchmark, then its own flags."""
+    p.add_argument("name", choices=BENCHES, help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+
+def passthrough(argv: list[str]) -> int | None:
+    """``bench NAME ...``: the benchmark's flags go to it unparsed; None for anything else."""
+    if not argv or argv[0] not in BENCHES:
+        return None
+    return int(importlib.import_module(f"neorec.bench.{argv[0]}").main(argv[1:]))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark."""
+    return int(passthrough([args.name, *args.rest]) or 0)

@@ -1,0 +1,54 @@
+"""``neorec eval``: a saved model's AUC, log loss, NE and calibration on data."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "evaluate a saved model: AUC, log loss, NE, calibration"
+
+MODEL_HELP = "a run folder (its model/ is used) or a model directory written by save_model"
+DATA_HELP = (
+    "data to read instead of the config's eval split: a Criteo TSV file or directory of them "
+    "(every line, in order) or a preprocessed directory (its held-out split if it has one, else "
+    "all of it)"
+)
+
+
+def model_arguments(p: argparse.ArgumentParser, data_help: str = DATA_HELP) -> None:
+    """The flags ``eval`` and ``predict`` share: the model, the data and its overrides."""
+    p.add_argument("--model", required=True, metavar="RUN", help=MODEL_HELP)
+    p.add_argument("--data", metavar="PATH", help=data_help)
+    p.add_argument(
+        "--window",
+        type=int,
+        metavar="W",
+        help="stream data (data.source = stream): read window W of the stream (the same as "
+        "--set data.window=W; data.windows is raised to W + 1 if needed)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["train", "eval"],
+        default="eval",
+        help="synthetic / stream data: which split of the config's data (default: eval)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="data.KEY=VALUE",
+        help="override the saved config's data section (repeatable), e.g. --set "
+        "data.eval_samples=10000; also train.threads and train.bf16_dense",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``neorec eval``."""
+    model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON line too")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate; print the metrics."""
+    from neorec.serve.commands import run_eval
+
+    return run_eval(args)

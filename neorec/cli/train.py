@@ -1,0 +1,132 @@
+"""``neorec train``: train and evaluate a model in a run folder (one process or ``--nproc N``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from neorec.launch import (
+    EXIT_INTERRUPTED,
+    interrupted_line,
+    is_worker,
+    launch,
+    resume_command,
+    run_worker,
+    step_of,
+)
+
+HELP = "train and evaluate a model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``neorec train``."""
+    p.add_argument("--config", help="TOML config (default: the built-in small synthetic DLRM)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable), e.g. --set train.steps=100",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="local ranks to start (torch.distributed.run); for several machines use "
+        "torchrun --nnodes ... -m neorec train",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="PATH|latest|auto",
+        help="continue from a checkpoint directory, 'latest' (the latest checkpoint of the latest "
+        "run, or of the run train.name names, in its own folder; an error if there is none) or "
+        "'auto' (latest if any, else a new run)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train: one process, ``--nproc`` local ranks, or one rank of a torchrun job."""
+    from neorec.config import ConfigError, load_config
+
+    if is_worker():  # one rank of a --nproc / torchrun job
+        return run_worker(lambda: _train_worker(args))
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    sets = list(args.set)
+    if args.resume:  # as an override, so that --nproc passes it on to every rank
+        args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
+    from neorec.train.runs import resolve_run
+
+    run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)
+    resume = resume_command(args.config, sets, args.nproc, run.name if run.root else None)
+    if args.nproc > 1:
+        code = 1
+        try:
+            code = _launch(args, run.apply(cfg), resume, run.env())
+        finally:
+            if code:
+                run.discard_if_empty()  # no rank got as far as writing into it
+        return code
+    from neorec.train.trainer import train
+
+    try:
+        train(cfg, run=run)
+    except KeyboardInterrupt as e:
+        print(interrupted_line(run.apply(cfg), resume, step_of(e)), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _train_worker(args: argparse.Namespace) -> int:
+    from neorec.config import load_config
+
+    if args.resume:
+        args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    cfg = load_config(args.config, args.set)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _train_distributed(cfg)
+    from neorec.train.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _launch(args: argparse.Namespace, cfg: Any, resume: str, env: dict[str, str]) -> int:
+    """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs);
+    ``env`` hands them the run folder."""
+    rest = ["train"]
+    if args.config:
+        rest += ["--config", args.config]
+    for s in args.set:
+        rest += ["--set", s]
+
+    def on_signal(sig: signal.Signals) -> str:
+        what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+        return interrupted_line(cfg, resume, None, what)
+
+    return launch(args.nproc, rest, on_signal, env)
+
+
+def _train_distributed(cfg: Any) -> int:
+    """One rank of a torchrun-launched job: gloo on CPU, NCCL on GPU.
+
+    The process group is destroyed only after a clean run: after a failure the process exits
+    right away, once its error has been handed on (so that a peer whose collective breaks first
+    can tell it was not the cause).
+    """
+    import torch.distributed as dist
+
+    from neorec.distributed.comm import close_host_transports
+    from neorec.launch import init_rank_group
+    from neorec.train.trainer import train
+
+    init_rank_group(cfg.train.device, cfg.train.collective_timeout_s)  # nccl on cuda, else gloo
+    train(cfg)
+    close_host_transports()
+    dist.destroy_process_group()
+    return 0
