@@ -20,9 +20,9 @@ from faults import campaign, judge_cli
 from test_trainer import tiny_cfg
 
 from neorec.checkpoint.format import seal_manifest
+from neorec.cli import main
 from neorec.metrics import binary_metrics
 from neorec.serve import load_model, save_model
-from neorec.cli import main
 from neorec.serve.export import export_model
 from neorec.train.trainer import Trainer, predict
 
