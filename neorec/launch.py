@@ -357,10 +357,10 @@ def launch(
 
 
 # ---- Ctrl-C and the resume command ---------------------------------------------------------
-def init_rank_group(device: str, timeout_s: float) -> str:
+def init_rank_group(device: str, timeout_s: float, keep_heap: bool = True) -> str:
     """One torchrun worker's default process group for ``train.device``: NCCL on cuda (this rank
     on GPU ``LOCAL_RANK``), gloo on cpu; returns the backend. ``cuda`` without a CUDA device is a
-    ``ConfigError`` before any group is made."""
+    ``ConfigError`` before any group is made. ``keep_heap``: ``system.keep_heap``."""
     from datetime import timedelta
 
     import torch
@@ -371,7 +371,8 @@ def init_rank_group(device: str, timeout_s: float) -> str:
     from neorec.ops.memory import keep_freed_heap
 
     TrainConfig(device=device).check_device()
-    keep_freed_heap()  # no page faults on every step's buffers (ops.memory)
+    if keep_heap:
+        keep_freed_heap()  # no page faults on every step's buffers (ops.memory)
     backend = process_group_backend(device)
     if backend == "nccl":
         torch.cuda.set_device(rank_device(device))
@@ -399,7 +400,7 @@ def resume_command(config: str | None, sets: list[str], nproc: int, name: str | 
 def _latest_checkpoint_step(cfg: Any) -> int | None:
     """Step of the checkpoint ``--resume latest`` would restore, None if there is none."""
     from neorec.checkpoint import list_checkpoints, open_storage, resolve_checkpoint
-    from neorec.checkpoint.hooks import checkpoint_root
+    from neorec.train.checkpoints import checkpoint_root
 
     try:
         storage = open_storage(checkpoint_root(cfg), fsync=False)

@@ -9,7 +9,7 @@ import torch
 
 from neorec.bench import dynamic as bench
 from neorec.config import ConfigError
-from neorec.ops.id_map import map_bytes_per_slot
+from neorec.ops.id_map_size import map_bytes_per_slot
 from neorec.sparse import SparseFeatures
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.checkpoint import (
     CheckpointCorruptError,
     CheckpointManager,
@@ -20,7 +21,6 @@ from neorec.checkpoint import (
 from neorec.checkpoint.format import decode_piece, encode_piece
 from neorec.cli import main as cli_main
 from neorec.config import CheckpointConfig, load_config
-from neorec.modules.dlrm import build_dlrm
 from neorec.ops.quant import (
     greedy_row_range,
     int_rowwise_dequantize,
@@ -28,7 +28,7 @@ from neorec.ops.quant import (
     pack_int_codes,
     unpack_int_codes,
 )
-from neorec.train.trainer import Trainer, make_dense_optimizer, train_step
+from neorec.train.trainer import Trainer, train_step
 
 
 def tiny_cfg(run_dir: Path, *extra: str):
@@ -107,7 +107,7 @@ def test_piece_quantized_sizes_shrink():
 def _model(cfg):
     torch.manual_seed(0)
     model = build_dlrm(cfg)
-    return model, make_dense_optimizer(cfg, model.dense_parameters())
+    return model, dense_optimizer(cfg.train, model.dense_parameters())
 
 
 def _train(model, opt, cfg, start, end):

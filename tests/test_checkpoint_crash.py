@@ -49,6 +49,7 @@ import pytest
 import torch
 from faults import campaign
 
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -59,8 +60,7 @@ from neorec.checkpoint import (
 )
 from neorec.config import CheckpointConfig, load_config
 from neorec.data.synthetic import SyntheticClickData
-from neorec.modules.dlrm import build_dlrm
-from neorec.train.trainer import make_dense_optimizer, train_step
+from neorec.train.trainer import train_step
 
 KILLS = 5
 STEPS = 48
@@ -154,7 +154,7 @@ def _child(job: dict[str, Any], say: Callable[[str], None] = _say) -> None:
     tells the test where it is."""
     cfg = _cfg()
     model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
     if job["resume"]:
         _perturb(model, opt, data)

@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 from dist_util import run_ranks
 
+from neorec.build import build_dlrm, dense_optimizer, distributed_model
 from neorec.checkpoint import CheckpointManager
 from neorec.config import load_config
-from neorec.distributed.model_parallel import DistributedModel
-from neorec.modules.dlrm import build_dlrm
 from neorec.sharding.types import plan_by_type
-from neorec.train.trainer import Trainer, make_dense_optimizer
+from neorec.train.trainer import Trainer
 
 # DP, CW (row-wise Adagrad across column slices), RW with uneven rows, TW: every path of the
 # sharded module writes and reads pieces.
@@ -98,8 +97,8 @@ def _train_phase(rank: int, world: int, out: str, phase: str) -> None:
 def _restore_phase(rank: int, world: int, out: str) -> None:
     cfg = cfg_for(Path(out) / "r4", PLAN_B)
     plan = plan_by_type(cfg.embedding.tables, world, 2, "table_wise", PLAN_B)
-    model = DistributedModel(cfg, plan)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    model = distributed_model(cfg, plan)
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     root = str(Path(out) / "ckpt" / "checkpoints")
     CheckpointManager(cfg.checkpoint, model, opt, root).restore(_step6(Path(out)))
     tables = _tables(model.ebc)
@@ -128,7 +127,7 @@ def test_resume_exact_and_reshard(tmp_path):
     run_ranks(_restore_phase, 4, out)
     cfg = cfg_for(tmp_path / "r1", {})
     model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     mgr = CheckpointManager(cfg.checkpoint, model, opt, str(tmp_path / "ckpt" / "checkpoints"))
     assert mgr.restore(_step6(tmp_path))["step"] == 6
     four = torch.load(tmp_path / "reshard-4.pt")

@@ -177,6 +177,7 @@ def _dp_codec_run(rank: int, world: int) -> None:
     # Data-parallel tables' row gradients under comm.allreduce: every rank decodes the same
     # bytes, so replicas stay bitwise identical; the tables end close to the fp32 run's, and the
     # all-gather sends fewer bytes.
+    from neorec.build import sharded_collection
     from neorec.config import (
         CommConfig,
         Config,
@@ -185,7 +186,6 @@ def _dp_codec_run(rank: int, world: int) -> None:
         ModelConfig,
         TableConfig,
     )
-    from neorec.distributed.model_parallel import sharded_ebc_from_config
     from neorec.sharding.types import plan_by_type
 
     tables = [TableConfig(name="a", rows=40, dim=8), TableConfig(name="b", rows=3, dim=8)]
@@ -198,7 +198,7 @@ def _dp_codec_run(rank: int, world: int) -> None:
             comm=CommConfig(allreduce=name),
         )
         plan = plan_by_type(tables, world, world, "data_parallel")
-        ebc = sharded_ebc_from_config(cfg, plan)
+        ebc = sharded_collection(cfg, plan)
         ebc.dp_dense_max_elems = 0  # fp32 as (id, row) pairs too, as the codecs send them
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + rank)

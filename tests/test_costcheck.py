@@ -47,13 +47,8 @@ def test_costcheck_anchors_a_learned_model_to_the_references(tmp_path: Path) -> 
     """A learned model fitted with speed references: costcheck measures them in the round and
     multiplies the model's prediction by the speed they show (reported next to the unanchored
     prediction); a bad --passes is one line."""
-    from neorec.sharding.learned_placements import (
-        REFERENCE_KINDS,
-        fit,
-        predict_job,
-        random_jobs,
-        sample_from_job,
-    )
+    from neorec.sharding.learned_fit import fit, predict_job, sample_from_job
+    from neorec.sharding.learned_placements import REFERENCE_KINDS, random_jobs
 
     topo = Topology.local_cpu(2)
     samples = []

@@ -34,6 +34,7 @@ import torch
 from dist_util import DEVICE, run_ranks
 
 import neorec
+from neorec.build import build_dlrm, dense_optimizer, distributed_model
 from neorec.checkpoint.tracker import DirtyRowTracker
 from neorec.config import (
     CommConfig,
@@ -48,14 +49,12 @@ from neorec.config import (
 from neorec.config.load import load_config
 from neorec.data.batch import Batch
 from neorec.distributed.comm import process_group_backend, rank_device
-from neorec.distributed.model_parallel import DistributedModel
-from neorec.modules.dlrm import build_dlrm
 from neorec.ops.cuda import CudaBackend
 from neorec.ops.tbe_checks import device_checks_on_cpu
 from neorec.sharding.types import plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.train.pipeline import make_pipeline
-from neorec.train.steps import LossGuard, TrainingDiverged, make_dense_optimizer, train_step
+from neorec.train.steps import LossGuard, TrainingDiverged, train_step
 
 NO_CUDA = not torch.cuda.is_available()
 # triton under its interpreter on the CPU, as in test_triton_tbe: TRITON_INTERPRET=1 when triton
@@ -262,12 +261,12 @@ def _train_without_sync(
         kind, _, dp = kind.partition("+")
         types = {"b": "data_parallel"} if dp else None
         plan = plan_by_type(cfg.embedding.tables, world, world, kind, types)
-        model = DistributedModel(cfg, plan)
+        model = distributed_model(cfg, plan)
     if backend is not None and precision:  # (the low-precision rows' inner kernel)
         model.ebc.backend.inner = gpu_backend(backend)
     elif backend is not None:
         model.ebc.backend = gpu_backend(backend)
-    dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
+    dense_opt = dense_optimizer(cfg.train, model.dense_parameters())
     guard, sites, patched_steps = LossGuard(), set(), []
     tracker = DirtyRowTracker(model.ebc)  # checkpoints' dirty rows: marked inside the step
 
@@ -305,7 +304,8 @@ def _tower_model(cfg: Config) -> Any:
     identity tower modules."""
     from torch import nn
 
-    from neorec.distributed.towers import DistributedTowerModel, tower_features
+    from neorec.build import towered_model
+    from neorec.distributed.towers import tower_features
     from neorec.modules.dlrm import DenseArch
 
     groups = [["a", "c"], ["b"]]
@@ -323,7 +323,7 @@ def _tower_model(cfg: Config) -> Any:
         towers = nn.ModuleList(Identity(len(f)) for f in feats)
         return towers, DenseArch(cfg.model, sum(len(f) for f in feats), 4)
 
-    return DistributedTowerModel(cfg, groups, build_dense)
+    return towered_model(cfg, groups, build_dense)
 
 
 def _towers_staged_equals_unstaged(rank: int, world: int) -> None:
@@ -333,7 +333,7 @@ def _towers_staged_equals_unstaged(rank: int, world: int) -> None:
     staged = _train_without_sync(rank, world, "towers", "adam", "overlapped")
     cfg = _cfg("adam")
     model = _tower_model(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     for step in range(1, 5):
         train_step(model, opt, _batch(step - 1, world, rank), step)
     assert torch.equal(model.ebc.weights, staged.ebc.weights)
@@ -385,12 +385,12 @@ def _dp_padded_equals_host_path(rank: int, world: int) -> None:
         res = []
         for device_path in (False, True):
             cfg = _cfg(opt, comm)
-            model = DistributedModel(
+            model = distributed_model(
                 cfg, plan_by_type(cfg.embedding.tables, world, world, "table_wise", types)
             )
             ebc = model.ebc
             ebc.backend = gpu_backend("cuda")
-            dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
+            dense_opt = dense_optimizer(cfg.train, model.dense_parameters())
             tracker, guard = DirtyRowTracker(ebc), LossGuard()
             start = ebc.dp_weights.detach().clone()
             with gpu_path(device_path):
@@ -427,11 +427,11 @@ def _cw_rowwise_padded_equals_host_path(rank: int, world: int) -> None:
         cfg = _cfg("rowwise_adagrad")
         cfg.embedding.weight_decay = 0.01
         plan = plan_by_type(cfg.embedding.tables, world, world, "column_wise", {"c": "table_wise"})
-        model = DistributedModel(cfg, plan)
+        model = distributed_model(cfg, plan)
         ebc = model.ebc
         if backend is not None:
             ebc.backend = gpu_backend(backend)
-        dense_opt = make_dense_optimizer(cfg, model.dense_parameters())
+        dense_opt = dense_optimizer(cfg.train, model.dense_parameters())
         sites: set[str] = set()
         guard, start = LossGuard(), ebc.weights.detach().clone()
         with gpu_path(backend, device_checks=device_path):
@@ -474,8 +474,8 @@ def test_no_host_sync_one_process_dlrm():
 def test_host_sync_check_can_fail():
     # The patch does catch a read from neorec's runtime (here: the eager NaN guard, no LossGuard).
     cfg = _cfg("sgd")
-    model = DistributedModel(cfg, plan_by_type(cfg.embedding.tables, 1, 1, "table_wise"))
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    model = distributed_model(cfg, plan_by_type(cfg.embedding.tables, 1, 1, "table_wise"))
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     batch = _batch(0, 1, 0)
     model.stage_input_dist(batch.sparse, batch.sparse)
     with no_host_sync(set()), pytest.raises(HostSync, match="neorec/train/steps.py:train_step"):
@@ -545,7 +545,7 @@ def test_one_process_batch_checked_on_the_host_before_the_step(pipeline):
 
     cfg = _cfg("sgd")
     model = build_dlrm(cfg, DEVICE)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     good, bad = _batch(0, 1, 0), _batch(1, 1, 0)
     bad.sparse.values[0] = 10_000  # table "a" has 37 rows
     before = model.ebc.weights.detach().clone()

@@ -37,7 +37,7 @@ def test_gpu_backends_device_path_equals_reference(backend, kind):
     from test_tbe import make_case
 
     from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, get_backend
+    from neorec.ops.tbe import Lookup, PoolingMode, get_backend
 
     be, ref = gpu_backend(backend), get_backend("reference")
     c, p = make_case(5, batch=10, id_range=4), None  # long runs of duplicates
@@ -49,10 +49,10 @@ def test_gpu_backends_device_path_equals_reference(backend, kind):
         w = case.weights.clone()
         st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
         with gpu_path(b_.name if b_ is be else None):
-            out = b_.forward(lay, w, case.indices, case.offsets, case.psw, PoolingMode.MEAN)
+            lookup = Lookup(case.indices, case.offsets, case.psw, PoolingMode.MEAN)
+            out = b_.forward(lay, w, lookup)
             for step in (1, 2):
-                b_.backward_update(lay, w, st, case.indices, case.offsets, case.psw,
-                                   PoolingMode.MEAN, case.grad, opt, step)  # fmt: skip
+                b_.backward_update(lay, w, st, lookup, case.grad, opt, step)
         res.append((out, w, st))
     (o_ref, w_ref, st_ref), (o, w, st), (o2, w2, st2) = res
     assert torch.equal(o, o2) and torch.equal(w, w2), "two runs differ"
@@ -78,11 +78,11 @@ def test_padded_row_grads_equal_row_grads(backend):
 
     from neorec.ops.padded_rows import apply_padded_row_grads
     from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, apply_row_grads
+    from neorec.ops.tbe import Lookup, PoolingMode, apply_row_grads
 
     be, c = gpu_backend(backend), make_case(5, batch=10, id_range=4)
     lay, b = c.layout, c.grad.shape[0]
-    args = (lay, c.indices, c.offsets, c.psw, PoolingMode.MEAN, c.grad)
+    args = (lay, Lookup(c.indices, c.offsets, c.psw, PoolingMode.MEAN), c.grad)
     with gpu_path(backend):
         plain = {t: (ids, g) for t, ids, g in be.row_grads(*args)}
     n_ids = [0] * lay.num_tables
@@ -176,7 +176,7 @@ def test_lowp_rows_device_path_equals_host_path(backend, precision, rounding, ki
     and 3 share a dim; table 3 is never looked up; shards' stochastic-rounding keys."""
     from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat
     from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, TBELayout
+    from neorec.ops.tbe import Lookup, PoolingMode, TBELayout
 
     lay = TBELayout(rows=(50, 7, 100, 5), dims=(8, 8, 4, 8), feature_table=(0, 2, 0, 1))
     g, b = torch.Generator().manual_seed(3), 10
@@ -207,10 +207,10 @@ def test_lowp_rows_device_path_equals_host_path(backend, precision, rounding, ki
             gpu_path(backend, device_checks=device_path),
             no_host_sync(sites) if device_path else contextlib.nullcontext(),
         ):
+            lookup = Lookup(ids, offsets, psw, PoolingMode.MEAN)
             for step in (1, 2):
-                outs.append(be.forward(lay, w, ids, offsets, psw, PoolingMode.MEAN))
-                be.backward_update(lay, w, st, ids, offsets, psw, PoolingMode.MEAN, grad, opt,
-                                   step)  # fmt: skip
+                outs.append(be.forward(lay, w, lookup))
+                be.backward_update(lay, w, st, lookup, grad, opt, step)
         res.append((outs, w, st))
     assert not sites, f"host reads on the device path: {sorted(sites)}"
     (o0, w_0, st0), (o1, w_1, st1) = res
@@ -224,7 +224,7 @@ def test_lowp_rows_device_path_empty_batch():
     """An empty batch (no ids; no bags) on the device path: zeros out, nothing written."""
     from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat
     from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode, TBELayout
+    from neorec.ops.tbe import Lookup, PoolingMode, TBELayout
 
     lay, fmt = TBELayout(rows=(5, 7), dims=(4, 4), feature_table=(0, 1)), RowFormat("fp8")
     w0 = fmt.empty(lay)
@@ -235,9 +235,9 @@ def test_lowp_rows_device_path_empty_batch():
         w, offsets, ids = w0.clone(), torch.zeros(2 * b + 1, dtype=torch.int64), torch.zeros(0)
         st = zeros_state("adam", lay.total_rows, lay.total_elems, torch.device("cpu"))
         with gpu_path("cuda"):
-            out = be.forward(lay, w, ids.long(), offsets, None, PoolingMode.SUM)
-            be.backward_update(lay, w, st, ids.long(), offsets, None, PoolingMode.SUM,
-                               torch.ones(b, 8), RowOptimizer(kind="adam"), 1)  # fmt: skip
+            lookup = Lookup(ids.long(), offsets, None, PoolingMode.SUM)
+            out = be.forward(lay, w, lookup)
+            be.backward_update(lay, w, st, lookup, torch.ones(b, 8), RowOptimizer(kind="adam"), 1)
         assert out.shape == (b, 8) and not out.any()
         assert torch.equal(w, w0) and not any(v.any() for v in st.values())
 
@@ -249,7 +249,7 @@ def test_gpu_backends_device_asserts_refuse_bad_input(backend):
     from test_tbe import make_case
 
     from neorec.ops.row_optim import RowOptimizer, zeros_state
-    from neorec.ops.tbe import PoolingMode
+    from neorec.ops.tbe import Lookup, PoolingMode
     from neorec.ops.tbe_checks import check_finite_weights, check_grad_output
 
     be, c = gpu_backend(backend), make_case(9)
@@ -268,9 +268,9 @@ def test_gpu_backends_device_asserts_refuse_bad_input(backend):
             (c.indices, c.offsets + 1, "offsets are not"),
         ]:
             with pytest.raises(RuntimeError, match=match):
-                be.forward(lay, w, ids, off, None, PoolingMode.SUM)
+                be.forward(lay, w, Lookup(ids, off, None, PoolingMode.SUM))
             with pytest.raises(RuntimeError, match=match):
-                be.backward_update(lay, w, st, ids, off, None, PoolingMode.SUM, c.grad,
+                be.backward_update(lay, w, st, Lookup(ids, off, None, PoolingMode.SUM), c.grad,
                                    RowOptimizer(kind="adam"), 1)  # fmt: skip
         g = c.grad.clone()
         g[2, 5] = float("inf")
@@ -283,7 +283,7 @@ def test_gpu_backends_device_asserts_refuse_bad_input(backend):
     assert torch.equal(w, c.weights) and all(not bool(v.ne(0).any()) for v in st.values())
     # outside the device path (CPU tensors): the host checks, which name the culprit
     with pytest.raises(IndexError, match=r"feature 3 \(table 1"):
-        be.forward(lay, w, bad_ids, c.offsets, None, PoolingMode.SUM)
+        be.forward(lay, w, Lookup(bad_ids, c.offsets, None, PoolingMode.SUM))
 
 
 def test_codecs_refuse_non_finite_on_the_device_path():

@@ -7,14 +7,15 @@ from __future__ import annotations
 import torch
 from faults import campaign
 
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.config import ConfigError, DistillConfig, check_trainable, load_config
 from neorec.data.batch import Batch
 from neorec.data.synthetic import SyntheticClickData
 from neorec.distributed.dense_blocks import block_dense
 from neorec.errors import DataError
-from neorec.modules.dlrm import DenseArch, build_dlrm, serving_state_dict
+from neorec.modules.dlrm import DenseArch, serving_state_dict
 from neorec.train.distill import aux_predictions
-from neorec.train.steps import make_dense_optimizer, predict, train_step
+from neorec.train.steps import predict, train_step
 
 C = campaign("distill")
 BASE = [
@@ -66,8 +67,8 @@ def test_aux_weight_zero_leaves_serving_head_unchanged():
     sa, sb = a.dense_arch.state_dict(), serving_state_dict(b.dense_arch)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert b.dense_arch.aux_head is not None and b.dense_arch.adapter is not None
-    oa = make_dense_optimizer(plain_cfg, a.dense_parameters())
-    ob = make_dense_optimizer(d_cfg, b.dense_parameters())
+    oa = dense_optimizer(plain_cfg.train, a.dense_parameters())
+    ob = dense_optimizer(d_cfg.train, b.dense_parameters())
     data = data_of(plain_cfg)
     batches = teacher_batches(data, 4, 64, lambda t: 2.0 * t + 1.0)
     for step, (batch, _) in enumerate(batches, 1):
@@ -88,9 +89,9 @@ def test_aux_weight_zero_leaves_serving_head_unchanged():
     # ... and a positive aux_weight does move the shared layers (the test can fail)
     c_cfg = cfg_of(*AUX, "distill.aux_weight=1")
     c = model_of(c_cfg)
-    oc = make_dense_optimizer(c_cfg, c.dense_parameters())
+    oc = dense_optimizer(c_cfg.train, c.dense_parameters())
     a2 = model_of(plain_cfg)
-    oa2 = make_dense_optimizer(plain_cfg, a2.dense_parameters())
+    oa2 = dense_optimizer(plain_cfg.train, a2.dense_parameters())
     train_step(a2, oa2, batches[0][0], 1)
     train_step(c, oc, batches[0][0], 1, distill=c_cfg.distill)
     first = "bottom.0.weight"
@@ -101,7 +102,7 @@ def test_aux_weight_zero_leaves_serving_head_unchanged():
 
 def _train(cfg, batches, steps, distill=None):
     m = model_of(cfg)
-    opt = make_dense_optimizer(cfg, m.dense_parameters())
+    opt = dense_optimizer(cfg.train, m.dense_parameters())
     for step in range(1, steps + 1):
         train_step(m, opt, batches[(step - 1) % len(batches)][0], step, distill=distill)
     return m
@@ -196,7 +197,7 @@ def test_config_and_input_errors():
     C.expect_error("trainable: no data.fm_logits", lambda: check_trainable(cfg), "data.fm_logits")
 
     m = model_of(cfg)
-    opt = make_dense_optimizer(cfg, m.dense_parameters())
+    opt = dense_optimizer(cfg.train, m.dense_parameters())
     data = data_of(cfg)
     raw = data.batch("train", 0, 64)
     before = m.ebc.weights.clone()
@@ -212,7 +213,7 @@ def test_config_and_input_errors():
     assert torch.equal(m.ebc.weights, before), "a refused batch must not update the tables"
     # a model built without the aux head (e.g. another config's) is refused, not half-trained
     other = model_of(cfg_of())
-    oo = make_dense_optimizer(cfg, other.dense_parameters())
+    oo = dense_optimizer(cfg.train, other.dense_parameters())
     fm_batch = with_fm(raw, torch.zeros(64))
     C.expect_error(
         "step: model without aux head",

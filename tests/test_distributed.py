@@ -6,13 +6,14 @@ import pytest
 import torch
 from dist_util import run_ranks
 
+from neorec.build import build_dlrm, dense_optimizer, distributed_model
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
 from neorec.data.batch import Batch
 from neorec.distributed.model_parallel import DistributedModel
-from neorec.modules.dlrm import DLRM, build_dlrm
+from neorec.modules.dlrm import DLRM
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.sparse import SparseFeatures
-from neorec.train.trainer import make_dense_optimizer, train_step
+from neorec.train.trainer import train_step
 
 # Uneven row splits (37, 50 rows), a table with fewer rows than ranks (3), a shared table.
 TABLES = [
@@ -76,9 +77,9 @@ def train_both(
     """The one-process model (``ref``, else built from ``cfg``) and the distributed one, trained
     on the same global batches (this rank on its slice [lo, hi)): (ref, dm, lo, hi)."""
     ref = build_dlrm(cfg) if ref is None else ref
-    dm = DistributedModel(cfg, plan)
-    opt_ref = make_dense_optimizer(cfg, ref.dense_parameters())
-    opt_dm = make_dense_optimizer(cfg, dm.dense_parameters())
+    dm = distributed_model(cfg, plan)
+    opt_ref = dense_optimizer(cfg.train, ref.dense_parameters())
+    opt_dm = dense_optimizer(cfg.train, dm.dense_parameters())
     b = B // world
     lo, hi = rank * b, (rank + 1) * b
     for step in range(1, steps + 1):

@@ -198,8 +198,8 @@ def test_export_import_continue_bitwise(tmp_path: Path, into: str) -> None:
 
 
 def test_build_from_config_and_refusals(tmp_path: Path) -> None:
+    from neorec.build import build_dlrm
     from neorec.config import load_config
-    from neorec.modules.dlrm import build_dlrm
     from neorec.storage.dynamic import MixedEmbeddingBagCollection
 
     cfg = load_config(

@@ -293,7 +293,7 @@ def test_metrics_in_progress_line_and_events(straight: Any) -> None:
 
 # ---- planner: capacity rows + the map's bytes ---------------------------------------------------
 def test_planner_memory_of_a_dynamic_table() -> None:
-    from neorec.ops.id_map import map_bytes_per_slot
+    from neorec.ops.id_map_size import map_bytes_per_slot
     from neorec.sharding.cost_model import CostModel
     from neorec.sharding.tables import TableSpec
     from neorec.sharding.topology import Topology
@@ -376,9 +376,9 @@ def test_compiled_init_rows_equal_the_reference(dim: int) -> None:
 
 
 def test_checkpoint_faults(tmp_path: Any) -> None:
+    from neorec.build import build_dlrm
     from neorec.checkpoint import CheckpointManager, list_checkpoints, open_storage
     from neorec.config import CheckpointConfig
-    from neorec.modules.dlrm import build_dlrm
 
     c = campaign("dynamic checkpoints")
     cfg = _cfg(tmp_path)
@@ -387,9 +387,9 @@ def test_checkpoint_faults(tmp_path: Any) -> None:
     ck = CheckpointConfig(policy="consecutive", bits=32, opt_bits=32, async_write=False,
                           fsync=False)  # fmt: skip
     mgr = CheckpointManager(ck, model, opt, str(tmp_path / "ck"))
-    from neorec.train.sources import make_source
+    from neorec.build import data_source
 
-    src = make_source(cfg)
+    src = data_source(cfg)
     for j, b in enumerate(src.train_batches()):
         if j == 4:
             break

@@ -11,10 +11,11 @@ import torch
 from test_distill import AUX, cfg_of, model_of, with_fm
 
 import neorec.train.distill as distill
+from neorec.build import dense_optimizer
 from neorec.data.batch import Batch
 from neorec.errors import DataError
 from neorec.ops.exfm_losses import exfm_losses, native_lib
-from neorec.train.steps import make_dense_optimizer, train_step
+from neorec.train.steps import train_step
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler")
 
@@ -42,7 +43,7 @@ def _run(cfg, batches, fast: bool, monkeypatch) -> tuple[list[float], dict[str, 
     monkeypatch.setattr(distill, "FAST_LOSSES", fast)
     torch.manual_seed(0)
     m = model_of(cfg)
-    opt = make_dense_optimizer(cfg, m.dense_parameters())
+    opt = dense_optimizer(cfg.train, m.dense_parameters())
     losses, grads = [], {}
     for step, b in enumerate(batches, 1):
         losses.append(float(train_step(m, opt, b, step, distill=cfg.distill)))
@@ -131,7 +132,7 @@ def test_non_finite_fm_refused_before_any_update(monkeypatch):
     fm = b.fm_logits.clone()
     fm[7] = float("nan")
     m = model_of(cfg)
-    opt = make_dense_optimizer(cfg, m.dense_parameters())
+    opt = dense_optimizer(cfg.train, m.dense_parameters())
     before = {k: v.clone() for k, v in m.dense_arch.state_dict().items()}
     emb = m.ebc.weights.detach().clone()
     with pytest.raises(DataError, match="1 non-finite value"):

@@ -484,7 +484,7 @@ def test_api_dlrm_bad_batches_change_nothing(backend: str) -> None:
 def test_api_tbe_op_inputs(backend: str) -> None:
     """Malformed input straight to a backend: refused before anything is read or written."""
     from neorec.ops.row_optim import zeros_state
-    from neorec.ops.tbe import PoolingMode, TBELayout, get_backend
+    from neorec.ops.tbe import Lookup, PoolingMode, TBELayout, get_backend
 
     lay = TBELayout(rows=(6, 4), dims=(4, 2), feature_table=(0, 1, 0))
     be = get_backend(backend)
@@ -499,13 +499,13 @@ def test_api_tbe_op_inputs(backend: str) -> None:
     def fwd(**kw: Any) -> Callable[[], Any]:
         a = {"indices": idx, "offsets": off, "per_sample_weights": psw} | kw
         return lambda: be.forward(
-            lay, w, a["indices"], a["offsets"], a["per_sample_weights"], PoolingMode.SUM
+            lay, w, Lookup(a["indices"], a["offsets"], a["per_sample_weights"], PoolingMode.SUM)
         )
 
     def bwd(**kw: Any) -> Callable[[], Any]:
         a = {"indices": idx, "offsets": off, "per_sample_weights": psw, "grad": grad} | kw
         return lambda: be.backward_update(
-            lay, w, st, a["indices"], a["offsets"], a["per_sample_weights"], PoolingMode.SUM,
+            lay, w, st, Lookup(a["indices"], a["offsets"], a["per_sample_weights"], PoolingMode.SUM),
             a["grad"], opt, 1,
         )  # fmt: skip
 

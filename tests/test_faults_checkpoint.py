@@ -28,13 +28,13 @@ import pytest
 import torch
 from faults import campaign, judge_cli, run_cli
 
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.checkpoint import CheckpointManager, list_checkpoints, open_storage
 from neorec.checkpoint.format import seal_manifest
 from neorec.checkpoint.inspect import format_inspect, format_ls
 from neorec.config import load_config
 from neorec.errors import NeorecError
-from neorec.modules.dlrm import build_dlrm
-from neorec.train.trainer import Trainer, make_dense_optimizer
+from neorec.train.trainer import Trainer
 
 BASE = [
     "embedding.num_tables=2",
@@ -291,7 +291,7 @@ def test_resume_mismatch(tmp_path, pristine, case, over, match):
     cfg.checkpoint.resume = ""
     torch.manual_seed(0)
     model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     was = {k: v.clone() for k, v in model.state_dict().items()}
     mgr = CheckpointManager(cfg.checkpoint, model, opt, str(root))
     # (the API has no config: the dense part is compared by parameter shapes)

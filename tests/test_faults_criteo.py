@@ -448,47 +448,47 @@ def small_config(path: str, **data: Any) -> Config:
 
 
 def test_source_checks_come_first(tmp_path: Path) -> None:
-    from neorec.train.sources import make_source
+    from neorec.build import data_source
     from neorec.train.trainer import Trainer
 
     f = write(tmp_path / "train.txt", base_lines(9, 120))
     good = tmp_path / "pre"
     pre([f], good, eval_fraction=0.2, workers=1)
-    src = make_source(small_config(str(good)))
+    src = data_source(small_config(str(good)))
     n = sum(b.size for b in src.eval_batches())
     SOURCE.record("preprocessed with a split", "handled" if n == 24 else "data lost", f"eval {n}")
     nosplit = tmp_path / "nosplit"
     pre([f], nosplit, eval_fraction=0.0, workers=1)
     cases: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
-        ("empty data.path", lambda: make_source(small_config("")), ("data.path",)),
+        ("empty data.path", lambda: data_source(small_config("")), ("data.path",)),
         (
             "missing data.path",
-            lambda: make_source(small_config(str(tmp_path / "gone"))),
+            lambda: data_source(small_config(str(tmp_path / "gone"))),
             ("gone", "no such"),
         ),
         (
             "missing data.eval_path",
-            lambda: make_source(small_config(str(good), eval_path=str(tmp_path / "ev"))),
+            lambda: data_source(small_config(str(good), eval_path=str(tmp_path / "ev"))),
             ("ev", "data.eval_path"),
         ),
         (
             "no held-out split",
-            lambda: make_source(small_config(str(nosplit))),
+            lambda: data_source(small_config(str(nosplit))),
             (str(nosplit), "--eval-fraction"),
         ),
-        ("one raw TSV file", lambda: make_source(small_config(str(f))), ("train.txt", "eval_path")),
+        ("one raw TSV file", lambda: data_source(small_config(str(f))), ("train.txt", "eval_path")),
     ]
     other = small_config(str(good))
     other.embedding.tables = [
         dataclasses.replace(t, rows=t.rows + 1) for t in other.embedding.tables
     ]
     cases.append(
-        ("hashed with other rows", lambda: make_source(other), ("feature C1", "hashed modulo 50"))
+        ("hashed with other rows", lambda: data_source(other), ("feature C1", "hashed modulo 50"))
     )
     three = small_config(str(good))
     three.embedding.tables = three.embedding.tables[:3]
     cases.append(
-        ("3 tables for 26 features", lambda: make_source(three), ("26 features", "3 tables"))
+        ("3 tables for 26 features", lambda: data_source(three), ("26 features", "3 tables"))
     )
     for name, fn, match in cases:
         SOURCE.expect_error(name, fn, match)
@@ -498,20 +498,20 @@ def test_source_checks_come_first(tmp_path: Path) -> None:
     shard = broken / "shards" / f"{m['shards'][0]['name']}.dense.npy"
     shard.write_bytes(shard.read_bytes()[:200])
     SOURCE.expect_error(
-        "truncated shard", lambda: make_source(small_config(str(broken))), (shard.name,)
+        "truncated shard", lambda: data_source(small_config(str(broken))), (shard.name,)
     )
     shard.unlink()
     SOURCE.expect_error(
-        "missing shard", lambda: make_source(small_config(str(broken))), (shard.name,)
+        "missing shard", lambda: data_source(small_config(str(broken))), (shard.name,)
     )
     (broken / "manifest.json").write_text("{not json")
     SOURCE.expect_error(
-        "garbage manifest", lambda: make_source(small_config(str(broken))), ("manifest.json",)
+        "garbage manifest", lambda: data_source(small_config(str(broken))), ("manifest.json",)
     )
     (broken / "manifest.json").unlink()
     SOURCE.expect_error(
         "no manifest (cut short)",
-        lambda: make_source(small_config(str(broken))),
+        lambda: data_source(small_config(str(broken))),
         (str(broken), "preprocess"),
     )
     # The Kaggle config (tables of 34M rows, a minute to build): refused in seconds.
@@ -532,14 +532,14 @@ def test_raw_tsv_source_skip_mode_reports_the_count(tmp_path: Path) -> None:
     import contextlib
     import io
 
-    from neorec.train.sources import make_source
+    from neorec.build import data_source
 
     lines = base_lines(11, 50)
     lines[3] = set_field(lines[3], 2, b"x")
     lines[30] = lines[30].replace(b"\t", b"\r", 1)
     write(tmp_path / "day_0.tsv", lines[:40])
     write(tmp_path / "day_1.tsv", lines[40:])
-    src = make_source(small_config(str(tmp_path), bad_lines="skip"))
+    src = data_source(small_config(str(tmp_path), bad_lines="skip"))
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         n = sum(b.size for b in src.train_batches())
@@ -575,12 +575,12 @@ def test_readme_flow_end_to_end(tmp_path: Path) -> None:
     ok = ok and m["rows"] == KAGGLE_ROWS and m["split"]["eval"] == round(300 / 7)
     SOURCE.record("README preprocess command", "handled" if ok else "crash", r.stderr[-300:])
     if ok:  # the Kaggle config accepts it (its checks only: building its tables takes a minute)
-        from neorec.train.sources import make_source
+        from neorec.build import data_source
 
         kaggle = load_config(KAGGLE)
         kaggle.data = dataclasses.replace(kaggle.data, path=str(tmp_path / "criteo_pre"), workers=0)
         try:
-            make_source(kaggle)
+            data_source(kaggle)
             SOURCE.record("kaggle config reads the README output", "handled")
         except Exception as e:  # noqa: BLE001
             SOURCE.record("kaggle config reads the README output", "crash", str(e))

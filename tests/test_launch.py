@@ -75,7 +75,7 @@ def test_nproc2_bitwise_equals_one_process_table_wise(tmp_path, one_process):
 
 def test_failing_rank_stops_every_rank(tmp_path):
     t0 = time.monotonic()
-    r = neorec("--nproc", "2", *sets(tmp_path, "fail"), env={"NEOREC_FAIL_AT": "1:3"})
+    r = neorec("--nproc", "2", *sets(tmp_path, "fail"), "--set", "system.fail_at='1:3'")
     assert r.returncode != 0
     assert "injected failure on rank 1 at step 3" in r.stderr + r.stdout
     assert time.monotonic() - t0 < 120

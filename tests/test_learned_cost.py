@@ -23,7 +23,8 @@ from neorec.sharding.learned_cost import (
     machine_description,
     resolve,
 )
-from neorec.sharding.learned_placements import fit, predict_job, random_jobs, sample_from_job
+from neorec.sharding.learned_fit import fit, predict_job, sample_from_job
+from neorec.sharding.learned_placements import random_jobs
 from neorec.sharding.planner import plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan

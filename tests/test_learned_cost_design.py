@@ -14,15 +14,12 @@ import pytest
 from neorec.bench.planner import make_pool
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_features import FEATURES, plan_features
+from neorec.sharding.learned_fit import fit, predict_job, sample_from_job, samples_from_rows
 from neorec.sharding.learned_placements import (
     POOL_MAX_DIM,
     POOL_MAX_ROWS,
     REFERENCE_KINDS,
     designed_jobs,
-    fit,
-    predict_job,
-    sample_from_job,
-    samples_from_rows,
     speed_of,
 )
 from neorec.sharding.planner import Planner, plan_tables

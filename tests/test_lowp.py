@@ -12,15 +12,14 @@ import torch
 import torch.nn.functional as F
 from test_trainer import tiny_cfg
 
+from neorec.build import build_dlrm, data_source, dense_optimizer
 from neorec.config import load_config
 from neorec.lowp.dispatch import Dispatcher, LowpLinear, choose, install, uninstall
 from neorec.lowp.formats import CANDIDATES, FP8, candidate, fp8_round, quantize
 from neorec.lowp.kernels import dot_bmm, linear
 from neorec.lowp.probe import Probe, Site, SiteStats, upper_bound
 from neorec.lowp.timing import Timings
-from neorec.modules.dlrm import build_dlrm
-from neorec.train.sources import make_source
-from neorec.train.trainer import make_dense_optimizer, train_step
+from neorec.train.trainer import train_step
 
 
 def _cfg(*extra: str):
@@ -39,10 +38,10 @@ def _cfg(*extra: str):
 def _train(cfg, steps: int, disp_factory=None, probe: Probe | None = None):
     torch.manual_seed(0)
     model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     disp = disp_factory(model) if disp_factory else None
     losses = []
-    for i, b in enumerate(make_source(cfg).train_batches()):
+    for i, b in enumerate(data_source(cfg).train_batches()):
         if i >= steps:
             break
         if disp is not None:
@@ -139,8 +138,8 @@ def test_probe_covers_every_site_and_is_deterministic():
                 t.name: m.ebc.table_weight(t.name) for t in cfg.embedding.tables
             },
         )
-        opt = make_dense_optimizer(cfg, model.dense_parameters())
-        for i, b in enumerate(make_source(cfg).train_batches()):
+        opt = dense_optimizer(cfg.train, model.dense_parameters())
+        for i, b in enumerate(data_source(cfg).train_batches()):
             if i >= 5:
                 break
             probe.step_begin(i)
@@ -286,8 +285,8 @@ def test_drift_falls_back_to_fp32_and_reprobes(tmp_path):
     torch.manual_seed(0)
     model = build_dlrm(cfg)
     disp = Dispatcher(model.dense_arch, cfg.data.batch_size, "bf16", 0.05, 2, 0, timings=timings)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
-    batches = list(b for _, b in zip(range(6), make_source(cfg).train_batches()))
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
+    batches = list(b for _, b in zip(range(6), data_source(cfg).train_batches()))
     for i in range(3):
         disp.before_step(i)
         train_step(model, opt, batches[i], i)
@@ -313,7 +312,7 @@ def test_lowp_step_tracks_fp32(tmp_path):
     ref, low = build_dlrm(cfg), build_dlrm(cfg)  # the same seed: the same weights
     names = [n for n, m in low.dense_arch.named_modules() if isinstance(m, torch.nn.Linear)]
     install(low.dense_arch, {n: "bf16" for n in names} | {"interaction": "bf16"})
-    batch = next(iter(make_source(cfg).train_batches()))
+    batch = next(iter(data_source(cfg).train_batches()))
     grads = []
     for m in (ref, low):
         logits = m(batch.dense, batch.sparse)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from dist_util import run_ranks
 
+from neorec.build import build_dlrm
 from neorec.checkpoint import CheckpointManager
 from neorec.config import ConfigError, EmbeddingConfig, TableConfig, load_config
-from neorec.modules.dlrm import build_dlrm
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.ops.lowp_rows import (
@@ -24,7 +24,7 @@ from neorec.ops.lowp_rows import (
     stochastic_round,
 )
 from neorec.ops.row_optim import RowOptimizer
-from neorec.ops.tbe import PoolingMode, TBEIdError, TBELayout, get_backend
+from neorec.ops.tbe import Lookup, PoolingMode, TBEIdError, TBELayout, get_backend
 from neorec.sharding.cost_model import CostModel, TableSpec, Topology
 from neorec.sparse import SparseFeatures
 
@@ -74,12 +74,14 @@ def test_packed_rows_equal_fp32_rows_then_rounded(backend, kind, precision):
     for step in (1, 2, 3):
         idx, off, psw, grad = _batch(step, weighted=step == 2)
         for pooling in (PoolingMode.SUM, PoolingMode.MEAN):
-            got = lp.forward(LAYOUT, packed, idx, off, psw, pooling)
-            want = inner.forward(LAYOUT, ref_w, idx, off, psw, pooling)
+            got = lp.forward(LAYOUT, packed, Lookup(idx, off, psw, pooling))
+            want = inner.forward(LAYOUT, ref_w, Lookup(idx, off, psw, pooling))
             assert torch.equal(got, want), (precision, step, pooling)
-        lp.backward_update(LAYOUT, packed, st_lp, idx, off, psw, PoolingMode.SUM, grad, opt, step)
+        lp.backward_update(
+            LAYOUT, packed, st_lp, Lookup(idx, off, psw, PoolingMode.SUM), grad, opt, step
+        )
         inner.backward_update(
-            LAYOUT, ref_w, st_ref, idx, off, psw, PoolingMode.SUM, grad, opt, step
+            LAYOUT, ref_w, st_ref, Lookup(idx, off, psw, PoolingMode.SUM), grad, opt, step
         )
         for k in st_ref:
             assert torch.equal(st_lp[k], st_ref[k]), (precision, k, step)
@@ -104,7 +106,13 @@ def test_bad_ids_are_refused_before_anything_is_read_or_written():
     idx[int(off[B])] = 7  # feature 1 reads table 1 (7 rows): out of range, not table 2's row
     with pytest.raises(TBEIdError, match="out of range"):
         lp.backward_update(
-            LAYOUT, packed, {}, idx, off, None, PoolingMode.SUM, grad, RowOptimizer(kind="sgd"), 1
+            LAYOUT,
+            packed,
+            {},
+            Lookup(idx, off, None, PoolingMode.SUM),
+            grad,
+            RowOptimizer(kind="sgd"),
+            1,
         )
     assert torch.equal(packed, before)
 
@@ -295,9 +303,10 @@ def _tiny(tmp_path, *extra):
 
 @pytest.mark.parametrize("policy", ["full", "consecutive"])
 def test_checkpoint_restores_low_precision_tables_exactly(tmp_path, policy):
+    from neorec.build import dense_optimizer
     from neorec.config import CheckpointConfig
     from neorec.data.synthetic import SyntheticClickData
-    from neorec.train.trainer import make_dense_optimizer, train_step
+    from neorec.train.trainer import train_step
 
     cfg = _tiny(tmp_path, "embedding.precision=fp16", "embedding.optimizer=adam")
     cfg.embedding.tables[1].precision = "fp8"
@@ -306,7 +315,7 @@ def test_checkpoint_restores_low_precision_tables_exactly(tmp_path, policy):
 
     def make():
         model = build_dlrm(cfg)
-        return model, make_dense_optimizer(cfg, model.dense_parameters())
+        return model, dense_optimizer(cfg.train, model.dense_parameters())
 
     model, opt = make()
     assert isinstance(model.ebc, GroupedEmbeddingBagCollection)
@@ -331,7 +340,7 @@ def test_checkpoint_restores_low_precision_tables_exactly(tmp_path, policy):
 def _sharded_rank(rank: int, world: int, precision: str, rounding: str) -> None:
     import test_distributed as td
 
-    from neorec.distributed.model_parallel import DistributedModel
+    from neorec.build import distributed_model
     from neorec.sharding.types import plan_by_type
 
     cfg = td.make_cfg("rowwise_adagrad")
@@ -355,7 +364,7 @@ def _sharded_rank(rank: int, world: int, precision: str, rounding: str) -> None:
                 torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
     bad = plan_by_type(td.TABLES, world, world, "data_parallel")
     with pytest.raises(ConfigError, match="cannot be sharded data_parallel"):
-        DistributedModel(cfg, bad)
+        distributed_model(cfg, bad)
 
 
 @pytest.mark.parametrize("precision,rounding", [("fp16", "nearest"), ("bf16", "stochastic")])
@@ -364,14 +373,15 @@ def test_sharded_low_precision_tables_equal_one_process(precision, rounding):
 
 
 def test_dlrm_trains_with_low_precision_tables_like_fp32(tmp_path):
+    from neorec.build import dense_optimizer
     from neorec.data.synthetic import SyntheticClickData
-    from neorec.train.trainer import make_dense_optimizer, train_step
+    from neorec.train.trainer import train_step
 
     losses = {}
     for prec in ("fp32", "fp16", "bf16", "fp8"):
         cfg = _tiny(tmp_path, f"embedding.precision={prec}", "embedding.rows=200")
         model = build_dlrm(cfg)
-        opt = make_dense_optimizer(cfg, model.dense_parameters())
+        opt = dense_optimizer(cfg.train, model.dense_parameters())
         data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
         run = [float(train_step(model, opt, data.batch("train", s, 64), s + 1)) for s in range(40)]
         losses[prec] = sum(run[-10:]) / 10

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from neorec.ops import memory
 from neorec.ops.memory import advise_huge_pages, table_empty, table_zeros
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -33,14 +31,15 @@ def test_small_buffers_are_left_alone() -> None:
     assert not advise_huge_pages(torch.empty(1000))
 
 
-def test_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NEOREC_HUGEPAGES", "0")
-    memory._madvise.cache_clear()
-    try:
-        assert not advise_huge_pages(torch.empty(16 << 20))
-    finally:
-        monkeypatch.delenv("NEOREC_HUGEPAGES")
-        memory._madvise.cache_clear()
+def test_switched_off_by_the_system_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neorec.build import apply_system
+    from neorec.config import SystemConfig
+    from neorec.ops import settings
+
+    monkeypatch.setattr(settings, "HUGEPAGES", True)
+    apply_system(SystemConfig(hugepages=False))
+    assert not settings.HUGEPAGES
+    assert not advise_huge_pages(torch.empty(16 << 20))
 
 
 @pytest.mark.skipif(
@@ -63,10 +62,18 @@ def test_keep_freed_heap_sets_glibc_thresholds_or_says_it_did_not() -> None:
 
     code = "from neorec.ops.memory import keep_freed_heap; print(keep_freed_heap())"
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    env = {**os.environ, "NEOREC_KEEP_HEAP": "0"}
-    off = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
-    )
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert on.stdout.strip() == str(glibc)
-    assert off.stdout.strip() == "False"
+
+
+def test_keep_heap_only_on_distributed_ranks_that_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    import neorec.build.run as build_run
+    from neorec.config import SystemConfig
+
+    calls: list[int] = []
+    monkeypatch.setattr(build_run, "keep_freed_heap", lambda: calls.append(1))
+    build_run.apply_system(SystemConfig(keep_heap=True))  # one process: never
+    build_run.apply_system(SystemConfig(keep_heap=False), distributed=True)
+    assert calls == []
+    build_run.apply_system(SystemConfig(keep_heap=True), distributed=True)
+    assert calls == [1]

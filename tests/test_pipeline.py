@@ -9,10 +9,10 @@ import torch
 from dist_util import run_ranks
 from test_distributed import B, global_batch, make_cfg, plans
 
+from neorec.build import dense_optimizer, distributed_model
 from neorec.config import CommConfig, load_config
-from neorec.distributed.model_parallel import DistributedModel
 from neorec.train.pipeline import make_pipeline
-from neorec.train.trainer import Trainer, make_dense_optimizer, train_step
+from neorec.train.trainer import Trainer, train_step
 
 # Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
 pytestmark = pytest.mark.bitwise
@@ -28,8 +28,8 @@ COMMS = [
 def _train(kind: str, rank: int, world: int, comm: CommConfig, weighted: bool):
     cfg = make_cfg("rowwise_adagrad", pooling="mean" if weighted else "sum")
     cfg.comm = comm
-    model = DistributedModel(cfg, plans(world)["mixed"])
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    model = distributed_model(cfg, plans(world)["mixed"])
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     b = B // world
     batches = (
         global_batch(200 + i, weighted).slice(rank * b, (rank + 1) * b) for i in range(STEPS)

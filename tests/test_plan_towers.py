@@ -265,7 +265,7 @@ def test_cli_tower_errors_are_one_line(kw: dict, match: str, capsys) -> None:
 
 
 def test_neorec_plan_towers_exit_code_2() -> None:
-    argv = [sys.executable, "-m", "neorec.cli", "plan", "--world-size", "4", "--towers", "3"]
+    argv = [sys.executable, "-m", "neorec", "plan", "--world-size", "4", "--towers", "3"]
     p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("neorec: error: --towers 3 does not divide world size 4")

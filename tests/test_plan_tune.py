@@ -17,7 +17,7 @@ import neorec.sharding.planner_shortlist as shortlist_mod
 from neorec.cli.plan import main as plan_main
 from neorec.measure.plan_tune import tune
 from neorec.sharding.cost_model import TableSpec
-from neorec.sharding.learned_placements import fit
+from neorec.sharding.learned_fit import fit
 from neorec.sharding.planner import Planner
 from neorec.sharding.planner_baselines import baseline_candidates, plan_key
 from neorec.sharding.planner_shortlist import (

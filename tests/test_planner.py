@@ -385,10 +385,9 @@ def _check_tiers(result, tables: list[TableSpec]) -> None:
         )
 
 
-def test_hit_rates_are_the_storage_model() -> None:
+def test_cache_hit_rates_are_the_hit_rate_model() -> None:
     from neorec.config import TableConfig
-    from neorec.sharding.cost_model import cache_hit_rates
-    from neorec.storage.model import expected_hit_rate
+    from neorec.sharding.hit_rate import cache_hit_rates, expected_hit_rate
 
     for alpha, dist in [(1.05, ""), (0.0, ""), (0.0, "uniform")]:
         t = TableSpec(

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from neorec.cli.data import preprocess_main as main
 from neorec.config import TableConfig
 from neorec.data.criteo import CriteoFormatError, CriteoTSVDataset
 from neorec.data.loader import ShardedReader
-from neorec.data.preprocess import KAGGLE_ROWS, PreprocessOptions, main, preprocess
+from neorec.data.preprocess import KAGGLE_ROWS, PreprocessOptions, preprocess
 
 ROWS = [50 + 13 * j for j in range(26)]
 

@@ -12,10 +12,11 @@ import pytest
 from faults import campaign, run_cli
 from test_preprocess import ROWS, make_lines, read_all, reference, write
 
+from neorec.cli.data import preprocess_main as main
 from neorec.config import TableConfig
 from neorec.data.criteo import CriteoTSVDataset
 from neorec.data.loader import ShardedReader
-from neorec.data.preprocess import PreprocessOptions, main, preprocess
+from neorec.data.preprocess import PreprocessOptions, preprocess
 
 RAW = [j % 3 == 1 for j in range(26)]  # C2, C5, C8, ...
 

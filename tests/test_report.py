@@ -115,15 +115,16 @@ def test_tensorboard_mode_off_writes_nothing(tmp_path):
 def test_tensorboard_closed_on_error_and_a_bad_tb_path(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    monkeypatch.setenv("NEOREC_FAIL_AT", "0:7")  # an error inside the training loop
     run_dir = tmp_path / "failed"
-    with pytest.raises(RuntimeError, match="injected failure"):
-        train(tiny_cfg(tmp_path, f"train.run_dir='{run_dir}'"), out=io.StringIO())
+    with pytest.raises(RuntimeError, match="injected failure"):  # an error inside the loop
+        train(
+            tiny_cfg(tmp_path, f"train.run_dir='{run_dir}'", "system.fail_at='0:7'"),
+            out=io.StringIO(),
+        )
     acc = EventAccumulator(str(run_dir / TB_DIR))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6]
     assert [e.step for e in acc.Scalars("eval/ne")] == [4]
-    monkeypatch.delenv("NEOREC_FAIL_AT")
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / TB_DIR).write_text("a file where the tb folder goes")

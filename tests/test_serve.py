@@ -182,7 +182,7 @@ def test_criteo_tsv_data(tmp_path: Path) -> None:
     _save(trainer, tmp_path)
     ref = torch.cat(predict(trainer.model, trainer.source.eval_batches()).probs).numpy()
     out = tmp_path / "p.npy"
-    from neorec.data.preprocess import main as preprocess
+    from neorec.cli.data import preprocess_main as preprocess
 
     pre = str(tmp_path / "pre")
     rows = ",".join(str(50 + i) for i in range(1, 27))
@@ -208,7 +208,7 @@ def test_mean_pooling_weights_empty_bags_and_torchscript(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mean pooling, per-id weights and empty bags in the loader; the TorchScript fallback."""
-    from neorec.modules.dlrm import build_dlrm
+    from neorec.build import build_dlrm
     from neorec.sparse import SparseFeatures
 
     cfg = tiny_cfg(tmp_path, "embedding.pooling='mean'", "model.interaction='dcn'")

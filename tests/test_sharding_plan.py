@@ -197,8 +197,8 @@ def test_cached_storage_json_round_trip_validation_and_runtime_check(tmp_path) -
         plan.check_storage(who="the distributed runtime")
     ShardingPlan(4, 2, [plain]).check_storage()
     # ... also when it arrives as a hand-written plan file (sharding.plan).
+    from neorec.build import resolve_plan
     from neorec.config import Config, EmbeddingConfig, ModelConfig
-    from neorec.distributed.model_parallel import resolve_plan
 
     tables = [_t("ssd", rows=100), _t("dram", rows=50), _t("dev")]
     cfg = Config(model=ModelConfig(bottom_mlp=[16, 8]), embedding=EmbeddingConfig(tables=tables))

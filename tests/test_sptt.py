@@ -6,11 +6,12 @@ import torch
 from dist_util import run_ranks
 from torch import nn
 
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
 from neorec.data.batch import Batch
-from neorec.modules.dlrm import DenseArch, build_dlrm
+from neorec.modules.dlrm import DenseArch
 from neorec.sparse import SparseFeatures
-from neorec.train.trainer import make_dense_optimizer, train_step
+from neorec.train.trainer import train_step
 
 TABLES = [
     TableConfig(name="a", rows=37, dim=8),
@@ -69,9 +70,10 @@ def _tower_order() -> list[TableConfig]:
 def _identity_rank(rank: int, world: int, opt: str, weighted: bool, root: str = "") -> None:
     """Train the towered model and the flat one; compare. With ``root``, also save a checkpoint
     every step and the final predictions (``_restore_rank`` restores them on another world)."""
+    from neorec.build import towered_model
     from neorec.checkpoint import CheckpointManager
     from neorec.config import CheckpointConfig
-    from neorec.distributed.towers import DistributedTowerModel, tower_features
+    from neorec.distributed.towers import tower_features
 
     cfg = _cfg(opt)
     feats = tower_features(cfg.embedding.tables, GROUPS)
@@ -80,10 +82,10 @@ def _identity_rank(rank: int, world: int, opt: str, weighted: bool, root: str = 
         towers = nn.ModuleList(_Identity(len(f)) for f in feats)
         return towers, DenseArch(cfg.model, sum(len(f) for f in feats), 8)
 
-    dm = DistributedTowerModel(cfg, GROUPS, build_dense)
+    dm = towered_model(cfg, GROUPS, build_dense)
     ref = build_dlrm(_cfg(opt, _tower_order()))  # the flat model, features in tower order
-    opt_ref = make_dense_optimizer(cfg, ref.dense_parameters())
-    opt_dm = make_dense_optimizer(cfg, dm.dense_parameters())
+    opt_ref = dense_optimizer(cfg.train, ref.dense_parameters())
+    opt_dm = dense_optimizer(cfg.train, dm.dense_parameters())
     b = B // world
     lo, hi = rank * b, (rank + 1) * b
     ck = CheckpointConfig(
@@ -129,7 +131,8 @@ def test_sptt_adam_weighted_equals_flat_and_restores_under_another_world_size(tm
 
 
 def _identity_model(cfg):
-    from neorec.distributed.towers import DistributedTowerModel, tower_features
+    from neorec.build import towered_model
+    from neorec.distributed.towers import tower_features
 
     feats = tower_features(cfg.embedding.tables, GROUPS)
 
@@ -137,7 +140,7 @@ def _identity_model(cfg):
         towers = nn.ModuleList(_Identity(len(f)) for f in feats)
         return towers, DenseArch(cfg.model, sum(len(f) for f in feats), 8)
 
-    return DistributedTowerModel(cfg, GROUPS, build_dense)
+    return towered_model(cfg, GROUPS, build_dense)
 
 
 def _all_preds(model, rank: int, world: int) -> torch.Tensor:
@@ -159,7 +162,7 @@ def _restore_rank(rank: int, world: int, root: str) -> None:
 
     cfg = _cfg("adam")
     dm = _identity_model(cfg)
-    opt = make_dense_optimizer(cfg, dm.dense_parameters())
+    opt = dense_optimizer(cfg.train, dm.dense_parameters())
     ck = CheckpointConfig(
         policy="consecutive", bits=32, opt_bits=32, async_write=False, fsync=False
     )

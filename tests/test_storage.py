@@ -13,6 +13,7 @@ import torch
 from neorec.config import TableConfig
 from neorec.data.ids import zipf_ids
 from neorec.modules.embedding import EmbeddingBagCollection
+from neorec.ops import settings
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops, rowio
@@ -274,8 +275,8 @@ def test_disk_full_on_write_back_loses_nothing(tmp_path, monkeypatch):
 
 
 def test_config_and_build_dlrm_choose_the_cache(tmp_path):
+    from neorec.build import build_dlrm
     from neorec.config import ConfigError, load_config
-    from neorec.modules.dlrm import build_dlrm
 
     with pytest.raises(ConfigError, match="storage"):
         TableConfig(name="x", rows=10, dim=4, storage="tape")
@@ -292,7 +293,7 @@ def test_config_and_build_dlrm_choose_the_cache(tmp_path):
 
 
 def test_expected_hit_rate():
-    from neorec.storage.model import expected_hit_rate
+    from neorec.sharding.hit_rate import expected_hit_rate
 
     p = 1.0 / torch.arange(1, 3001, dtype=torch.float64) ** 1.05
     exact_lfu = float(p[:300].sum() / p.sum())
@@ -311,7 +312,7 @@ def test_rowio_pread_paths_match_the_mapped_read(tmp_path, monkeypatch):
     mapped = st.read(ids)
     for mode in ("native", "python"):
         if mode == "python":
-            monkeypatch.setenv("NEOREC_ROWIO", "python")
+            monkeypatch.setattr(settings, "NATIVE", False)
         got = torch.empty_like(mapped)
         rowio.read_records(st.fd, ids, st.record_bytes, HEADER_BYTES, got, 2)
         assert torch.equal(got, mapped), mode
@@ -341,7 +342,7 @@ def test_compiled_bookkeeping_takes_the_torch_paths_decisions(tmp_path, monkeypa
     rows = _max_distinct(batches) + 3
     runs = []
     for native in ("1", "0"):
-        monkeypatch.setenv("NEOREC_CACHE_NATIVE", native)
+        monkeypatch.setattr(settings, "NATIVE", native == "1")
         cached = CachedEmbeddingBagCollection(
             _with("ssd", rows, policy), opt, backend="cpu", storage_dir=tmp_path / native
         )
@@ -362,7 +363,7 @@ def test_compiled_bookkeeping_takes_the_torch_paths_decisions(tmp_path, monkeypa
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_copy_rows_matches_indexing(monkeypatch, native):
-    monkeypatch.setenv("NEOREC_CACHE_NATIVE", native)
+    monkeypatch.setattr(settings, "NATIVE", native == "1")
     g = torch.Generator().manual_seed(0)
     src = torch.rand(40, 7, generator=g)
     wide = torch.zeros(30, 10)

@@ -19,8 +19,10 @@ import torch
 from faults import campaign
 from test_trainer import tiny_cfg
 
+from neorec.build import data_source
 from neorec.config import Config, ConfigError, load_config
 from neorec.data.batch import Batch
+from neorec.data.sources import StreamSource
 from neorec.data.stream import (
     DriftingClickData,
     active_rows,
@@ -30,7 +32,6 @@ from neorec.data.stream import (
 )
 from neorec.errors import DataError
 from neorec.serve import load_model, save_model
-from neorec.train.sources import StreamSource, make_source
 from neorec.train.trainer import Trainer
 
 C = campaign("stream das")
@@ -236,19 +237,19 @@ def test_das_written_and_read_back_bitwise_with_staleness(fms: SimpleNamespace) 
     assert torch.equal(ev, _direct_logits(fms.run[0], cfg, 2, "eval"))
     assert next(iter(src.train_batches(4))).fm_logits.tolist() == arr[256:320].tolist()  # type: ignore[union-attr]
     # k = 1 reads FM 1's file; each directory holds one FM's logits: the other k is refused
-    src1 = make_source(_student(fms.tmp, k1, 2, 1))
+    src1 = data_source(_student(fms.tmp, k1, 2, 1))
     assert np.array_equal(
         torch.cat([b.fm_logits for b in src1.train_batches()]).numpy(),  # type: ignore[misc]
         np.load(fm_paths(k1, 2, "train")[0]),
     )
     C.expect_error(
         "staleness: k=1 on FM 0's file",
-        lambda: make_source(_student(fms.tmp, k2, 2, 1)),
+        lambda: data_source(_student(fms.tmp, k2, 2, 1)),
         ("FM of window 0", "wants the FM of window 1"),
     )
     C.expect_error(
         "staleness: k=2 on FM 1's file",
-        lambda: make_source(_student(fms.tmp, k1, 2, 2)),
+        lambda: data_source(_student(fms.tmp, k1, 2, 2)),
         ("FM of window 1", "wants the FM of window 0"),
     )
     C.check()
@@ -279,7 +280,7 @@ def _corrupt_cases(fms: SimpleNamespace) -> None:
 
         return edit
 
-    src = lambda d, *x: lambda: make_source(_student(fms.tmp, d, 1, 1, *x))  # noqa: E731
+    src = lambda d, *x: lambda: data_source(_student(fms.tmp, d, 1, 1, *x))  # noqa: E731
     C.expect_error("missing dir", src(fms.tmp / "nope"), ("nope", "no such directory"))
     C.expect_error(
         "missing file",
@@ -339,12 +340,12 @@ def _corrupt_cases(fms: SimpleNamespace) -> None:
     )
     C.expect_error(
         "staleness > window",
-        lambda: make_source(_student(fms.tmp, good, 1, 2)),
+        lambda: data_source(_student(fms.tmp, good, 1, 2)),
         "data.fm_staleness 2",
     )
     C.expect_error(
         "fm_logits on synthetic",
-        lambda: make_source(_student(fms.tmp, good, 1, 1, "data.source='synthetic'")),
+        lambda: data_source(_student(fms.tmp, good, 1, 1, "data.source='synthetic'")),
         "data.fm_logits",
     )
     C.expect_error(
@@ -352,7 +353,7 @@ def _corrupt_cases(fms: SimpleNamespace) -> None:
     )
     C.expect_error(
         "window_samples < batch",
-        lambda: make_source(stream_cfg(fms.tmp, "data.window_samples=10")),
+        lambda: data_source(stream_cfg(fms.tmp, "data.window_samples=10")),
         "data.window_samples 10",
     )
     # writer refusals

@@ -12,7 +12,7 @@ from neorec.ops import cpu as cpu_mod
 from neorec.ops.cpu import CpuBackend
 from neorec.ops.cuda import CudaBackend
 from neorec.ops.row_optim import RowOptimizer, zeros_state
-from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
+from neorec.ops.tbe import Lookup, PoolingMode, TBELayout, get_backend, tbe_lookup
 
 # Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
 pytestmark = pytest.mark.bitwise
@@ -181,10 +181,7 @@ def run_steps(
             c.layout,
             w,
             st,
-            c.indices,
-            c.offsets,
-            c.psw if use_psw else None,
-            pooling,
+            Lookup(c.indices, c.offsets, c.psw if use_psw else None, pooling),
             c.grad,
             opt,
             s,
@@ -203,7 +200,7 @@ def test_forward_matches_embedding_bag(backend: str, pooling: PoolingMode, use_p
     dev = device_of(backend)
     c = case.to(dev)
     out = get_backend(backend, dev).forward(
-        c.layout, c.weights, c.indices, c.offsets, c.psw if use_psw else None, pooling
+        c.layout, c.weights, Lookup(c.indices, c.offsets, c.psw if use_psw else None, pooling)
     )
     bags = oracle_bags(case.layout, case.weights)
     want = oracle_forward(case, bags, case.psw if use_psw else None, pooling).detach()
@@ -283,10 +280,16 @@ def cpu_steps(
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = be.forward(layout, w, idx, off, psw if use_psw else None, PoolingMode.MEAN)
+        out = be.forward(layout, w, Lookup(idx, off, psw if use_psw else None, PoolingMode.MEAN))
         for s in (1, 2):
             be.backward_update(
-                layout, w, st, idx, off, psw if use_psw else None, PoolingMode.MEAN, grad, opt, s
+                layout,
+                w,
+                st,
+                Lookup(idx, off, psw if use_psw else None, PoolingMode.MEAN),
+                grad,
+                opt,
+                s,
             )
     finally:
         torch.set_num_threads(old)
@@ -316,9 +319,9 @@ def test_cpu_equals_reference(kind: str, use_psw: bool, weight_decay: float) -> 
         w = w0.clone()
         st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
         opt = RowOptimizer(kind=kind, lr=0.03, weight_decay=weight_decay)
-        out = be.forward(layout, w, idx, off, p, PoolingMode.SUM)
+        out = be.forward(layout, w, Lookup(idx, off, p, PoolingMode.SUM))
         for s in (1, 2):
-            be.backward_update(layout, w, st, idx, off, p, PoolingMode.SUM, grad, opt, s)
+            be.backward_update(layout, w, st, Lookup(idx, off, p, PoolingMode.SUM), grad, opt, s)
         res.append((out, w, st))
     (o_ref, w_ref, st_ref), (o_cpu, w_cpu, st_cpu) = res
     torch.testing.assert_close(o_cpu, o_ref, rtol=1e-6, atol=1e-6)
@@ -335,13 +338,13 @@ def test_cpu_row_grads_and_emitted_tables(use_psw: bool, pooling: PoolingMode) -
     # as the full fused update does.
     layout, w0, idx, off, psw, grad = big_case(7)
     p = psw if use_psw else None
-    want = get_backend("reference").row_grads(layout, idx, off, p, pooling, grad)
+    want = get_backend("reference").row_grads(layout, Lookup(idx, off, p, pooling), grad)
     be = CpuBackend()
     old = torch.get_num_threads()
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
         try:
-            got = be.row_grads(layout, idx, off, p, pooling, grad)
+            got = be.row_grads(layout, Lookup(idx, off, p, pooling), grad)
         finally:
             torch.set_num_threads(old)
         assert [t for t, _, _ in got] == [t for t, _, _ in want]
@@ -351,11 +354,11 @@ def test_cpu_row_grads_and_emitted_tables(use_psw: bool, pooling: PoolingMode) -
     opt = RowOptimizer(kind="rowwise_adagrad", lr=0.03, weight_decay=0.001)
     full_w = w0.clone()
     full_st = zeros_state(opt.kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
-    be.backward_update(layout, full_w, full_st, idx, off, p, pooling, grad, opt, 1)
+    be.backward_update(layout, full_w, full_st, Lookup(idx, off, p, pooling), grad, opt, 1)
     part_w = w0.clone()
     part_st = zeros_state(opt.kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
     emitted = be.backward_update(
-        layout, part_w, part_st, idx, off, p, pooling, grad, opt, 1, emit_tables=[1]
+        layout, part_w, part_st, Lookup(idx, off, p, pooling), grad, opt, 1, emit_tables=[1]
     )
     assert [t for t, _, _ in emitted] == [1]
     assert torch.equal(emitted[0][1], want[1][1]) and torch.equal(emitted[0][2], want[1][2])
@@ -396,9 +399,13 @@ def test_tbe_lookup_autograd_updates_weights_without_grad(backend: str) -> None:
 
     def update(g: Tensor) -> None:
         grads.append(g)
-        be.backward_update(c.layout, w, st, c.indices, c.offsets, None, PoolingMode.SUM, g, opt, 1)
+        be.backward_update(
+            c.layout, w, st, Lookup(c.indices, c.offsets, None, PoolingMode.SUM), g, opt, 1
+        )
 
-    out = tbe_lookup(anchor, be, c.layout, w, c.indices, c.offsets, None, PoolingMode.SUM, update)
+    out = tbe_lookup(
+        anchor, be, c.layout, w, Lookup(c.indices, c.offsets, None, PoolingMode.SUM), update
+    )
     assert out.requires_grad
     (out * c.grad).sum().backward()
     assert len(grads) == 1 and torch.equal(grads[0], c.grad)
@@ -431,9 +438,15 @@ def test_int32_inputs(backend: str) -> None:
         w = c.weights.clone()
         st = zeros_state("sgd", c.layout.total_rows, c.layout.total_elems, torch.device(dev))
         idx, off = c.indices.to(dt), c.offsets.to(dt)
-        outs.append(be.forward(c.layout, w, idx, off, c.psw, PoolingMode.MEAN))
+        outs.append(be.forward(c.layout, w, Lookup(idx, off, c.psw, PoolingMode.MEAN)))
         be.backward_update(
-            c.layout, w, st, idx, off, c.psw, PoolingMode.MEAN, c.grad, RowOptimizer(kind="sgd"), 1
+            c.layout,
+            w,
+            st,
+            Lookup(idx, off, c.psw, PoolingMode.MEAN),
+            c.grad,
+            RowOptimizer(kind="sgd"),
+            1,
         )
         ws.append(w)
     assert torch.equal(outs[0], outs[1]) and torch.equal(ws[0], ws[1])
@@ -452,12 +465,18 @@ def test_out_of_range_id_is_refused(backend: str, bad_id: int) -> None:
     c.indices[pos] = bad_id
     be = get_backend(backend, dev)
     with pytest.raises(IndexError, match=rf"feature 3 \(table 1.*id {bad_id}\b"):
-        be.forward(lay, c.weights, c.indices, c.offsets, None, PoolingMode.SUM)
+        be.forward(lay, c.weights, Lookup(c.indices, c.offsets, None, PoolingMode.SUM))
     w = c.weights.clone()
     st = zeros_state("rowwise_adagrad", lay.total_rows, lay.total_elems, torch.device(dev))
     with pytest.raises(IndexError, match=rf"feature 3 .*id {bad_id}\b"):
         be.backward_update(
-            lay, w, st, c.indices, c.offsets, None, PoolingMode.SUM, c.grad, RowOptimizer(), 1
+            lay,
+            w,
+            st,
+            Lookup(c.indices, c.offsets, None, PoolingMode.SUM),
+            c.grad,
+            RowOptimizer(),
+            1,
         )
     assert torch.equal(w, c.weights), "nothing may be written when the batch is refused"
 
@@ -483,7 +502,7 @@ def test_cpu_reports_the_first_bad_id_across_chunks(threads: int) -> None:
         )
         with pytest.raises(IndexError, match=r"feature 2 .*id 1000000\b"):
             be.backward_update(
-                layout, w, st, idx, off, None, PoolingMode.SUM, grad, RowOptimizer(), 1
+                layout, w, st, Lookup(idx, off, None, PoolingMode.SUM), grad, RowOptimizer(), 1
             )
         assert torch.equal(w, w0)
     finally:
@@ -512,7 +531,13 @@ def test_cpu_one_row_tables(kind: str) -> None:
         w = w0.clone()
         st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
         be.backward_update(
-            layout, w, st, idx, offsets, None, PoolingMode.SUM, grad, RowOptimizer(kind=kind), 1
+            layout,
+            w,
+            st,
+            Lookup(idx, offsets, None, PoolingMode.SUM),
+            grad,
+            RowOptimizer(kind=kind),
+            1,
         )
         res.append((w, st))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-6, atol=1e-6)
@@ -538,10 +563,10 @@ def test_malformed_offsets_and_weights_are_refused_before_any_write(backend: str
     ]:
         w = c.weights.clone()
         with pytest.raises(TBEInputError, match=match):
-            be.forward(c.layout, w, c.indices, off, psw, PoolingMode.SUM)
+            be.forward(c.layout, w, Lookup(c.indices, off, psw, PoolingMode.SUM))
         with pytest.raises(TBEInputError, match=match):
             be.backward_update(
-                c.layout, w, st, c.indices, off, psw, PoolingMode.SUM, c.grad,
+                c.layout, w, st, Lookup(c.indices, off, psw, PoolingMode.SUM), c.grad,
                 RowOptimizer(kind="adam"), 1,
             )  # fmt: skip
         assert torch.equal(w, c.weights) and all(not bool(v.ne(0).any()) for v in st.values())
@@ -551,13 +576,15 @@ def test_cpu_rejects_malformed_inputs() -> None:
     c = make_case(10)
     be = get_backend("cpu")
     with pytest.raises(ValueError, match="float32"):
-        be.forward(c.layout, c.weights.double(), c.indices, c.offsets, None, PoolingMode.SUM)
+        be.forward(
+            c.layout, c.weights.double(), Lookup(c.indices, c.offsets, None, PoolingMode.SUM)
+        )
     with pytest.raises(ValueError, match="offsets"):
-        be.forward(c.layout, c.weights, c.indices, c.offsets[:-1], None, PoolingMode.SUM)
+        be.forward(c.layout, c.weights, Lookup(c.indices, c.offsets[:-1], None, PoolingMode.SUM))
     bad = c.offsets.clone()
     bad[5] = bad[6] + 1
     with pytest.raises(ValueError, match="decrease"):
-        be.forward(c.layout, c.weights, c.indices, bad, None, PoolingMode.SUM)
+        be.forward(c.layout, c.weights, Lookup(c.indices, bad, None, PoolingMode.SUM))
     st = zeros_state("adam", c.layout.total_rows, c.layout.total_elems, torch.device("cpu"))
     del st["exp_avg_sq"]
     with pytest.raises(ValueError, match="exp_avg_sq"):
@@ -565,10 +592,7 @@ def test_cpu_rejects_malformed_inputs() -> None:
             c.layout,
             c.weights,
             st,
-            c.indices,
-            c.offsets,
-            None,
-            PoolingMode.SUM,
+            Lookup(c.indices, c.offsets, None, PoolingMode.SUM),
             c.grad,
             RowOptimizer(kind="adam"),
             1,
@@ -583,7 +607,7 @@ def test_all_bags_empty(backend: str) -> None:
     idx = torch.zeros(0, dtype=torch.int64, device=dev)
     off = torch.zeros(4, dtype=torch.int64, device=dev)
     be = get_backend(backend, dev)
-    out = be.forward(lay, w, idx, off, None, PoolingMode.MEAN)
+    out = be.forward(lay, w, Lookup(idx, off, None, PoolingMode.MEAN))
     assert out.shape == (3, 2) and torch.all(out == 0)
     w0 = w.clone()
     st = zeros_state("sgd", lay.total_rows, lay.total_elems, torch.device(dev))
@@ -591,10 +615,7 @@ def test_all_bags_empty(backend: str) -> None:
         lay,
         w,
         st,
-        idx,
-        off,
-        None,
-        PoolingMode.MEAN,
+        Lookup(idx, off, None, PoolingMode.MEAN),
         torch.ones(3, 2, device=dev),
         RowOptimizer(kind="sgd"),
         1,
@@ -610,9 +631,9 @@ def test_cuda_backend_logic_on_cpu_tensors(kind: str) -> None:
     for be in (get_backend("reference"), CudaBackend()):
         w = w0.clone()
         st = zeros_state(kind, layout.total_rows, layout.total_elems, torch.device("cpu"))
-        out = be.forward(layout, w, idx, off, psw, PoolingMode.MEAN)
+        out = be.forward(layout, w, Lookup(idx, off, psw, PoolingMode.MEAN))
         be.backward_update(
-            layout, w, st, idx, off, psw, PoolingMode.MEAN, grad, RowOptimizer(kind=kind), 1
+            layout, w, st, Lookup(idx, off, psw, PoolingMode.MEAN), grad, RowOptimizer(kind=kind), 1
         )
         res.append((out, w, st))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-6, atol=1e-6)
@@ -631,10 +652,7 @@ def test_cuda_bitwise_deterministic() -> None:
             layout,
             w,
             st,
-            idx.cuda(),
-            off.cuda(),
-            psw.cuda(),
-            PoolingMode.SUM,
+            Lookup(idx.cuda(), off.cuda(), psw.cuda(), PoolingMode.SUM),
             grad.cuda(),
             RowOptimizer(kind="adam"),
             1,
@@ -673,16 +691,18 @@ def test_cpu_tiny_batches_many_threads_update_each_row_once() -> None:
             idx = torch.tensor([int(torch.randint(0, 10, (1,), generator=g)), 3])
             off = torch.tensor([0, 1, 2])
             grad = torch.randn(1, 12, generator=g)
-            got = be.row_grads(layout, idx, off, None, PoolingMode.SUM, grad)
-            want = ref.row_grads(layout, idx, off, None, PoolingMode.SUM, grad)
+            got = be.row_grads(layout, Lookup(idx, off, None, PoolingMode.SUM), grad)
+            want = ref.row_grads(layout, Lookup(idx, off, None, PoolingMode.SUM), grad)
             assert [(t, i.tolist(), x.tolist()) for t, i, x in got] == [
                 (t, i.tolist(), x.tolist()) for t, i, x in want
             ]
             opt = RowOptimizer(kind="sgd", lr=1.0)
             w = torch.zeros(layout.total_elems)
-            be.backward_update(layout, w, {}, idx, off, None, PoolingMode.SUM, grad, opt, 1)
+            be.backward_update(layout, w, {}, Lookup(idx, off, None, PoolingMode.SUM), grad, opt, 1)
             w_ref = torch.zeros(layout.total_elems)
-            ref.backward_update(layout, w_ref, {}, idx, off, None, PoolingMode.SUM, grad, opt, 1)
+            ref.backward_update(
+                layout, w_ref, {}, Lookup(idx, off, None, PoolingMode.SUM), grad, opt, 1
+            )
             assert torch.equal(w, w_ref)
     finally:
         torch.set_num_threads(old)
@@ -737,7 +757,7 @@ def test_cpu_blocked_and_per_row_updates_agree_bitwise(
         grad = grad_all[:, : lay.total_dim].contiguous()
         for step in (1, 2):
             CpuBackend().backward_update(
-                lay, w, st, torch.cat(ids[:nf]), off, psw, pooling, grad, opt, step
+                lay, w, st, Lookup(torch.cat(ids[:nf]), off, psw, pooling), grad, opt, step
             )
         got.append(
             [
@@ -813,7 +833,7 @@ def test_cpu_wide_bags_sum_in_id_order_bitwise(pooling: PoolingMode, use_psw: bo
          for f, t in enumerate(layout.feature_table)]
     )  # fmt: skip
     psw = torch.rand(ids.numel(), generator=gen) if use_psw else None
-    out = get_backend("cpu").forward(layout, w, ids, offsets, psw, pooling)
+    out = get_backend("cpu").forward(layout, w, Lookup(ids, offsets, psw, pooling))
     for f, t in enumerate(layout.feature_table):
         table = layout.table(w, t)
         lo_col = layout.out_offsets[f]

@@ -47,6 +47,7 @@ from neorec.errors import ConfigError  # noqa: E402
 from neorec.ops import tbe  # noqa: E402
 from neorec.ops.row_optim import RowOptimizer, zeros_state  # noqa: E402
 from neorec.ops.tbe import (  # noqa: E402
+    Lookup,
     PoolingMode,
     TBEInputError,
     TBELayout,
@@ -84,8 +85,12 @@ def both(case_seed: int, kind: str, pooling: PoolingMode, use_psw: bool, wd: flo
 def test_forward_equals_reference_bitwise(pooling: PoolingMode, use_psw: bool) -> None:
     c = make_case(1)
     psw = c.psw if use_psw else None
-    got = get_backend("triton").forward(c.layout, c.weights, c.indices, c.offsets, psw, pooling)
-    want = get_backend("reference").forward(c.layout, c.weights, c.indices, c.offsets, psw, pooling)
+    got = get_backend("triton").forward(
+        c.layout, c.weights, Lookup(c.indices, c.offsets, psw, pooling)
+    )
+    want = get_backend("reference").forward(
+        c.layout, c.weights, Lookup(c.indices, c.offsets, psw, pooling)
+    )
     assert got.dtype == torch.float32 and torch.equal(got, want)
     b = c.grad.shape[0]
     empty = (c.offsets[1:] - c.offsets[:-1]).view(-1, b) == 0  # [F, B]
@@ -99,8 +104,12 @@ def test_forward_equals_reference_bitwise(pooling: PoolingMode, use_psw: bool) -
 def test_row_grads_equal_reference_bitwise(pooling: PoolingMode, use_psw: bool) -> None:
     c = make_case(3)
     psw = c.psw if use_psw else None
-    got = get_backend("triton").row_grads(c.layout, c.indices, c.offsets, psw, pooling, c.grad)
-    want = get_backend("reference").row_grads(c.layout, c.indices, c.offsets, psw, pooling, c.grad)
+    got = get_backend("triton").row_grads(
+        c.layout, Lookup(c.indices, c.offsets, psw, pooling), c.grad
+    )
+    want = get_backend("reference").row_grads(
+        c.layout, Lookup(c.indices, c.offsets, psw, pooling), c.grad
+    )
     assert [t for t, _, _ in got] == [t for t, _, _ in want] == [0, 1, 2]
     for (_, ids_g, g_g), (_, ids_w, g_w) in zip(got, want, strict=True):
         assert torch.equal(ids_g, ids_w) and torch.equal(g_g, g_w)
@@ -151,7 +160,9 @@ def test_two_runs_bitwise_equal(kind: str) -> None:
         assert torch.equal(runs[0][1][k], runs[1][1][k])
     be = get_backend("triton")
     outs = [
-        be.forward(case.layout, case.weights, case.indices, case.offsets, case.psw, PoolingMode.SUM)
+        be.forward(
+            case.layout, case.weights, Lookup(case.indices, case.offsets, case.psw, PoolingMode.SUM)
+        )
         for _ in range(2)
     ]
     assert torch.equal(outs[0], outs[1])
@@ -167,9 +178,13 @@ def test_tbe_lookup_autograd_updates_weights_without_grad() -> None:
     anchor = torch.empty(0, requires_grad=True)
 
     def update(g: Tensor) -> None:
-        be.backward_update(c.layout, w, st, c.indices, c.offsets, None, PoolingMode.SUM, g, opt, 1)
+        be.backward_update(
+            c.layout, w, st, Lookup(c.indices, c.offsets, None, PoolingMode.SUM), g, opt, 1
+        )
 
-    out = tbe_lookup(anchor, be, c.layout, w, c.indices, c.offsets, None, PoolingMode.SUM, update)
+    out = tbe_lookup(
+        anchor, be, c.layout, w, Lookup(c.indices, c.offsets, None, PoolingMode.SUM), update
+    )
     (out * c.grad).sum().backward()
     assert w.grad is None and not torch.equal(w, w0)
     assert torch.equal(c.layout.table(w, 3), c.layout.table(w0, 3))  # table 3: no feature
@@ -191,9 +206,15 @@ def test_int32_inputs() -> None:
     for dt in (torch.int64, torch.int32):
         w = c.weights.clone()
         idx, off = c.indices.to(dt), c.offsets.to(dt)
-        outs.append(be.forward(c.layout, w, idx, off, c.psw, PoolingMode.MEAN))
+        outs.append(be.forward(c.layout, w, Lookup(idx, off, c.psw, PoolingMode.MEAN)))
         be.backward_update(
-            c.layout, w, {}, idx, off, c.psw, PoolingMode.MEAN, c.grad, RowOptimizer(kind="sgd"), 1
+            c.layout,
+            w,
+            {},
+            Lookup(idx, off, c.psw, PoolingMode.MEAN),
+            c.grad,
+            RowOptimizer(kind="sgd"),
+            1,
         )
         ws.append(w)
     assert torch.equal(outs[0], outs[1]) and torch.equal(ws[0], ws[1])
@@ -207,12 +228,18 @@ def test_out_of_range_id_is_refused_before_any_write(bad_id: int) -> None:
     c.indices[pos] = bad_id
     be = get_backend("triton")
     with pytest.raises(IndexError, match=rf"feature 3 \(table 1.*id {bad_id}\b"):
-        be.forward(c.layout, c.weights, c.indices, c.offsets, None, PoolingMode.SUM)
+        be.forward(c.layout, c.weights, Lookup(c.indices, c.offsets, None, PoolingMode.SUM))
     w = c.weights.clone()
     st = zeros_state("rowwise_adagrad", c.layout.total_rows, c.layout.total_elems, w.device)
     with pytest.raises(IndexError, match=rf"feature 3 .*id {bad_id}\b"):
         be.backward_update(
-            c.layout, w, st, c.indices, c.offsets, None, PoolingMode.SUM, c.grad, RowOptimizer(), 1
+            c.layout,
+            w,
+            st,
+            Lookup(c.indices, c.offsets, None, PoolingMode.SUM),
+            c.grad,
+            RowOptimizer(),
+            1,
         )
     assert torch.equal(w, c.weights)
 
@@ -232,17 +259,17 @@ def test_malformed_inputs_are_refused_before_any_write() -> None:
     ]:
         w = w.clone()
         with pytest.raises(TBEInputError, match=match):
-            be.forward(c.layout, w, c.indices, off, psw, PoolingMode.SUM)
+            be.forward(c.layout, w, Lookup(c.indices, off, psw, PoolingMode.SUM))
         with pytest.raises(TBEInputError, match=match):
             be.backward_update(
-                c.layout, w, st, c.indices, off, psw, PoolingMode.SUM, c.grad,
+                c.layout, w, st, Lookup(c.indices, off, psw, PoolingMode.SUM), c.grad,
                 RowOptimizer(kind="adam"), 1,
             )  # fmt: skip
         assert torch.equal(w, c.weights.to(w.dtype))
     with pytest.raises(TBEInputError, match="exp_avg_sq"):
         be.backward_update(
-            c.layout, c.weights.clone(), {"exp_avg": st["exp_avg"]}, c.indices, c.offsets,
-            None, PoolingMode.SUM, c.grad, RowOptimizer(kind="adam"), 1,
+            c.layout, c.weights.clone(), {"exp_avg": st["exp_avg"]},
+            Lookup(c.indices, c.offsets, None, PoolingMode.SUM), c.grad, RowOptimizer(kind="adam"), 1,
         )  # fmt: skip
     assert all(not bool(v.ne(0).any()) for v in st.values())
 
@@ -253,11 +280,17 @@ def test_all_bags_empty() -> None:
     idx = torch.zeros(0, dtype=torch.int64)
     off = torch.zeros(4, dtype=torch.int64)
     be = get_backend("triton")
-    out = be.forward(lay, w, idx, off, None, PoolingMode.MEAN)
+    out = be.forward(lay, w, Lookup(idx, off, None, PoolingMode.MEAN))
     assert out.shape == (3, 2) and torch.all(out == 0)
     w0 = w.clone()
     be.backward_update(
-        lay, w, {}, idx, off, None, PoolingMode.MEAN, torch.ones(3, 2), RowOptimizer(kind="sgd"), 1
+        lay,
+        w,
+        {},
+        Lookup(idx, off, None, PoolingMode.MEAN),
+        torch.ones(3, 2),
+        RowOptimizer(kind="sgd"),
+        1,
     )
     assert torch.equal(w, w0)
 
@@ -323,11 +356,11 @@ def test_low_precision_tables_through_the_lowp_wrapper(precision: str) -> None:
     st_lp = zeros_state(opt.kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
     st_ref = {k: v.clone() for k, v in st_lp.items()}
     for step in (1, 2):
-        got = lp.forward(lay, packed, c.indices, c.offsets, c.psw, PoolingMode.MEAN)
+        got = lp.forward(lay, packed, Lookup(c.indices, c.offsets, c.psw, PoolingMode.MEAN))
         assert torch.equal(
-            got, inner.forward(lay, ref_w, c.indices, c.offsets, c.psw, PoolingMode.MEAN)
+            got, inner.forward(lay, ref_w, Lookup(c.indices, c.offsets, c.psw, PoolingMode.MEAN))
         )
-        args = (c.indices, c.offsets, c.psw, PoolingMode.MEAN, c.grad, opt, step)
+        args = (Lookup(c.indices, c.offsets, c.psw, PoolingMode.MEAN), c.grad, opt, step)
         lp.backward_update(lay, packed, st_lp, *args)
         inner.backward_update(lay, ref_w, st_ref, *args)
         for k in st_ref:
@@ -360,11 +393,11 @@ def test_rows_wider_than_one_column_block() -> None:
     tri, ref = get_backend("triton"), get_backend("reference")
     for pooling in POOLINGS:
         assert torch.equal(
-            tri.forward(lay, w0, idx, offsets, psw, pooling),
-            ref.forward(lay, w0, idx, offsets, psw, pooling),
+            tri.forward(lay, w0, Lookup(idx, offsets, psw, pooling)),
+            ref.forward(lay, w0, Lookup(idx, offsets, psw, pooling)),
         )
-        got = tri.row_grads(lay, idx, offsets, psw, pooling, grad)
-        want = ref.row_grads(lay, idx, offsets, psw, pooling, grad)
+        got = tri.row_grads(lay, Lookup(idx, offsets, psw, pooling), grad)
+        want = ref.row_grads(lay, Lookup(idx, offsets, psw, pooling), grad)
         for (t_g, i_g, g_g), (t_w, i_w, g_w) in zip(got, want, strict=True):
             assert t_g == t_w and torch.equal(i_g, i_w) and torch.equal(g_g, g_w)
     for kind in ("sgd", "adam"):
@@ -373,7 +406,9 @@ def test_rows_wider_than_one_column_block() -> None:
             w = w0.clone()
             st = zeros_state(kind, lay.total_rows, lay.total_elems, torch.device("cpu"))
             opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=0.01)
-            be.backward_update(lay, w, st, idx, offsets, psw, PoolingMode.MEAN, grad, opt, 1)
+            be.backward_update(
+                lay, w, st, Lookup(idx, offsets, psw, PoolingMode.MEAN), grad, opt, 1
+            )
             res.append(w)
         if kind == "sgd":
             assert torch.equal(res[0], res[1]) and not torch.equal(res[0], w0)
@@ -411,11 +446,15 @@ def test_low_precision_tables_through_the_triton_backend(kind: str, precision: s
         off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=off[1:])
         grad = torch.randn(b, layout.total_dim, generator=g)
-        got = lp.forward(layout, packed, idx, off, None, PoolingMode.SUM)
-        assert torch.equal(got, inner.forward(layout, ref_w, idx, off, None, PoolingMode.SUM))
-        lp.backward_update(layout, packed, st_lp, idx, off, None, PoolingMode.SUM, grad, opt, step)
+        got = lp.forward(layout, packed, Lookup(idx, off, None, PoolingMode.SUM))
+        assert torch.equal(
+            got, inner.forward(layout, ref_w, Lookup(idx, off, None, PoolingMode.SUM))
+        )
+        lp.backward_update(
+            layout, packed, st_lp, Lookup(idx, off, None, PoolingMode.SUM), grad, opt, step
+        )
         inner.backward_update(
-            layout, ref_w, st_ref, idx, off, None, PoolingMode.SUM, grad, opt, step
+            layout, ref_w, st_ref, Lookup(idx, off, None, PoolingMode.SUM), grad, opt, step
         )
         for k in st_ref:
             assert torch.equal(st_lp[k], st_ref[k]), (k, step)

@@ -3,7 +3,7 @@
 1. Hit rate: the real cache (``CachedEmbeddingBagCollection.prepare``) replayed over batches of
    locality-calibrated ids (``neorec.data.ids.locality_ids``, fitted to ../shared/data) and of Zipf
    ids, for caches of 1, 5, 10, 25% of the rows, LRU and LFU, next to the analytic estimate
-   (``neorec.storage.model.expected_hit_rate``).
+   (``neorec.sharding.hit_rate.expected_hit_rate``).
 2. Throughput: a training step with every table in DRAM (``EmbeddingBagCollection``) vs an SSD
    store behind a 10% cache with the next batch prefetched while the current one computes.
    Target: SSD >= 50% of DRAM. ``--model tbe`` (default) times the embedding part alone (pooled
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import resource
 import shutil
 import statistics
@@ -39,10 +38,11 @@ from neorec.config import ModelConfig, TableConfig
 from neorec.data.ids import LOCALITY_REF_BATCH, locality_ids, zipf_ids
 from neorec.modules.dlrm import DenseArch
 from neorec.modules.embedding import EmbeddingBagCollection
+from neorec.ops import settings
 from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer
+from neorec.sharding.hit_rate import expected_hit_rate
 from neorec.sparse import SparseFeatures
 from neorec.storage.cached import CachedEmbeddingBagCollection
-from neorec.storage.model import expected_hit_rate
 
 __all__ = ["main", "parse_args"]
 
@@ -304,9 +304,9 @@ def io_compare(a: argparse.Namespace, root: Path) -> dict:
     for _ in range(max(a.repeats, 3)):
         clock("mapped_read", lambda ids: store.read(ids))
         clock("pread_c", pread)
-        os.environ["NEOREC_ROWIO"] = "python"
+        settings.NATIVE = False  # rowio's Python path
         clock("pread_python", pread)
-        os.environ.pop("NEOREC_ROWIO")
+        settings.NATIVE = True
         clock("numpy_mmap_read", lambda ids: torch.from_numpy(mm[ids.numpy()]))
         clock("mapped_write", lambda ids: store.write(ids, rec[: ids.numel()]))
         clock("pwrite_c", pwrite)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.checkpoint.manager import CheckpointManager, list_checkpoints
 from neorec.checkpoint.storage import open_storage
 from neorec.config import (
@@ -43,8 +44,7 @@ from neorec.data.locality import (
     production_like_tables,
 )
 from neorec.data.synthetic import SyntheticClickData
-from neorec.modules.dlrm import build_dlrm
-from neorec.train.trainer import evaluate, make_dense_optimizer, train_step
+from neorec.train.trainer import evaluate, train_step
 
 __all__ = ["main", "SETTINGS", "DEFAULT"]
 
@@ -138,7 +138,7 @@ def _continue_from(
 ) -> float:
     """Eval NE after restoring the checkpoint taken at ``step`` and training to ``end``."""
     model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     mgr = CheckpointManager(CheckpointConfig(async_write=False, fsync=False), model, opt, root)
     name = next(m["name"] for m in list_checkpoints(open_storage(root)) if m["step"] == step)
     mgr.restore(name)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="neorec-bench-ckpt-"))
     model = build_dlrm(cfg)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     every = [n for n in names if SETTINGS[n][3]]
     once = [n for n in names if not SETTINGS[n][3]]
     mgrs = _managers(model, opt, tmp, every, args.keep_last)

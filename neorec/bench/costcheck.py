@@ -48,13 +48,8 @@ from neorec.sharding.learned_cost import (
     model_summary,
     resolve,
 )
-from neorec.sharding.learned_placements import (
-    plan_job,
-    predict_job,
-    random_jobs,
-    reference_jobs,
-    speed_of,
-)
+from neorec.sharding.learned_fit import predict_job
+from neorec.sharding.learned_placements import plan_job, random_jobs, reference_jobs, speed_of
 from neorec.sharding.planner import plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan

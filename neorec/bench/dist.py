@@ -26,14 +26,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from neorec.bench.step import make_batches
+from neorec.build import dense_optimizer, distributed_model
 from neorec.config import CommConfig, load_config
 from neorec.distributed.comm import TRANSPORTS, close_host_transports, init_host_transport
-from neorec.distributed.model_parallel import DistributedModel
 from neorec.measure.jobs import free_port, prepare_embedding, time_embedding
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.types import ShardingPlan, plan_by_type
 from neorec.train.pipeline import make_pipeline
-from neorec.train.trainer import make_dense_optimizer, train_step
+from neorec.train.trainer import train_step
 
 __all__ = ["main", "run_ranks", "measure_embedding"]
 
@@ -63,10 +63,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp8-scaling", default="row", choices=["row", "tensor"])
     p.add_argument(
         "--transport",
-        default=os.environ.get("NEOREC_TRANSPORT", "auto"),
+        default="auto",
         choices=list(TRANSPORTS),
-        help="the all-to-alls: auto (shared memory on one host), shm, or gloo "
-        "(default: $NEOREC_TRANSPORT, else auto)",
+        help="the all-to-alls: auto (shared memory on one host, the default), shm, or gloo",
+    )
+    p.add_argument(
+        "--keep-heap",
+        default="on",
+        choices=["on", "off"],
+        help="ranks keep freed heap memory (system.keep_heap; default on)",
     )
     p.add_argument(
         "--pipelines", default="overlapped", help="comma-separated: overlapped, sequential"
@@ -116,8 +121,8 @@ def _comm(spec: str, fp8_scaling: str, transport: str = "auto") -> CommConfig:
 def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dict:
     """Train warmup + iters steps; median ms/step, comm wait ms/step, bytes/step (all ranks)."""
     b = a.batch // world
-    model = DistributedModel(cfg, plan)
-    opt = make_dense_optimizer(cfg, model.dense_parameters())
+    model = distributed_model(cfg, plan)
+    opt = dense_optimizer(cfg.train, model.dense_parameters())
     n = a.warmup + a.iters
     # One batch more than steps: the overlapped pipeline's last step stages it, so every measured
     # step pays for one input distribution, as in a long run.
@@ -165,7 +170,8 @@ def _rank(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    keep_freed_heap()  # as a training rank does (launch.init_rank_group)
+    if a.keep_heap == "on":
+        keep_freed_heap()  # as a training rank does (system.keep_heap)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     used = init_host_transport(a.transport)
     cfg = _config(a)

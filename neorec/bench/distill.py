@@ -6,7 +6,7 @@ The recipe is two configs (``configs/exfm_stream.toml``: the stream and the stud
 1. **FM.** A larger DLRM (wider tables, DCN, more samples per window) trains on windows 0, 1, ...
    in order, incrementally (one model and optimizer carried from window to window). After window
    w it is saved (``serve.save_model``) and DAS writes its logits for the train and eval splits of
-   window w + k (``neorec.data.stream.write_fm_logits``), for each staleness k.
+   window w + k (``neorec.serve.das.write_fm_logits``), for each staleness k.
 2. **Students.** The small DLRM trains on the same windows, incrementally, reading the FM logits
    through the stream source (``data.fm_logits``, ``data.fm_staleness = k``), in four setups:
    ``alone``; ``plain`` (distillation into the serving head, ``distill.weight``); ``aux`` (the
@@ -99,14 +99,14 @@ def time_students(
     ``steps`` steps of every setup in turn (so a slower moment of a shared machine hits them
     alike); per setup its fastest round's median step (other work on a shared machine only ever
     slows a round down)."""
-    from neorec.train.sources import StreamSource
+    from neorec.build import data_source
     from neorec.train.steps import train_step
 
     state: dict[str, Any] = {}
     for name, cfg in cfgs.items():
         on = cfg.distill.enabled
         data = {"fm_logits": str(das), "fm_staleness": k} if on else {}
-        batches = list(StreamSource(window_cfg(cfg, window, **data)).train_batches())[:steps]
+        batches = list(data_source(window_cfg(cfg, window, **data)).train_batches())[:steps]
         model, opt = student_model(cfg)
         state[name] = (model, opt, batches, cfg.distill if on else None, [])
     for r in range(rounds + 1):  # round 0 warms up (allocations, first-call costs)
@@ -183,7 +183,12 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             cfgs = {s: _student_setup(base, s, a.plain_weight) for s in SETUPS}
             for s, rate in time_students(cfgs, windows - 1, k, sdir / f"k{k}").items():
                 speed.setdefault(f"{k}/{s}", []).append(rate)
-    teacher = [m["ne"] for m in teacher_metrics_by_window(student, windows)]
+    teacher = [
+        m["ne"]
+        for m in teacher_metrics_by_window(
+            student.data, student.embedding.tables, student.model.num_dense, windows
+        )
+    ]
     out = _summarize(a, windows, ks, ne, stale_fm, fm_ne, speed, teacher, fm_s, fm_recal)
     out["fm_own_traffic_ne"] = [
         round(statistics.fmean(s[w] for s in fm_own), 5) for w in range(windows)

@@ -82,11 +82,17 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -> 
 
 
 def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
+    from neorec.build import (
+        dense_optimizer,
+        distributed_model,
+        resolve_plan,
+        tower_groups,
+        towered_model,
+    )
     from neorec.data.synthetic import SyntheticClickData
-    from neorec.distributed.model_parallel import DistributedModel, resolve_plan
-    from neorec.distributed.towers import DistributedTowerModel, tower_features
-    from neorec.modules.towers import build_tower_dense, tower_groups
-    from neorec.train.steps import make_dense_optimizer, train_step
+    from neorec.distributed.towers import tower_features
+    from neorec.modules.towers import build_tower_dense
+    from neorec.train.steps import train_step
 
     rph = a.ranks_per_host
     hosts = world // rph
@@ -103,12 +109,12 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
             cfg.model, [len(f) for f in feats], a.dim, cfg.towers.module, cfg.towers.out_vectors
         )
 
-    flat = DistributedModel(cfg, resolve_plan(cfg, world, rph))
+    flat = distributed_model(cfg, resolve_plan(cfg, world, rph))
     flat.stats.ranks_per_host = rph
-    models: dict[str, Any] = {"flat": flat, "dmt": DistributedTowerModel(cfg, groups, build_dense)}
+    models: dict[str, Any] = {"flat": flat, "dmt": towered_model(cfg, groups, build_dense)}
     result: dict[str, Any] = {}
     for name, model in models.items():
-        opt = make_dense_optimizer(cfg, model.dense_parameters())
+        opt = dense_optimizer(cfg.train, model.dense_parameters())
         times = []
         for i in range(a.warmup + a.steps):
             if i == a.warmup:

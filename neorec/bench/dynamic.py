@@ -8,8 +8,8 @@ evaluated on each window's eval split; the table reports the mean eval NE over w
 - ``hashed``: a plain table of M rows indexed by ``mix64(id) % M`` (``--hash mod``: ``id % M``),
 - ``dynamic``: a dynamic table holding the ids themselves with as many slots as fit in the same
   memory as the hashed table's M rows (its id map and admission sketch cost
-  ``neorec.ops.id_map.map_bytes_per_slot`` a slot, ~135 bytes): LRU eviction, an id gets a slot on
-  its 16th sighting (``--admit-threshold``), unadmitted ids are left out of their bags
+  ``neorec.ops.id_map_size.map_bytes_per_slot`` a slot, ~135 bytes): LRU eviction, an id gets a
+  slot on its 16th sighting (``--admit-threshold``), unadmitted ids are left out of their bags
   (``--unadmitted zeros``: measured a little better than a shared default row, whose trained
   vector for the tail's independent, zero-mean effects is mostly noise),
 
@@ -54,7 +54,7 @@ def dynamic_slots(
 ) -> int:
     """Slots of a dynamic table that fit in ``memory`` bytes with their rows and map (the map's
     bytes a slot as ``map_bytes_per_slot`` counts them for this admission and eviction)."""
-    from neorec.ops.id_map import map_bytes_per_slot
+    from neorec.ops.id_map_size import map_bytes_per_slot
 
     cap = max(1, memory // row_bytes)
     for _ in range(6):  # the map's bytes a slot depend (a little) on the capacity
@@ -149,7 +149,7 @@ def _admission(a: argparse.Namespace) -> str:
 def _model(cfg: Config, a: argparse.Namespace, kind: str, m: int) -> Any:
     from copy import deepcopy
 
-    from neorec.modules.dlrm import build_dlrm
+    from neorec.build import build_dlrm
 
     c = deepcopy(cfg)
     for t in c.embedding.tables:
@@ -219,7 +219,10 @@ def _teacher_ne(cfg: Config) -> float:
     """The teacher's eval NE (the best any model can do), mean over windows."""
     from neorec.data.stream import teacher_metrics_by_window
 
-    return statistics.mean(m["ne"] for m in teacher_metrics_by_window(cfg))
+    return statistics.mean(
+        m["ne"]
+        for m in teacher_metrics_by_window(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
+    )
 
 
 def _map_ops(a: argparse.Namespace) -> float:

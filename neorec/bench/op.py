@@ -31,7 +31,7 @@ from neorec.data.ids import zipf_ids
 from neorec.errors import ConfigError
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer, state_shapes, zeros_state
-from neorec.ops.tbe import PoolingMode, TBELayout, get_backend, tbe_lookup
+from neorec.ops.tbe import Lookup, PoolingMode, TBELayout, get_backend, tbe_lookup
 
 __all__ = ["main", "parse_args", "check_gpu_bench", "fbgemm_tbe"]
 
@@ -176,15 +176,12 @@ def _ours(a: argparse.Namespace) -> Callable[[Tensor, Tensor, Tensor], None]:
 
     def run(indices: Tensor, offsets: Tensor, grad: Tensor) -> None:
         step[0] += 1
+        lookup = Lookup(indices, offsets, None, PoolingMode.SUM)
 
         def update(g: Tensor) -> None:
-            backend.backward_update(
-                layout, weights, state, indices, offsets, None, PoolingMode.SUM, g, opt, step[0]
-            )
+            backend.backward_update(layout, weights, state, lookup, g, opt, step[0])
 
-        out = tbe_lookup(
-            anchor, backend, layout, weights, indices, offsets, None, PoolingMode.SUM, update
-        )
+        out = tbe_lookup(anchor, backend, layout, weights, lookup, update)
         out.backward(grad)
 
     return run

@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 
 from neorec.bench.op import check_gpu_bench, fbgemm_tbe
+from neorec.build import build_dlrm, dense_optimizer
 from neorec.config import load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
 from neorec.data.synthetic import zipf_batches
-from neorec.modules.dlrm import DLRM, build_dlrm
+from neorec.modules.dlrm import DLRM
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 from neorec.train.steps import LossGuard
-from neorec.train.trainer import make_dense_optimizer, train_step
+from neorec.train.trainer import train_step
 
 __all__ = ["main"]
 
@@ -105,7 +106,7 @@ class _Mode:
             )
             / 2**20
         )
-        self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
+        self.opt = dense_optimizer(cfg.train, self.model.dense_parameters())
         self.bf16 = a.bf16
         self.disp = None
         if mode and mode != "off":

@@ -21,11 +21,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from neorec.build import build_dlrm, build_flat_dlrm, learned_groups, tower_groups
 from neorec.config import Config, load_config
 from neorec.data.synthetic import SyntheticClickData
 from neorec.metrics import binary_metrics
-from neorec.modules.dlrm import build_dlrm, build_flat_dlrm
-from neorec.modules.towers import learned_groups, tower_groups
 
 __all__ = ["grouped_config", "grouped_data", "adjusted_rand", "captured", "train_eval", "run"]
 

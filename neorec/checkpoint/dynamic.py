@@ -358,7 +358,7 @@ def _scalars(pieces: list[tuple[int, DynamicPiece]]) -> DynamicPiece:
         return first
     from dataclasses import replace
 
-    from neorec.ops.id_map import SKETCH_DEPTH as depth
+    from neorec.ops.id_map_size import SKETCH_DEPTH as depth
 
     width = min(p.sketch.numel() // depth for _, p in pieces)
     sketch = torch.zeros(depth, width, dtype=torch.int64)

@@ -79,7 +79,3 @@ def main(argv: list[str] | None = None) -> int:
         if not is_worker():
             print("neorec: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

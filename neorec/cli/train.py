@@ -125,7 +125,8 @@ def _train_distributed(cfg: Any) -> int:
     from neorec.launch import init_rank_group
     from neorec.train.trainer import train
 
-    init_rank_group(cfg.train.device, cfg.train.collective_timeout_s)  # nccl on cuda, else gloo
+    # nccl on cuda, else gloo
+    init_rank_group(cfg.train.device, cfg.train.collective_timeout_s, cfg.system.keep_heap)
     train(cfg)
     close_host_transports()
     dist.destroy_process_group()

@@ -23,11 +23,13 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.system import SystemConfig
 from neorec.config.towers import TOWER_MODULES, TOWER_PARTITIONERS, TowersConfig
 from neorec.errors import ConfigError
 
 __all__ = [
     "TableConfig",
+    "SystemConfig",
     "ModelConfig",
     "EmbeddingConfig",
     "DataConfig",

@@ -20,10 +20,14 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.system import SystemConfig
 from neorec.config.towers import TowersConfig
 from neorec.errors import ConfigError
 
-__all__ = ["Config", "check_trainable", "dense_params", "MAX_DENSE_PARAMS"]
+__all__ = ["Config", "check_trainable", "dense_params", "MAX_DENSE_PARAMS", "MODEL_KEYS"]
+
+MODEL_KEYS = ("num_dense", "bottom_mlp", "top_mlp", "interaction", "dcn_layers", "dcn_low_rank")
+"""The model settings that shape the dense part (recorded, so a resume compares them early)."""
 
 
 @dataclass(kw_only=True)
@@ -42,6 +46,23 @@ class Config:
     lowp: LowpConfig = field(default_factory=LowpConfig)
     towers: TowersConfig = field(default_factory=TowersConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+    def describe_model(self) -> dict[str, Any]:
+        """What the config says of the model's shape: tables, pooling, optimizers and the dense
+        part's settings (checkpoints and saved models record it; a resume compares it before
+        the model is built)."""
+        emb = self.embedding
+        return {
+            "tables": {
+                t.name: {"rows": int(t.rows), "dim": int(t.dim), "features": list(t.features)}
+                for t in emb.tables
+            },
+            "pooling": str(emb.pooling),
+            "embedding_optimizer": str(emb.optimizer),
+            "dense_optimizer": str(self.train.dense_optimizer),
+            "model_config": {k: getattr(self.model, k) for k in MODEL_KEYS},
+        }
 
     def __post_init__(self) -> None:
         hints = get_type_hints(Config)

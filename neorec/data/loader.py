@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from neorec.config import DataConfig, TableConfig
 from neorec.data.batch import Batch
 from neorec.errors import DataError
 from neorec.sparse import SparseFeatures
@@ -372,19 +373,18 @@ class PreprocessedSource:
     yields_local = True
     """Batches are already this rank's part: the trainer must not slice them again."""
 
-    def __init__(self, cfg: Any, out: Any = None) -> None:
+    def __init__(self, d: DataConfig, tables: Sequence[TableConfig], out: Any = None) -> None:
         import torch.distributed as dist
 
         from neorec.config import ConfigError
 
-        d = cfg.data
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         train, evals = _split(d.path, d.eval_path)
-        keys = [t.features[0] for t in cfg.embedding.tables]
-        _check_tables(train, cfg.embedding.tables)
+        keys = [t.features[0] for t in tables]
+        _check_tables(train, tables)
         if evals.path != train.path:
-            _check_tables(evals, cfg.embedding.tables)
+            _check_tables(evals, tables)
         train.check_files()
         evals.check_files()
         common: dict[str, Any] = {"keys": keys, "rank": self.rank, "world_size": self.world}

@@ -25,7 +25,7 @@ w = 0, 1, ... (``data.window`` of ``data.windows``):
   (``data.eval_samples``), from seeds of (seed, window, split, batch index, batch size). With
   drift 0 and churn 0 every window has bitwise the same teacher (only the samples differ).
 
-DAS (data augmentation system, ExFM): ``write_fm_logits`` runs a saved FM over a window's split, in
+DAS (data augmentation system, ExFM): ``neorec.serve.das.write_fm_logits`` runs a saved FM over a window's split, in
 data order, and writes its float32 logits as a side file ``fm_w{window}_{split}.npy`` with a JSON
 sidecar (window, split, samples, batch size, the FM's window and step, a fingerprint of the
 stream's config and the array's SHA-256). ``read_fm_logits`` is the reader the stream source uses
@@ -36,20 +36,17 @@ window w - k, and anything else is refused with a one-line ``DataError``.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import math
-import os
-from contextlib import nullcontext
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from neorec.config import Config, ConfigError, DataConfig, TableConfig
+from neorec.config import ConfigError, DataConfig, TableConfig
 from neorec.data.ids import (
     LOCALITY_REF_BATCH,
     locality_ids,
@@ -78,9 +75,12 @@ __all__ = [
     "teacher_metrics_by_window",
     "stream_fingerprint",
     "fm_paths",
-    "write_fm_logits",
     "read_fm_logits",
+    "split_samples",
+    "check_split",
+    "logits_sha256",
     "FM_FORMAT",
+    "FM_FORMAT_VERSION",
 ]
 
 FM_FORMAT = "neorec.fm_logits"
@@ -259,23 +259,26 @@ class DriftingClickData(SyntheticClickData):
 
 
 def teacher_metrics_by_window(
-    cfg: Config, windows: int | None = None, split: str = "eval"
+    d: DataConfig,
+    tables: Sequence[TableConfig],
+    num_dense: int,
+    windows: int | None = None,
+    split: str = "eval",
 ) -> list[dict[str, float]]:
     """The Bayes-optimal (teacher) metrics of ``split`` of windows 0 .. ``windows`` - 1
     (default ``data.windows``), at ``data.batch_size``."""
-    n = cfg.data.windows if windows is None else windows
+    n = d.windows if windows is None else windows
     out = []
     for w in range(n):
-        data = DriftingClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense, window=w)
-        out.append({"window": w, **data.teacher_metrics(split, cfg.data.batch_size)})
+        data = DriftingClickData(d, list(tables), num_dense, window=w)
+        out.append({"window": w, **data.teacher_metrics(split, d.batch_size)})
     return out
 
 
 # ---- DAS: FM logits as side files -------------------------------------------------------------
-def stream_fingerprint(cfg: Config) -> str:
+def stream_fingerprint(d: DataConfig, tables: Sequence[TableConfig], num_dense: int) -> str:
     """16 hex digits naming what defines the stream's samples (seed, ids, teacher, drift, churn,
     id shrink, batch size, tables, dense features): side files of another stream are refused."""
-    d = cfg.data
     desc = {
         "seed": d.seed,
         "id_distribution": d.id_distribution,
@@ -286,11 +289,8 @@ def stream_fingerprint(cfg: Config) -> str:
         "drift": d.drift,
         "id_churn": d.id_churn,
         "batch_size": d.batch_size,
-        "num_dense": cfg.model.num_dense,
-        "tables": [
-            [t.name, t.rows, float(t.pooling_factor), list(t.features)]
-            for t in cfg.embedding.tables
-        ],
+        "num_dense": num_dense,
+        "tables": [[t.name, t.rows, float(t.pooling_factor), list(t.features)] for t in tables],
     }
     if d.vertical_bias or d.vertical_shift:  # a vertical's labels (absent: fingerprints as before)
         desc["vertical"] = [d.vertical_bias, d.vertical_shift]
@@ -306,143 +306,35 @@ def fm_paths(out_dir: str | Path, window: int, split: str) -> tuple[Path, Path]:
     return base.with_suffix(".npy"), base.with_suffix(".json")
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
+    """``split`` is 'train' or 'eval' (else a ``ConfigError``)."""
     if split not in _SPLIT_NAMES:
         raise ConfigError(f"split must be 'train' or 'eval', got {split!r}")
 
 
-def _split_samples(cfg: Config, split: str) -> int:
+def split_samples(d: DataConfig, split: str) -> int:
     """Samples of a window's split that full batches cover (the source's data order)."""
-    d = cfg.data
     n = d.window_samples if split == "train" else d.eval_samples
     return (n // d.batch_size) * d.batch_size
 
 
-def _sha256(arr: np.ndarray) -> str:
+def logits_sha256(arr: np.ndarray) -> str:
+    """SHA-256 of float32 logits as stored (little-endian), hex."""
     return hashlib.sha256(np.ascontiguousarray(arr, dtype="<f4").tobytes()).hexdigest()
 
 
-def _check_fm_model(fm_cfg: Config, cfg: Config, model_dir: Path, fm_window: int) -> None:
-    """The FM reads the stream's batches (same features, rows, dense) and is of ``fm_window``."""
-    if fm_cfg.data.source != "stream":
-        raise DataError(
-            f"{model_dir}: the FM was trained on data.source = '{fm_cfg.data.source}', not on a "
-            "stream window; train it with --set data.source=stream --set data.window=W"
-        )
-    if fm_cfg.data.window != fm_window:
-        raise DataError(
-            f"{model_dir}: the FM was trained on window {fm_cfg.data.window}, not fm_window "
-            f"{fm_window}; pass the FM of window {fm_window}"
-        )
-    mine = [(t.name, t.rows, list(t.features)) for t in cfg.embedding.tables]
-    theirs = [(t.name, t.rows, list(t.features)) for t in fm_cfg.embedding.tables]
-    if mine != theirs or fm_cfg.model.num_dense != cfg.model.num_dense:
-        raise DataError(
-            f"{model_dir}: the FM's tables / dense features ({len(theirs)} tables, "
-            f"{fm_cfg.model.num_dense} dense) differ from the stream's ({len(mine)} tables, "
-            f"{cfg.model.num_dense} dense); FM and students must read the same stream"
-        )
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"{path}: cannot write the FM logits ({e.strerror or e})") from None
-
-
-@torch.no_grad()
-def write_fm_logits(
-    model_dir: str | Path,
-    cfg: Config,
-    window: int,
+def read_fm_logits(
+    d: DataConfig,
+    tables: Sequence[TableConfig],
+    num_dense: int,
     split: str,
-    out_dir: str | Path,
-    fm_window: int,
-) -> Path:
-    """Run the saved FM ``model_dir`` (trained on window ``fm_window``) over window ``window``'s
-    ``split`` of the stream ``cfg`` describes, in data order (``data.batch_size`` batches), and
-    write its float32 logits to ``out_dir/fm_w{window}_{split}.npy`` plus the ``.json`` sidecar
-    (written last). Returns the ``.npy`` path."""
-    from neorec.serve.model import find_model_dir, load_model, read_model_info
-
-    _check_split(split)
-    for name, v in (("window", window), ("fm_window", fm_window)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
-    if fm_window > window:
-        raise ConfigError(
-            f"fm_window {fm_window} is after window {window}: an FM labels the data of its own "
-            "window or later ones (staleness k = window - fm_window >= 0)"
-        )
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out}: is not a directory (the FM logits' out_dir)")
-    data_cfg = dataclasses.replace(
-        cfg.data, window=window, windows=max(cfg.data.windows, window + 1)
-    )
-    cfg = dataclasses.replace(cfg, data=data_cfg)
-    bs = data_cfg.batch_size
-    n = _split_samples(cfg, split)
-    if n == 0:
-        raise ConfigError(
-            f"window {window}'s {split} split has fewer samples than one batch of {bs}; raise "
-            f"data.{'window_samples' if split == 'train' else 'eval_samples'}"
-        )
-    src = find_model_dir(model_dir)
-    info = read_model_info(src)
-    model, fm_cfg = load_model(src)
-    _check_fm_model(fm_cfg, cfg, src, fm_window)
-    data = DriftingClickData(data_cfg, cfg.embedding.tables, cfg.model.num_dense)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if fm_cfg.train.bf16_dense else nullcontext()
-    model.train(False)
-    parts = []
-    for i in range(n // bs):
-        b = data.batch(split, i, bs)
-        with ctx:
-            logits = model(b.dense, b.sparse)
-        parts.append(logits.detach().float().cpu())
-    arr = torch.cat(parts).numpy().astype(np.float32, copy=False)
-    if not np.all(np.isfinite(arr)):
-        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
-        raise DataError(
-            f"{src}: the FM's logit of sample {bad} of window {window} {split} is not finite; "
-            "the FM diverged, retrain it"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    npy, side = fm_paths(out, window, split)
-    meta = {
-        "format": FM_FORMAT,
-        "version": FM_FORMAT_VERSION,
-        "window": window,
-        "split": split,
-        "samples": int(arr.shape[0]),
-        "batch_size": bs,
-        "dtype": "float32",
-        "fm_window": fm_window,
-        "fm_step": int(info.get("step", 0)),
-        "fm_model": str(src),
-        "stream": stream_fingerprint(cfg),
-        "sha256": _sha256(arr),
-    }
-    side.unlink(missing_ok=True)  # a reader never pairs the new array with an old sidecar
-    _atomic_write(npy, lambda fh: np.save(fh, arr, allow_pickle=False))
-    text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
-    _atomic_write(side, lambda fh: fh.write(text.encode()))
-    return npy
-
-
-def read_fm_logits(cfg: Config, split: str, required: bool = True) -> np.ndarray | None:
+    required: bool = True,
+) -> np.ndarray | None:
     """The FM logits ``data.fm_logits`` holds for window ``data.window``'s ``split``, checked:
     produced by the FM of window ``data.window - data.fm_staleness``, for this stream, one per
     sample of the split (in data order), and intact. Missing files are a ``DataError`` when
     ``required``, else None (but one of the pair without the other is always refused)."""
-    _check_split(split)
-    d = cfg.data
+    check_split(split)
     w, k = d.window, d.fm_staleness
     if k > w:
         raise ConfigError(
@@ -460,7 +352,7 @@ def read_fm_logits(cfg: Config, split: str, required: bool = True) -> np.ndarray
         missing = npy if not have[0] else side
         raise DataError(
             f"{missing}: missing (data.fm_logits, window {w} {split}); write it with "
-            f"write_fm_logits(<FM of window {w - k}>, cfg, {w}, '{split}', '{root}', {w - k})"
+            f"neorec.serve.das.write_fm_logits(<FM of window {w - k}>, cfg, {w}, '{split}', '{root}', {w - k})"
         )
     try:
         meta = json.loads(side.read_text())
@@ -486,13 +378,14 @@ def read_fm_logits(cfg: Config, split: str, required: bool = True) -> np.ndarray
             f"with data.fm_staleness {k} wants the FM of window {w - k}; write that FM's logits "
             "or set data.fm_staleness to match"
         )
-    if meta.get("stream") != stream_fingerprint(cfg):
+    mine = stream_fingerprint(d, tables, num_dense)
+    if meta.get("stream") != mine:
         raise DataError(
             f"{side}: written for another stream (seed, drift, churn, batch size or tables "
-            f"differ: fingerprint {meta.get('stream')!r} vs {stream_fingerprint(cfg)!r}); write "
+            f"differ: fingerprint {meta.get('stream')!r} vs {mine!r}); write "
             "the FM logits for this config"
         )
-    want = _split_samples(cfg, split)
+    want = split_samples(d, split)
     if meta.get("samples") != want:
         raise DataError(
             f"{side}: {meta.get('samples')!r} samples, but window {w}'s {split} split has {want:,} "
@@ -506,7 +399,7 @@ def read_fm_logits(cfg: Config, split: str, required: bool = True) -> np.ndarray
         raise DataError(
             f"{npy}: {arr.dtype} {tuple(arr.shape)}, expected float32 ({want},); write it again"
         )
-    if _sha256(arr) != meta.get("sha256"):
+    if logits_sha256(arr) != meta.get("sha256"):
         raise DataError(
             f"{npy}: checksum mismatch (the array does not match {side.name}'s sha256): the "
             "file is corrupt; write the FM logits again"

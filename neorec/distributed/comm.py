@@ -391,7 +391,7 @@ def reduce_scatter(
 
 
 TRANSPORTS = ("auto", "shm", "gloo")
-"""``comm.transport`` / ``NEOREC_TRANSPORT``: ``auto`` = shared memory when every rank is on this
+"""``comm.transport``: ``auto`` = shared memory when every rank is on this
 host, else the process group; ``shm`` = shared memory or an error; ``gloo`` = the process group."""
 
 _HOST: dict[int, tuple[Any, HostTransport]] = {}
@@ -403,13 +403,12 @@ def _group_key(group: dist.ProcessGroup | None) -> int:
 
 
 def init_host_transport(
-    mode: str | None = None, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+    mode: str = "auto", group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
 ) -> str:
     """Route ``group``'s all-to-alls through shared memory (``neorec.distributed.shm``) when
     ``mode`` allows and every rank is on this host. A collective over ``group``: every rank must
-    call it with the same mode. ``mode`` None reads ``NEOREC_TRANSPORT`` (default ``auto``).
-    Returns the transport the all-to-alls use: ``"shm"`` or the process group's backend."""
-    mode = mode if mode is not None else os.environ.get("NEOREC_TRANSPORT", "auto")
+    call it with the same mode. Returns the transport the all-to-alls use: ``"shm"`` or the
+    process group's backend."""
     if mode not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {mode!r}")
     backend = str(dist.get_backend(group))
@@ -454,7 +453,6 @@ def rank_device(device: str) -> torch.device:
     rank; without one, the current CUDA device), else the CPU."""
     if torch.device(device).type != "cuda":
         return torch.device("cpu")
-    import os
 
     local = os.environ.get("LOCAL_RANK")
     return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())

@@ -33,7 +33,7 @@ from neorec.distributed.input_dist import LocalInput
 from neorec.ops.cpu import CpuBackend
 from neorec.ops.padded_rows import PaddedRows, put_valid, update_table_rows_padded
 from neorec.ops.row_optim import RowOptimizer
-from neorec.ops.tbe import PoolingMode, row_grads, update_table_rows
+from neorec.ops.tbe import Lookup, row_grads, update_table_rows
 from neorec.ops.tbe_checks import on_device
 from neorec.sharding.types import ShardingType
 
@@ -70,35 +70,33 @@ def build_cw_groups(
 
 
 def update_with_cw_rowwise(
-    ebc: ShardedEmbeddingBagCollection, local: LocalInput, grad: Tensor, step: int
+    ebc: ShardedEmbeddingBagCollection, local: LocalInput, lookup: Lookup, grad: Tensor, step: int
 ) -> None:
-    """The fused update of ``ebc``'s local tables whose column-wise ones use the full row's
-    mean(g^2): on the device path without a host read, else on the host path."""
+    """The fused update of ``ebc``'s local tables (``lookup``: ``local``'s model-parallel bags)
+    whose column-wise ones use the full row's mean(g^2): on the device path without a host
+    read, else on the host path."""
     padded = getattr(ebc.backend, "row_grads_padded", None)  # (the GPU backends')
     if (
         padded is not None
-        and on_device(local.indices)
+        and on_device(lookup.indices)
         and len(local.mp_counts) == ebc.layout.num_tables
     ):
-        _update_padded(ebc, local, grad, step, padded)
+        _update_padded(ebc, local, lookup, grad, step, padded)
     else:
-        _update_host(ebc, local, grad, step)
+        _update_host(ebc, lookup, grad, step)
 
 
 def _update_host(
-    ebc: ShardedEmbeddingBagCollection, local: LocalInput, grad: Tensor, step: int
+    ebc: ShardedEmbeddingBagCollection, lookup: Lookup, grad: Tensor, step: int
 ) -> None:
     lay, opt, state = ebc.layout, ebc.optimizer, ebc._state()
     cw_local = [lt for lt, (t, _) in enumerate(ebc.local_tables) if t in ebc._cw_groups]
     if isinstance(ebc.backend, CpuBackend):
         grads = ebc.backend.backward_update(
-            lay, ebc.weights, state, local.indices, local.offsets, local.weights,
-            PoolingMode.SUM, grad, opt, step, emit_tables=cw_local,
-        )  # fmt: skip
-    else:
-        grads = row_grads(
-            ebc.backend, lay, local.indices, local.offsets, local.weights, PoolingMode.SUM, grad
+            lay, ebc.weights, state, lookup, grad, opt, step, emit_tables=cw_local
         )
+    else:
+        grads = row_grads(ebc.backend, lay, lookup, grad)
     eff: dict[int, tuple[Tensor, Tensor]] = {}
     for lt, ids, g in grads:
         w = lay.table(ebc.weights, lt)[ids]
@@ -120,6 +118,7 @@ def _update_host(
 def _update_padded(
     ebc: ShardedEmbeddingBagCollection,
     local: LocalInput,
+    lookup: Lookup,
     grad: Tensor,
     step: int,
     padded: Callable[..., list[PaddedRows]],
@@ -127,10 +126,7 @@ def _update_padded(
     """``_update_host`` without a host read: the same values at the valid entries of each
     table's block; the padding's entries are computed, never written (``put_valid``)."""
     lay, opt, state = ebc.layout, ebc.optimizer, ebc._state()
-    grads = padded(
-        lay, local.indices, local.offsets, local.weights, PoolingMode.SUM, grad,
-        list(local.mp_counts),
-    )  # fmt: skip
+    grads = padded(lay, lookup, grad, list(local.mp_counts))
     eff: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
     for lt, ids, g, count in grads:
         valid = torch.arange(ids.numel(), device=ids.device) < count

@@ -34,7 +34,7 @@ on in new memory (``_Fresh``), so a block that starts at an odd offset of the ba
 like a rank's own tensors (a BLAS may take another path for unaligned data). The thread count is
 the caller's: MKL / oneDNN choose their kernels per CPU, shape and thread count, so the bitwise
 equality holds when every process runs the same number of threads (``train.threads``), and
-otherwise to float tolerance (README, "Semantics worth knowing").
+otherwise to float tolerance (docs/distributed.md, "What is bitwise, and where").
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from neorec.errors import ConfigError
@@ -33,7 +32,6 @@ from neorec.storage.dynamic_state import DynamicTableState, select_ids
 
 if TYPE_CHECKING:
     from neorec.config import TableConfig
-    from neorec.distributed.comm import CommStats
 
 __all__ = [
     "TableShard",
@@ -41,9 +39,7 @@ __all__ = [
     "merge_table_shards",
     "as_global_state",
     "rank_state",
-    "has_dynamic",
     "without_dynamic",
-    "sharded_dynamic_from_config",
 ]
 
 
@@ -202,60 +198,8 @@ def rank_state(
 
 
 # ---- a distributed model's collection with dynamic tables ----------------------------------------
-def has_dynamic(cfg: Any) -> bool:
-    """Whether ``cfg`` has ``kind = "dynamic"`` tables."""
-    return any(getattr(t, "kind", "fixed") == "dynamic" for t in cfg.embedding.tables)
-
-
 def without_dynamic(plan: Any, tables: Sequence[TableConfig]) -> Any:
     """``plan`` without the dynamic tables of ``tables``: they are never placed by a plan (row-wise
     by the hash of the raw id over every rank, ``ShardedDynamicEmbeddingBagCollection``)."""
     dyn = {t.name for t in tables if getattr(t, "kind", "fixed") == "dynamic"}
     return replace(plan, tables=[tp for tp in plan.tables if tp.name not in dyn])
-
-
-def sharded_dynamic_from_config(
-    cfg: Any,
-    plan: Any,
-    group: dist.ProcessGroup | None = None,
-    stats: CommStats | None = None,
-    device: torch.device | str = "cpu",
-) -> Any:
-    """The distributed collection of a config with dynamic tables: its fixed tables sharded by
-    ``plan`` (``sharded_ebc_from_config``; the plan's entries of dynamic tables are ignored) and
-    its dynamic tables in a ``ShardedDynamicEmbeddingBagCollection``, composed in a
-    ``MixedEmbeddingBagCollection`` when there are both."""
-    import copy
-
-    from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection
-    from neorec.distributed.model_parallel import sharded_ebc_from_config
-    from neorec.ops.row_optim import RowOptimizer
-    from neorec.storage.dynamic import MixedEmbeddingBagCollection
-
-    emb = cfg.embedding
-    dyn_tables = [t for t in emb.tables if getattr(t, "kind", "fixed") == "dynamic"]
-    if torch.device(device).type != "cpu":
-        raise ConfigError(
-            f"dynamic tables {[t.name for t in dyn_tables]} are sharded on the CPU only, "
-            f"train.device is {torch.device(device).type}; set train.device = 'cpu'"
-        )
-    dyn = ShardedDynamicEmbeddingBagCollection(
-        dyn_tables,
-        RowOptimizer.from_config(emb),
-        pooling=emb.pooling,
-        backend=emb.backend,
-        init_scale=emb.init_scale,
-        seed=cfg.train.seed,
-        group=group,
-        stats=stats,
-    )
-    fixed_tables = [t for t in emb.tables if getattr(t, "kind", "fixed") != "dynamic"]
-    if not fixed_tables:
-        return dyn
-    fixed_cfg = copy.copy(cfg)
-    fixed_cfg.embedding = copy.copy(emb)
-    fixed_cfg.embedding.tables = fixed_tables
-    fixed = sharded_ebc_from_config(
-        fixed_cfg, without_dynamic(plan, emb.tables), group, stats, device
-    )
-    return MixedEmbeddingBagCollection(emb.tables, fixed, dyn)  # type: ignore[arg-type]

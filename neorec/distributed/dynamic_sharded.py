@@ -17,7 +17,7 @@ Backward: each owner's partial sums get the pooled gradient of their bags (scale
 global-batch semantics of ``ShardedEmbeddingBagCollection``) and the owner's fused update runs on
 its rows. Initial rows and admission decisions depend on (seed, table, raw id) only, so W ranks
 with b samples each train what one process trains on the W*b samples, as long as no rank's map
-is full (eviction and the threshold sketch are per rank; see the README).
+is full (eviction and the threshold sketch are per rank; see docs/dynamic.md).
 
 ``unadmitted = "default_row"``: the shared row is a replica on every rank (not in the local
 collections, which drop unadmitted ids); owners add ``(summed weight of the bag's unadmitted

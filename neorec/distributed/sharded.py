@@ -52,6 +52,7 @@ from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
 from neorec.ops.padded_rows import PaddedRows, apply_padded_row_grads
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
+    Lookup,
     PoolingMode,
     TBELayout,
     apply_row_grads,
@@ -266,25 +267,17 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
 
     def compute(self, local: LocalInput) -> Tensor:
         """One fused TBE call over all local model-parallel shards -> [W*b, D_local]."""
+        lookup = Lookup(local.indices, local.offsets, local.weights, PoolingMode.SUM)
 
         def update(grad: Tensor) -> None:
             if local.batch_size == 0:  # every rank's slice is empty: nothing moves, not the step
                 return
             step = self._next_step("step")
             if self._cw_groups:
-                update_with_cw_rowwise(self, local, grad, step)
+                update_with_cw_rowwise(self, local, lookup, grad, step)
             else:
                 self.backend.backward_update(
-                    self.layout,
-                    self.weights,
-                    self._state(),
-                    local.indices,
-                    local.offsets,
-                    local.weights,
-                    PoolingMode.SUM,
-                    grad,
-                    self.optimizer,
-                    step,
+                    self.layout, self.weights, self._state(), lookup, grad, self.optimizer, step
                 )
             self._set_step("step", step)  # counted once the update went through
             for hook in self._hooks:
@@ -294,17 +287,7 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
             # Still in the autograd graph: every rank must join the backward all-to-all.
             empty = torch.zeros(local.batch_size * self.world, 0, device=self.device)
             return empty + self._anchor.sum() if torch.is_grad_enabled() else empty
-        return tbe_lookup(
-            self._anchor,
-            self.backend,
-            self.layout,
-            self.weights,
-            local.indices,
-            local.offsets,
-            local.weights,
-            PoolingMode.SUM,
-            update,
-        )
+        return tbe_lookup(self._anchor, self.backend, self.layout, self.weights, lookup, update)
 
     def output_dist(self, pooled: Tensor, local: LocalInput) -> Awaitable[Tensor]:
         """Send pooled rows back to their samples' ranks; combine into [b, sum(dims)]."""
@@ -347,24 +330,15 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
     def _dp_lookup(self, local: LocalInput) -> Tensor:
         assert self.dp is not None
         dp = self.dp
+        lookup = Lookup(local.dp_indices, local.dp_offsets, local.dp_weights, PoolingMode.SUM)
 
         def update(grad: Tensor) -> None:
             if local.batch_size:  # an empty batch moves nothing, not the step
-                self._dp_update(local, grad)
+                self._dp_update(local, lookup, grad)
 
-        return tbe_lookup(
-            self._dp_anchor,
-            self.backend,
-            dp.layout,
-            self.dp_weights,
-            local.dp_indices,
-            local.dp_offsets,
-            local.dp_weights,
-            PoolingMode.SUM,
-            update,
-        )
+        return tbe_lookup(self._dp_anchor, self.backend, dp.layout, self.dp_weights, lookup, update)
 
-    def _dp_update(self, local: LocalInput, grad: Tensor) -> None:
+    def _dp_update(self, local: LocalInput, lookup: Lookup, grad: Tensor) -> None:
         """Sum row gradients over ranks (rank order), then the fused optimizer on touched rows.
 
         Ranks exchange the rows their batch touched: small tables as dense blocks (one
@@ -375,12 +349,9 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         lay = self.dp.layout
         padded = getattr(self.backend, "row_grads_padded", None)  # (the GPU backends')
         if padded is not None and on_device(local.dp_indices) and local.dp_counts:
-            self._dp_update_padded(local, grad, padded)
+            self._dp_update_padded(local, lookup, grad, padded)
             return
-        grads = row_grads(
-            self.backend, lay, local.dp_indices, local.dp_offsets, local.dp_weights,
-            PoolingMode.SUM, grad,
-        )  # fmt: skip
+        grads = row_grads(self.backend, lay, lookup, grad)
         # Small tables as dense blocks in one all-gather, the rest as (id, row) pairs; a codec
         # (``comm.allreduce``) encodes pairs, so with one every table goes as pairs.
         dense = dense_dp_tables(lay, self.dp_dense_max_elems) if self.dp_codec is None else []
@@ -418,7 +389,11 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
                 hook(lay, indices, offsets)
 
     def _dp_update_padded(
-        self, local: LocalInput, grad: Tensor, padded: Callable[..., list[PaddedRows]]
+        self,
+        local: LocalInput,
+        lookup: Lookup,
+        grad: Tensor,
+        padded: Callable[..., list[PaddedRows]],
     ) -> None:
         """``_dp_update`` without a host read (the device path: GPU backends): each rank's rows
         of a table travel in a block sized by the largest id count of any rank's batch (host ints
@@ -427,10 +402,7 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         assert self.dp is not None
         lay = self.dp.layout
         bounds = dp_bounds(local.dp_counts, self.world, self._host_group)
-        grads = padded(
-            lay, local.dp_indices, local.dp_offsets, local.dp_weights, PoolingMode.SUM, grad,
-            bounds,
-        )  # fmt: skip
+        grads = padded(lay, lookup, grad, bounds)
         per_table = gather_dp_grads_padded(
             lay, grads, self.dp_codec, self.world, self.group, self.stats
         )

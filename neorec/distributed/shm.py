@@ -2,7 +2,7 @@
 
 Gloo moves every collective through sockets and its own threads. On one host that costs a copy
 through the kernel and a thread hand-off per message, and on a busy 2-core VM one collective in
-ten or so waits 3-5 ms more than its median (``docs/autoshard.md``, stop 35). ``HostTransport``
+ten or so waits 3-5 ms more than its median (``docs/distributed.md``). ``HostTransport``
 does an all-to-all as two copies through memory the ranks share, synchronized by sequence
 counters (``neorec/ops/csrc/shm_sync.c``):
 

@@ -26,8 +26,7 @@ tower modules the model is the flat DLRM over the features in tower order (teste
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +34,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from neorec.config import Config, ConfigError, TableConfig
+from neorec.config import ConfigError, TableConfig
 from neorec.distributed.comm import CommStats, ScaleGrad, all_to_all, source_major_to_unit_major
-from neorec.distributed.model_parallel import resolve_plan, sharded_ebc_from_config
-from neorec.modules.dlrm import check_dense_input
+from neorec.modules.dlrm import DenseArch, check_dense_input
 from neorec.sparse import SparseFeatures
 
 __all__ = ["DistributedTowerModel", "PeerExchange", "tower_features"]
@@ -101,19 +99,27 @@ class _TowerDense(nn.Module):
 
 
 class DistributedTowerModel(nn.Module):
-    """The towered DLRM of ``cfg`` under SPTT: same forward / loss API as ``DLRM``.
+    """A towered DLRM under SPTT: same forward / loss API as ``DLRM``.
 
-    ``groups``: the towers' tables, one list per tower; the world must be ``len(groups)`` hosts
-    of equal size (``world / towers`` ranks each, consecutive global ranks). ``build_dense``
-    returns ``(towers: nn.ModuleList, dense_arch)`` exactly as the unsharded ``TowerDLRM`` builds
-    them (called after seeding, so both start from the same weights).
+    ``tables``: every table, in the config's order; ``groups``: the towers' tables, one list per
+    tower; the world must be ``len(groups)`` hosts of equal size (``world / towers`` ranks each,
+    consecutive global ranks). ``build_ebc(tables, ranks, group, stats)`` builds this host's
+    tower collection: ``tables`` (the tower's), sharded over the host's ``ranks`` ranks and
+    process ``group``, counting its collectives in ``stats``. ``build_dense`` returns ``(towers:
+    nn.ModuleList, dense_arch)`` exactly as the unsharded ``TowerDLRM`` builds them. Both are
+    called after ``torch.manual_seed(seed)``, collection first, so that the distributed and the
+    unsharded model start from the same weights. ``host_staging``: the ids exchange staged on
+    the host goes over a gloo group of its own (the tables live on a GPU).
     """
 
     def __init__(
         self,
-        cfg: Config,
+        tables: Sequence[TableConfig],
         groups: Sequence[Sequence[str]],
-        build_dense: Any,
+        build_ebc: Callable[[list[TableConfig], int, Any, CommStats], Any],
+        build_dense: Callable[[], tuple[Any, DenseArch]],
+        seed: int = 0,
+        host_staging: bool = False,
     ) -> None:
         super().__init__()
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -128,7 +134,7 @@ class DistributedTowerModel(nn.Module):
         self.host, self.local = divmod(rank, self.rph)
         self.stats = CommStats(ranks_per_host=self.rph)
         self.groups = [list(g) for g in groups]
-        self.all_tables = list(cfg.embedding.tables)
+        self.all_tables = list(tables)
         big = max(t.rows for t in self.all_tables) >= 2**31
         self._id_dtype = torch.int64 if big else torch.int32
         self.features = tower_features(self.all_tables, self.groups)
@@ -140,14 +146,15 @@ class DistributedTowerModel(nn.Module):
         self.xgroup = dist.new_group()  # the peer exchanges, apart from DDP's collectives
         # the ids exchange staged on the host (``stage_input_dist``): over gloo (a twin of
         # ``xgroup`` when the tables live on a GPU)
-        on_gpu = cfg.train.device != "cpu"
-        self._host_xgroup = dist.new_group(backend="gloo") if on_gpu else self.xgroup
+        self._host_xgroup = dist.new_group(backend="gloo") if host_staging else self.xgroup
         self._staged: list[tuple[SparseFeatures, SparseFeatures]] = []
-        sub = _tower_config(cfg, self.groups[self.host])
-        plan = resolve_plan(sub, self.rph, self.rph)
-        torch.manual_seed(cfg.train.seed)  # same dense init as the unsharded TowerDLRM
-        self.ebc = sharded_ebc_from_config(
-            sub, plan, group=host_groups[self.host], stats=self.stats
+        mine = set(self.groups[self.host])
+        torch.manual_seed(seed)  # same dense init as the unsharded TowerDLRM
+        self.ebc = build_ebc(
+            [t for t in self.all_tables if t.name in mine],
+            self.rph,
+            host_groups[self.host],
+            self.stats,
         )
         tower_mods, dense_arch = build_dense()
         if len(tower_mods) != towers:
@@ -239,12 +246,3 @@ class DistributedTowerModel(nn.Module):
         """Tower modules and dense arch (checkpoints: the keys of ``TowerDLRM.dense_part``)."""
         part: nn.Module = self.dense_arch.module  # type: ignore[assignment]
         return part
-
-
-def _tower_config(cfg: Config, tables: Sequence[str]) -> Config:
-    """``cfg`` with only the tower's ``tables`` (and their sharding types)."""
-    sub = copy.deepcopy(cfg)
-    names = set(tables)
-    sub.embedding.tables = [t for t in sub.embedding.tables if t.name in names]
-    sub.sharding.types = {k: v for k, v in sub.sharding.types.items() if k in names}
-    return sub

@@ -144,7 +144,7 @@ def measure_tbe(
     Uniform ids (the cost model's assumption); the median of ``repeat`` steps after a warm-up.
     """
     from neorec.ops.row_optim import RowOptimizer
-    from neorec.ops.tbe import PoolingMode, get_backend
+    from neorec.ops.tbe import Lookup, PoolingMode, get_backend
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
@@ -154,14 +154,13 @@ def measure_tbe(
         )
         backend = get_backend("auto", "cpu")
         opt = RowOptimizer(kind=optimizer)
+        lookup = Lookup(ids, offsets, None, PoolingMode.SUM)
         fwd_t, bwd_t = [], []
         for step in range(repeat + 1):
             t0 = time.perf_counter()
-            backend.forward(layout, weights, ids, offsets, None, PoolingMode.SUM)
+            backend.forward(layout, weights, lookup)
             t1 = time.perf_counter()
-            backend.backward_update(
-                layout, weights, state, ids, offsets, None, PoolingMode.SUM, grad, opt, step + 1
-            )
+            backend.backward_update(layout, weights, state, lookup, grad, opt, step + 1)
             t2 = time.perf_counter()
             if step:
                 fwd_t.append(t1 - t0)
@@ -197,7 +196,7 @@ def measure_unfused(
     (``unfused=True`` at 1 GB/s).
     """
     from neorec.ops.row_optim import RowOptimizer
-    from neorec.ops.tbe import PoolingMode, get_backend, row_grads, update_table_rows
+    from neorec.ops.tbe import Lookup, PoolingMode, get_backend, row_grads, update_table_rows
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
@@ -207,10 +206,11 @@ def measure_unfused(
         )
         be = get_backend("auto")
         opt = RowOptimizer(kind=optimizer)
+        lookup = Lookup(ids, offsets, None, PoolingMode.SUM)
         times = []
         for step in range(repeat + 1):
             t0 = time.perf_counter()
-            for t, rows_t, g_t in row_grads(be, layout, ids, offsets, None, PoolingMode.SUM, grad):
+            for t, rows_t, g_t in row_grads(be, layout, lookup, grad):
                 update_table_rows(layout, weights, state, t, rows_t, g_t, opt, step + 1)
             if step:
                 times.append(time.perf_counter() - t0)
@@ -244,7 +244,7 @@ def measure_dp_update(
     1 GB/s (global batch ``ranks`` x ``batch``).
     """
     from neorec.ops.row_optim import RowOptimizer
-    from neorec.ops.tbe import PoolingMode, apply_row_grads, get_backend, row_grads
+    from neorec.ops.tbe import Lookup, PoolingMode, apply_row_grads, get_backend, row_grads
     from neorec.sharding.cost_model import CostModel, TableSpec
     from neorec.sharding.types import ShardingType
 
@@ -259,18 +259,18 @@ def measure_dp_update(
             row_grads(
                 be,
                 layout,
-                torch.randint(0, rows, ids.shape, generator=g),
-                offsets,
-                None,
-                PoolingMode.SUM,
+                Lookup(
+                    torch.randint(0, rows, ids.shape, generator=g), offsets, None, PoolingMode.SUM
+                ),
                 torch.randn(grad.shape, generator=g),
-            )  # fmt: skip
+            )
             for _ in range(ranks - 1)
         ]
+        lookup = Lookup(ids, offsets, None, PoolingMode.SUM)
         times = []
         for step in range(repeat + 1):
             t0 = time.perf_counter()
-            mine = row_grads(be, layout, ids, offsets, None, PoolingMode.SUM, grad)
+            mine = row_grads(be, layout, lookup, grad)
             pairs = [
                 (t, torch.cat([ids_t, *(o[i][1] for o in others)]),
                  torch.cat([g_t, *(o[i][2] for o in others)]))
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     error = ""
     if args.budget_s > 0:
         from neorec.sharding.learned_cost import LearnedModelError
-        from neorec.sharding.learned_placements import samples_path
+        from neorec.sharding.learned_fit import samples_path
 
         samples_out = args.samples_out or samples_path(args.out)
         try:

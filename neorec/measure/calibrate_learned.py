@@ -47,12 +47,8 @@ def calibrate_learned(
     (``LearnedCostModel``, samples; written first to ``samples_out`` when given).
     ``LearnedModelError`` when too few were measured to validate a fit."""
     from neorec.measure.jobs import run_jobs
-    from neorec.sharding.learned_placements import (
-        designed_jobs,
-        fit,
-        samples_from_rows,
-        save_samples,
-    )
+    from neorec.sharding.learned_fit import fit, samples_from_rows, save_samples
+    from neorec.sharding.learned_placements import designed_jobs
 
     world = max(2, min(topo.ranks_per_host, os.cpu_count() or 1))
     left = deadline - _FIT_RESERVE_S - time.time()
@@ -113,7 +109,7 @@ def _spawn_parts(jobs: list[dict], blocks: int) -> list[tuple[int, int]]:
 def _refit(topology_path: str, samples_file: str) -> int:
     """``--refit``: fit the learned model of a topology file again on stored samples."""
     from neorec.sharding.learned_cost import LearnedModelError
-    from neorec.sharding.learned_placements import refit_topology
+    from neorec.sharding.learned_fit import refit_topology
 
     try:
         model = refit_topology(topology_path, samples_file)

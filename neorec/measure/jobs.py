@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from neorec.build import sharded_collection
 from neorec.config import load_config
 from neorec.data.synthetic import zipf_batches
 from neorec.distributed.comm import close_host_transports, init_host_transport
-from neorec.distributed.model_parallel import sharded_ebc_from_config
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.types import ShardingPlan
 
@@ -40,7 +40,7 @@ def prepare_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int) -
     """What ``time_embedding`` steps: this rank's sharded EBC of ``plan``, its slices of
     ``batches`` and a fixed random output gradient (built once, stepped in several passes)."""
     b = cfg.data.batch_size // world
-    ebc = sharded_ebc_from_config(cfg, plan)
+    ebc = sharded_collection(cfg, plan)
     local = [bt.slice(rank * b, (rank + 1) * b).sparse for bt in batches]
     g = torch.Generator().manual_seed(1000 + rank)
     grad = torch.randn(b, ebc.total_dim, generator=g)

@@ -5,21 +5,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from neorec.config import Config, ModelConfig, TableConfig
+from neorec.config import ModelConfig, TableConfig
 from neorec.errors import ConfigError, DataError
 from neorec.modules.embedding import EmbeddingBagCollection
-from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.modules.exfm_heads import StudentAdapter
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
-
-if TYPE_CHECKING:
-    from neorec.modules.towers import TowerDLRM
 
 __all__ = [
     "MLP",
@@ -31,10 +26,6 @@ __all__ = [
     "emit_hidden",
     "serving_state_dict",
     "DLRM",
-    "build_dlrm",
-    "build_flat_dlrm",
-    "build_collection",
-    "low_precision_collection",
     "check_dense_input",
 ]
 
@@ -264,132 +255,3 @@ def check_dense_input(dense: object, sparse: SparseFeatures, arch: DenseArch) ->
             f"dense features must be {want} [{b}, {first.in_features}] (batch of the sparse "
             f"features x model.num_dense), got {dense.dtype} {list(dense.shape)}"
         )
-
-
-def low_precision_collection(
-    cfg: Config,
-    opt: RowOptimizer,
-    device: torch.device | str = "cpu",
-    tables: Sequence[TableConfig] | None = None,
-) -> nn.Module:
-    """The collection of a config whose tables (``tables``, default all) are stored in fp16 /
-    bf16 / fp8 (one collection when they share a precision, else one per precision)."""
-    emb = cfg.embedding
-    tables = list(emb.tables if tables is None else tables)
-    cls = (
-        EmbeddingBagCollection
-        if len({t.precision for t in tables}) == 1
-        else GroupedEmbeddingBagCollection
-    )
-    return cls(
-        tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
-        seed=cfg.train.seed, rounding=emb.rounding,
-    )  # fmt: skip
-
-
-def build_collection(cfg: Config, device: torch.device | str = "cpu") -> nn.Module:
-    """The embedding collection a config describes: tables in memory (fp32, or low precision),
-    or behind a row cache over DRAM/SSD; ``kind = "dynamic"`` tables in their own collection
-    (``neorec.storage.dynamic``), combined with one of the other tables."""
-    emb = cfg.embedding
-    if any(t.kind == "dynamic" for t in emb.tables):
-        # Imported here: storage builds on modules, so modules cannot import it at load time.
-        from neorec.storage.dynamic import dynamic_collection
-
-        fixed = [t for t in emb.tables if t.kind != "dynamic"]
-        part = _tables_collection(cfg, fixed, device) if fixed else None
-        return dynamic_collection(cfg, part, device)
-    return _tables_collection(cfg, emb.tables, device)
-
-
-def _tables_collection(
-    cfg: Config, tables: Sequence[TableConfig], device: torch.device | str
-) -> nn.Module:
-    """``build_collection`` of the fixed ``tables`` of ``cfg``."""
-    emb = cfg.embedding
-    opt = RowOptimizer.from_config(emb)
-    if any(t.storage != "memory" for t in tables):
-        # Imported here: storage builds on modules, so modules cannot import it at load time.
-        from neorec.storage.cached import CachedEmbeddingBagCollection
-
-        return CachedEmbeddingBagCollection(
-            tables,
-            opt,
-            emb.pooling,
-            emb.backend,
-            device,
-            init_scale=emb.init_scale,
-            seed=cfg.train.seed,
-            storage_dir=cfg.storage.dir,
-            io_threads=cfg.storage.io_threads,
-            mapped_mb=cfg.storage.mapped_mb,
-        )
-    if any(t.precision not in ("", "fp32") for t in tables):
-        return low_precision_collection(cfg, opt, device, tables)
-    torch.manual_seed(cfg.train.seed)  # as DLRM does before building its collection
-    return EmbeddingBagCollection(
-        tables, opt, emb.pooling, emb.backend, device, init_scale=emb.init_scale,
-        seed=cfg.train.seed,
-    )  # fmt: skip
-
-
-def build_dlrm(
-    cfg: Config,
-    device: torch.device | str = "cpu",
-    groups: Sequence[Sequence[str]] | None = None,
-) -> DLRM | TowerDLRM:
-    """The model a config describes: a ``DLRM``, or a ``TowerDLRM`` when ``[towers]`` is on.
-
-    Towers: ``groups`` (lists of table names, e.g. from ``neorec.modules.towers.learned_groups``)
-    when given, else ``towers.groups`` or the ``balanced`` / ``random`` partition of the config's
-    tables; the ``learned`` partitioner needs ``groups`` (a warm-up decides them).
-    """
-    if cfg.towers.enabled:
-        from neorec.modules.towers import TowerDLRM, tower_groups
-
-        tg = [list(g) for g in groups] if groups is not None else tower_groups(cfg)
-        if tg is None:
-            raise ConfigError(
-                "towers.partitioner 'learned' decides the towers after a warm-up: pass the groups "
-                "of neorec.modules.towers.learned_groups(cfg, batches) to build_dlrm"
-            )
-        return TowerDLRM(
-            cfg.model,
-            build_collection(cfg, device),
-            tg,
-            kind=cfg.towers.module,
-            out_vectors=cfg.towers.out_vectors,
-            seed=cfg.train.seed,
-            device=device,
-        )
-    return build_flat_dlrm(cfg, device)
-
-
-def build_flat_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
-    """The flat DLRM of a config (its ``[towers]`` ignored); an ExFM student's aux head and
-    adapter (``[distill]``) in its dense arch."""
-    emb = cfg.embedding
-    opt = RowOptimizer.from_config(emb)
-    ebc: nn.Module | None = None
-    if any(
-        t.storage != "memory" or t.precision not in ("", "fp32") or t.kind == "dynamic"
-        for t in emb.tables
-    ):
-        ebc = build_collection(cfg, device)
-    model = DLRM(
-        cfg.model,
-        emb.tables,
-        opt,
-        pooling=emb.pooling,
-        backend=emb.backend,
-        device=device,
-        seed=cfg.train.seed,
-        init_scale=emb.init_scale,
-        ebc=ebc,
-    )
-    d = cfg.distill
-    if d.enabled and d.aux_head:
-        attach_distill(
-            model.dense_arch, True, d.adapter_size if d.adapter else 0, seed=cfg.train.seed
-        )
-    return model

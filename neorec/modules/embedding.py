@@ -17,6 +17,7 @@ from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, bytes_per_row, tabl
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes, zeros_state
 from neorec.ops.tbe import (
+    Lookup,
     PoolingMode,
     TBEBackend,
     TBELayout,
@@ -231,6 +232,7 @@ class EmbeddingBagCollection(nn.Module):
         offsets = sparse.offsets().to(dev)
         psw = sparse.weights.to(dev) if sparse.weights is not None else None
         samples = sparse.batch_size
+        lookup = Lookup(indices, offsets, psw, self.pooling)
 
         def update(grad_output: Tensor) -> None:
             if samples == 0:
@@ -242,10 +244,7 @@ class EmbeddingBagCollection(nn.Module):
                 self.layout,
                 self.weights,
                 self.optimizer_state(),
-                indices,
-                offsets,
-                psw,
-                self.pooling,
+                lookup,
                 grad_output,
                 self.optimizer,
                 step,
@@ -256,17 +255,7 @@ class EmbeddingBagCollection(nn.Module):
             for hook in self._hooks:
                 hook(self.layout, indices, offsets)
 
-        return tbe_lookup(
-            self._anchor,
-            self.backend,
-            self.layout,
-            self.weights,
-            indices,
-            offsets,
-            psw,
-            self.pooling,
-            update,
-        )
+        return tbe_lookup(self._anchor, self.backend, self.layout, self.weights, lookup, update)
 
 
 def feature_maps(

@@ -8,16 +8,14 @@ DLRM whose features are in tower order (same weights, same function, same traini
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neorec.config import Config, ConfigError, ModelConfig, TableConfig
+from neorec.config import ConfigError, ModelConfig, TableConfig
 from neorec.modules.dlrm import CrossNet, DenseArch, check_dense_input
 from neorec.sparse import SparseFeatures
 
@@ -29,10 +27,8 @@ __all__ = [
     "TowerDLRM",
     "TOWER_KINDS",
     "build_tower_dense",
-    "tower_groups",
     "feature_affinity",
     "table_affinity",
-    "learned_groups",
     "AFFINITY_METHODS",
 ]
 
@@ -216,29 +212,6 @@ class TowerDLRM(nn.Module):
             fn(sparse, defer=True)
 
 
-# ---- partitions of a config ----------------------------------------------------------------
-def tower_groups(cfg: Config) -> list[list[str]] | None:
-    """The towers of a config decided by the config alone: ``towers.groups``, or the
-    ``balanced`` / ``random`` partition of its tables; None for ``learned`` (see
-    ``learned_groups``) and for a flat config."""
-    tw = cfg.towers
-    if not tw.enabled:
-        return None
-    if tw.method == "manual":
-        return [list(g) for g in tw.groups]
-    if tw.method == "learned":
-        return None
-    # Imported here: sharding is planning code (pure Python); modules do not depend on it.
-    from neorec.sharding.tables import tables_from_config
-    from neorec.sharding.towers import partition_tables
-
-    specs = tables_from_config(cfg.embedding.tables)
-    return partition_tables(
-        specs, tw.num_towers, tw.method, tw.seed, balance=tw.balance,
-        batch_size=cfg.data.batch_size,
-    )  # fmt: skip
-
-
 AFFINITY_METHODS = ("hstat", "corr")
 
 
@@ -310,63 +283,3 @@ def table_affinity(feature_aff: Tensor, tables: Sequence[TableConfig]) -> Tensor
     onehot[torch.arange(len(owner)), owner] = 1.0
     out = onehot.T @ feature_aff.double() @ onehot
     return out.fill_diagonal_(0.0)
-
-
-def learned_groups(
-    cfg: Config,
-    batches: Iterable[Batch],
-    measure: Iterable[Batch] | None = None,
-    method: str = "hstat",
-) -> list[list[str]]:
-    """Towers by the ``learned`` partitioner: train the flat model of ``cfg`` for
-    ``towers.warmup_steps`` steps on ``batches`` (its dense optimizer and fused embedding
-    optimizer, mean BCE), measure the features' interaction (``feature_affinity`` on ``measure``,
-    default the last 4 warm-up batches), sum it per table pair, and cluster the tables into
-    ``towers.count`` towers under ``towers.balance`` (``neorec.sharding.towers``). Deterministic
-    for the config and batches. A ``ConfigError`` when ``batches`` ends before the warm-up."""
-    from neorec.modules.dlrm import build_flat_dlrm
-    from neorec.sharding.tables import tables_from_config
-    from neorec.sharding.towers import partition_tables
-
-    tw = cfg.towers
-    if not tw.enabled:
-        raise ConfigError("learned_groups needs towers: set towers.count > 0")
-    # the warm-up model keeps its rows in memory: a dram / ssd table's store files stay the run's
-    warm = copy.deepcopy(cfg)
-    for t in warm.embedding.tables:
-        t.storage = "memory"
-    model = build_flat_dlrm(warm)
-    params = list(model.dense_parameters())
-    lr, kind = cfg.train.dense_lr, cfg.train.dense_optimizer
-    opt: torch.optim.Optimizer = (
-        torch.optim.SGD(params, lr=lr)
-        if kind == "sgd"
-        else torch.optim.Adagrad(params, lr=lr)
-        if kind == "adagrad"
-        else torch.optim.Adam(params, lr=lr)
-    )
-    recent: list[Batch] = []
-    steps = 0
-    for b in batches:
-        if steps == tw.warmup_steps:
-            break
-        loss = F.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        recent = (recent + [b])[-4:]
-        steps += 1
-    if steps < tw.warmup_steps:
-        raise ConfigError(
-            f"towers.warmup_steps is {tw.warmup_steps:,} but the data gave {steps:,} batches; "
-            "lower towers.warmup_steps or use more data"
-        )
-    aff = table_affinity(
-        feature_affinity(model, recent if measure is None else measure, method),
-        cfg.embedding.tables,
-    )
-    specs = tables_from_config(cfg.embedding.tables)
-    return partition_tables(
-        specs, tw.num_towers, "learned", tw.seed, affinity=aff.numpy(), balance=tw.balance,
-        batch_size=cfg.data.batch_size,
-    )  # fmt: skip

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes
-from neorec.ops.tbe import PoolingMode, TBEIdError, TBEInputError, TBELayout
+from neorec.ops.tbe import Lookup, PoolingMode, TBEIdError, TBEInputError, TBELayout
 
 __all__ = ["CpuBackend", "load_kernel", "cache_dir"]
 
@@ -251,14 +251,11 @@ class CpuBackend:
         return self._ws
 
     def _prepare(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
+        self, layout: TBELayout, weights: Tensor, lookup: Lookup
     ) -> tuple[_Layout, Tensor, Tensor, Tensor | None, int]:
         """Validate and normalize the batch; returns the C layout and int64/float32 inputs."""
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights = lookup.per_sample_weights
         _check_f32("weights", weights, layout.total_elems)
         nf = layout.num_features
         if indices.dim() != 1 or offsets.dim() != 1:
@@ -308,18 +305,10 @@ class CpuBackend:
         )
         return lay, indices, offsets, per_sample_weights, b
 
-    def forward(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-    ) -> Tensor:
+    def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim]."""
         lib = load_kernel()
-        lay, idx, off, psw, b = self._prepare(layout, weights, indices, offsets, per_sample_weights)
+        lay, idx, off, psw, b = self._prepare(layout, weights, lookup)
         out = torch.empty(b, layout.total_dim, dtype=torch.float32)
         err = (ctypes.c_int64 * 2)()
         rc = lib.tbe_forward(
@@ -328,7 +317,7 @@ class CpuBackend:
             idx.data_ptr(),
             off.data_ptr(),
             _ptr(psw),
-            int(PoolingMode(pooling) == PoolingMode.MEAN),
+            int(PoolingMode(lookup.pooling) == PoolingMode.MEAN),
             out.data_ptr(),
             torch.get_num_threads(),
             err,
@@ -341,10 +330,7 @@ class CpuBackend:
         layout: TBELayout,
         weights: Tensor,
         state: dict[str, Tensor],
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
+        lookup: Lookup,
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
@@ -356,7 +342,7 @@ class CpuBackend:
         returned instead, as ``row_grads`` does (for updates that need a collective first).
         """
         lib = load_kernel()
-        lay, idx, off, psw, b = self._prepare(layout, weights, indices, offsets, per_sample_weights)
+        lay, idx, off, psw, b = self._prepare(layout, weights, lookup)
         if tuple(grad_output.shape) != (b, layout.total_dim):
             raise TBEInputError(
                 f"cpu TBE backend: grad_output shape {tuple(grad_output.shape)}, "
@@ -402,7 +388,7 @@ class CpuBackend:
         count = ctypes.c_int64(0)
         err = (ctypes.c_int64 * 2)()
         nt = torch.get_num_threads()
-        mean = int(PoolingMode(pooling) == PoolingMode.MEAN)
+        mean = int(PoolingMode(lookup.pooling) == PoolingMode.MEAN)
         with self._ws_lock:
             nbytes = lib.tbe_backward_workspace(
                 ctypes.byref(lay), off.data_ptr(), psw is not None, mean, nt, self._force_pairs
@@ -448,13 +434,7 @@ class CpuBackend:
         return out
 
     def row_grads(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]); the same
         sums, in the same order, as the fused update uses (and ``ReferenceBackend.row_grads``)."""
@@ -466,10 +446,7 @@ class CpuBackend:
             layout,
             self._dummy[: layout.total_elems],
             {},
-            indices,
-            offsets,
-            per_sample_weights,
-            pooling,
+            lookup,
             grad_output,
             RowOptimizer(kind="sgd"),
             1,

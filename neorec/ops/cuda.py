@@ -28,7 +28,7 @@ from torch import Tensor
 
 from neorec.ops.padded_rows import PaddedRows, pad_heads, put_valid, rows_by_table
 from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
-from neorec.ops.tbe import PoolingMode, TBELayout
+from neorec.ops.tbe import Lookup, PoolingMode, TBELayout
 from neorec.ops.tbe_checks import (
     TBEInputError,
     assert_inputs_async,
@@ -63,33 +63,21 @@ class CudaBackend:
 
     name = "cuda"
 
-    def _check(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-    ) -> tuple[int, Tensor]:
+    def _check(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> tuple[int, Tensor]:
         """B and each id's bag (``bag_of_ids``), once the inputs are checked."""
-        b = check_shapes(layout, weights, indices, offsets, per_sample_weights)
+        indices, offsets = lookup.indices, lookup.offsets
+        b = check_shapes(layout, weights, indices, offsets, lookup.per_sample_weights)
         if on_device(indices):
             return b, assert_inputs_async(layout, indices, offsets, b, self.name)
         check_offsets(offsets, indices.numel(), layout.num_features)
         check_ids(layout, indices, offsets, b)
         return b, bag_of_ids(offsets, indices.numel())
 
-    def forward(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-    ) -> Tensor:
+    def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim]."""
-        b, bag = self._check(layout, weights, indices, offsets, per_sample_weights)
+        b, bag = self._check(layout, weights, lookup)
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf, n = layout.num_features, indices.numel()
         out = torch.zeros(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
         if n == 0 or b == 0:
@@ -121,18 +109,12 @@ class CudaBackend:
         return out
 
     def _summed(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
-        bag: Tensor,
-        b: int,
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor, bag: Tensor, b: int
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The occurrences' row keys sorted (stable; past-the-rows keys for ids outside the
         bags), each one's row sum [n, max dim] (zero-padded) and which start a row's run."""
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf, dev = layout.num_features, grad_output.device
         meta = layout.meta(dev)
         bag_c = bag.clamp(0, nf * b - 1)
@@ -161,18 +143,13 @@ class CudaBackend:
         return sorted_key, summed, head
 
     def row_grads(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]).
 
         The sizes are data-dependent: one host read (the per-table counts) per call
         (``row_grads_padded`` has none)."""
+        indices, offsets = lookup.indices, lookup.offsets
         nf, n = layout.num_features, indices.numel()
         b = (offsets.numel() - 1) // nf
         tables = sorted(set(layout.feature_table))
@@ -180,31 +157,21 @@ class CudaBackend:
             ids0 = torch.zeros(0, dtype=torch.int64, device=indices.device)
             return [(t, ids0, grad_output.new_zeros(0, layout.dims[t])) for t in tables]
         bag = bag_of_ids(offsets, n)  # (unchecked, as the reference's)
-        key, summed, head = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
-        )
+        key, summed, head = self._summed(layout, lookup, grad_output, bag, b)
         return rows_by_table(layout, key, head, summed, tables)
 
     def row_grads_padded(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
-        bounds: list[int],
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor, bounds: list[int]
     ) -> list[PaddedRows]:
         """``row_grads`` in a block of ``bounds[t]`` rows per table t, the count on the device
         (``padded_rows.pad_heads``): no host read."""
+        indices, offsets = lookup.indices, lookup.offsets
         nf, n = layout.num_features, indices.numel()
         b = (offsets.numel() - 1) // nf
         if n == 0 or b == 0:
             return pad_heads(layout, None, None, None, bounds, grad_output.device)
         bag = bag_of_ids(offsets, n)  # (unchecked, as the reference's)
-        key, summed, head = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
-        )
+        key, summed, head = self._summed(layout, lookup, grad_output, bag, b)
         return pad_heads(layout, key, head, summed, bounds, grad_output.device)
 
     def backward_update(
@@ -212,26 +179,21 @@ class CudaBackend:
         layout: TBELayout,
         weights: Tensor,
         state: dict[str, Tensor],
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
+        lookup: Lookup,
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
-        b, bag = self._check(layout, weights, indices, offsets, per_sample_weights)
-        check_grad_shape(grad_output, layout, offsets)
+        b, bag = self._check(layout, weights, lookup)
+        check_grad_shape(grad_output, layout, lookup.offsets)
         for k in state_shapes(opt.kind, layout.total_rows, layout.total_elems):
             if k not in state:
                 raise TBEInputError(f"cuda TBE backend: optimizer '{opt.kind}' needs state '{k}'")
-        n = indices.numel()
+        n = lookup.indices.numel()
         if n == 0 or b == 0 or layout.total_elems == 0:
             return
-        sorted_key, summed, _ = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag, b
-        )
+        sorted_key, summed, _ = self._summed(layout, lookup, grad_output, bag, b)
         meta, total = layout.meta(weights.device), layout.total_rows
         cols = torch.arange(summed.shape[1], device=weights.device)
         real = sorted_key < total

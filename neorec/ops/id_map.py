@@ -4,7 +4,7 @@
 admission, eviction, assignment; see ``neorec/ops/csrc/id_map.c``, whose comment is the
 specification). The compiled version (built into the cpu TBE kernel library) keeps an
 open-addressing hash table next to the per-slot state; the NumPy version here (no C compiler, or
-``NEOREC_IDMAP_NATIVE=0``) looks ids up in the sorted live ids instead and takes bitwise the same
+``system.native = false``) looks ids up in the sorted live ids instead and takes bitwise the same
 decisions (tests compare the two on random streams). Both are deterministic for a seed.
 
 Threshold admission counts the sightings of ids without a slot in a count-min sketch of
@@ -12,13 +12,13 @@ Threshold admission counts the sightings of ids without a slot in a count-min sk
 missing id's occurrences to its counters, then admits the ids whose smallest counter reaches the
 threshold. While the sketch's count of sightings is at least ``SKETCH_PERIOD_FACTOR`` x width,
 every counter (and that count) is halved, so old sightings fade. Collisions in the sketch can only over-count:
-an id may be admitted early, never late.
+an id may be admitted early, never late. The sizes (the sketch's shape, a map's bytes per slot) are
+in ``neorec.ops.id_map_size``, which loads no torch.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from neorec.errors import ConfigError
+from neorec.ops import settings
+from neorec.ops.id_map_size import SKETCH_DEPTH, sketch_width
 
 __all__ = [
     "IdMap",
@@ -35,9 +37,6 @@ __all__ = [
     "RowTarget",
     "native_lib",
     "mix64",
-    "sketch_width",
-    "map_bytes_per_slot",
-    "SKETCH_DEPTH",
     "SKETCH_PERIOD_FACTOR",
     "ADMISSIONS",
     "EVICTIONS",
@@ -45,8 +44,6 @@ __all__ = [
 
 ADMISSIONS = ("always", "threshold", "probability")
 EVICTIONS = ("lru", "lfu", "ttl")
-SKETCH_DEPTH = 4
-"""Rows (hash functions) of the threshold admission's count-min sketch."""
 SKETCH_PERIOD_FACTOR = 10
 """The sketch halves its counters after this many sightings per counter of a row."""
 _M64 = (1 << 64) - 1
@@ -82,27 +79,6 @@ def _mix64_np(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
-
-
-def sketch_width(capacity: int) -> int:
-    """Counters per sketch row: the power of two >= 2 x capacity, within [1024, 2**22]."""
-    return min(1 << 22, max(1024, 1 << (2 * capacity - 1).bit_length()))
-
-
-def map_bytes_per_slot(capacity: int, admission: str = "always", eviction: str = "lru") -> float:
-    """Bytes of an ``IdMap`` (compiled) and its collection's per-slot bookkeeping per slot,
-    besides the row and its optimizer state. Per slot: id, last use, uses, free stack 8 each,
-    live, touched and batch mark 1 each, pin 4 (= 39); the lru / ttl order (next, previous) 16;
-    the hash table, 16 bytes an entry at 2-4 entries a slot (load <= 1/2); with threshold
-    admission the sketch, 4 rows of int32 counters at 2-4 a slot (rows of at most 2**22). Not
-    counted: the per-batch scratch, 72 bytes a slot of the largest table plus ~100 bytes an id
-    of the largest batch, shared by every table of a thread."""
-    cap = max(1, int(capacity))
-    per = 39.0 + (16.0 if eviction != "lfu" else 0.0)
-    per += 16.0 * (1 << max(4, (2 * cap - 1).bit_length())) / cap
-    if admission == "threshold":
-        per += SKETCH_DEPTH * 4.0 * sketch_width(cap) / cap
-    return per
 
 
 class _State(ctypes.Structure):
@@ -156,8 +132,8 @@ class RowTarget(ctypes.Structure):
 
 def native_lib() -> Any:
     """The compiled library with the id map's functions declared, or None (no C compiler, or
-    ``NEOREC_IDMAP_NATIVE=0``)."""
-    if os.environ.get("NEOREC_IDMAP_NATIVE", "1") == "0":
+    ``neorec.ops.settings.NATIVE`` off)."""
+    if not settings.NATIVE:
         return None
     from neorec.ops.cpu import declared_kernel
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from neorec.errors import ConfigError
 from neorec.ops.row_optim import RowOptimizer
-from neorec.ops.tbe import PoolingMode, TBEInputError, TBELayout, check_ids, check_offsets
+from neorec.ops.tbe import Lookup, TBEInputError, TBELayout, check_ids, check_offsets
 from neorec.ops.tbe_checks import on_device
 
 __all__ = [
@@ -410,20 +410,10 @@ class LowpRowsBackend:
         self._cached = (key, versions, ws)
         return ws
 
-    def forward(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-    ) -> Tensor:
+    def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim] from the decoded rows."""
-        ws = self.working_set(layout, weights, indices, offsets)
-        out: Tensor = self.inner.forward(
-            ws.layout, ws.weights, ws.indices, offsets, per_sample_weights, pooling
-        )
+        ws = self.working_set(layout, weights, lookup.indices, lookup.offsets)
+        out: Tensor = self.inner.forward(ws.layout, ws.weights, replace(lookup, indices=ws.indices))
         return out
 
     def backward_update(
@@ -431,35 +421,27 @@ class LowpRowsBackend:
         layout: TBELayout,
         weights: Tensor,
         state: dict[str, Tensor],
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
+        lookup: Lookup,
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
     ) -> None:
         """The inner fused update on the decoded rows and their fp32 state; rows encoded back."""
-        ws = self.working_set(layout, weights, indices, offsets)
+        ws = self.working_set(layout, weights, lookup.indices, lookup.offsets)
         self._cached = None  # its rows are about to change
+        compact = replace(lookup, indices=ws.indices)  # ids remapped into the working set
         if not isinstance(ws, _WorkingSet):  # the device path (``lowp_device``)
             from neorec.ops import lowp_device as d
 
             dst = {k: d.device_gather_state(layout, k, s, ws) for k, s in state.items()}
-            self.inner.backward_update(
-                ws.layout, ws.weights, dst, ws.indices, offsets, per_sample_weights, pooling,
-                grad_output, opt, step,
-            )  # fmt: skip
+            self.inner.backward_update(ws.layout, ws.weights, dst, compact, grad_output, opt, step)
             d.device_write_back(
                 self.fmt, layout, weights, state, ws, dst, self.rounding, step, self.seed,
                 self.keys,
             )  # fmt: skip
             return
         st = {k: _gather(layout, k, s, ws) for k, s in state.items()}
-        self.inner.backward_update(
-            ws.layout, ws.weights, st, ws.indices, offsets, per_sample_weights, pooling,
-            grad_output, opt, step,
-        )  # fmt: skip
+        self.inner.backward_update(ws.layout, ws.weights, st, compact, grad_output, opt, step)
         for t, ids in enumerate(ws.table_ids):
             if not ids.numel():
                 continue

@@ -5,9 +5,9 @@ gigabytes is a TLB miss whose page walk itself misses the cache; with 2 MiB page
 is covered by the second-level TLB. On Linux with transparent huge pages in ``madvise`` mode
 (the common default) nothing is backed by huge pages unless asked, so table buffers are advised
 ``MADV_HUGEPAGE`` *before* their first touch (the pages are faulted in as huge pages then).
-``bench op`` measured the fused TBE step ~10% faster on 8 x 1M x 64 tables (README).
+``bench op`` measured the fused TBE step ~10% faster on 8 x 1M x 64 tables (docs/performance.md).
 
-``NEOREC_HUGEPAGES=0`` turns this off. Elsewhere (not Linux, a GPU tensor, a buffer smaller than a
+``system.hugepages = false`` (``neorec.ops.settings.HUGEPAGES``) turns this off. Elsewhere (not Linux, a GPU tensor, a buffer smaller than a
 few huge pages, THP ``never``) these are plain ``torch.empty`` / ``torch.zeros``.
 """
 
@@ -16,11 +16,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import sys
 
 import torch
 from torch import Tensor
+
+from neorec.ops import settings
 
 __all__ = ["table_empty", "table_zeros", "advise_huge_pages", "keep_freed_heap"]
 
@@ -31,7 +32,7 @@ _MADV_HUGEPAGE = 14
 
 @functools.lru_cache(maxsize=1)
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux") or os.environ.get("NEOREC_HUGEPAGES", "1") == "0":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -46,7 +47,7 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def advise_huge_pages(t: Tensor) -> bool:
     """Ask for huge pages under the 2 MiB-aligned interior of ``t``'s storage; only pages not
     yet touched are affected. Returns whether the advice was given (best effort: never raises)."""
-    fn = _madvise()
+    fn = _madvise() if settings.HUGEPAGES else None
     nbytes = t.numel() * t.element_size()
     if fn is None or t.device.type != "cpu" or nbytes < _MIN_BYTES:
         return False
@@ -87,8 +88,8 @@ def keep_freed_heap(nbytes: int = KEEP_HEAP_BYTES) -> bool:
     table-wise that way, 9.4 and 3.4 ms with the heap kept (``docs/performance.md``). The cost:
     memory freed stays in the process (its resident size stays at its high-water mark, at most
     ``nbytes`` above what is in use). Called by distributed ranks (training, ``bench dist``);
-    ``NEOREC_KEEP_HEAP=0`` turns it off. Returns whether glibc took both settings."""
-    if os.environ.get("NEOREC_KEEP_HEAP", "1") == "0" or not sys.platform.startswith("linux"):
+    ``system.keep_heap = false`` skips the call. Returns whether glibc took both settings."""
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from neorec.ops.row_optim import RowOptimizer, apply_rows
-from neorec.ops.tbe import PoolingMode, TBELayout, group_calls
+from neorec.ops.tbe import Lookup, PoolingMode, TBELayout, group_calls
 
 __all__ = [
     "PaddedRows",
@@ -135,9 +135,8 @@ def apply_padded_row_grads(
         valid_all = torch.cat([it[3] for it in grp])
         order = torch.argsort((~valid_all).to(torch.uint8), stable=True)
         indices = torch.cat([it[1] for it in grp])[order]
-        backend.backward_update(
-            lay, weights, state, indices, offsets, None, PoolingMode.SUM, grad_out, opt, step
-        )
+        lookup = Lookup(indices, offsets, None, PoolingMode.SUM)
+        backend.backward_update(lay, weights, state, lookup, grad_out, opt, step)
 
 
 def put_valid(dst: Tensor, idx: Tensor, vals: Tensor, valid: Tensor) -> None:

@@ -50,6 +50,7 @@ _Item = TypeVar("_Item", bound=tuple[Any, ...])
 __all__ = [
     "PoolingMode",
     "TBELayout",
+    "Lookup",
     "TBEBackend",
     "ReferenceBackend",
     "get_backend",
@@ -149,21 +150,38 @@ class TBELayout:
         }
 
 
+@dataclass(frozen=True, eq=False)
+class Lookup:
+    """The batch's lookup input: what every backend takes (F features, B samples, N ids)."""
+
+    indices: Tensor
+    """int64 [N]: the ids, feature-major (feature f's B bags, then feature f+1's)."""
+    offsets: Tensor
+    """int64 [F*B+1]: bag ``i`` is ``indices[offsets[i]:offsets[i+1]]``."""
+    per_sample_weights: Tensor | None
+    """float [N]: each id's weight in its bag (None: all 1)."""
+    pooling: PoolingMode
+    """How a bag's rows are combined."""
+
+
 class TBEBackend(Protocol):
-    """A kernel implementation of the TBE forward and fused backward-update."""
+    """A kernel implementation of the TBE forward and fused backward-update.
+
+    Every method takes the batch as one ``Lookup``; feature ``f`` reads table
+    ``layout.feature_table[f]``, and its pooled output occupies columns
+    ``layout.out_offsets[f]:out_offsets[f+1]`` of the [B, layout.total_dim] output.
+
+    Optional (``row_grads`` the module function falls back to the reference's):
+    ``row_grads(layout, lookup, grad_output)``, per looked-up table (t, sorted distinct ids [U],
+    summed gradients [U, D]), the sums ``backward_update`` applies; the GPU backends'
+    ``row_grads_padded(layout, lookup, grad_output, bounds)``, the same in blocks of host-known
+    size (``padded_rows``).
+    """
 
     name: str
 
-    def forward(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-    ) -> Tensor:
-        """Pooled output [B, layout.total_dim]; ``offsets`` has F*B+1 entries."""
+    def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
+        """Pooled output [B, layout.total_dim] of ``lookup`` over the flat ``weights``."""
         ...
 
     def backward_update(
@@ -171,15 +189,14 @@ class TBEBackend(Protocol):
         layout: TBELayout,
         weights: Tensor,
         state: dict[str, Tensor],
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
+        lookup: Lookup,
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
     ) -> None:
-        """Apply ``opt`` in place to the rows the batch touched, from d(loss)/d(output)."""
+        """Apply ``opt`` in place to the rows ``lookup`` touched (``weights`` and ``state``),
+        from d(loss)/d(output) ``grad_output`` [B, layout.total_dim]: each distinct row's
+        gradients summed in (feature, batch position) order, then one update per row."""
         ...
 
 
@@ -197,33 +214,21 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def _check(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-    ) -> None:
+    def _check(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> None:
+        indices, offsets = lookup.indices, lookup.offsets
         if weights.numel() != layout.total_elems:
             raise TBEInputError(
                 f"weights has {weights.numel()} elements, expected {layout.total_elems}"
             )
         b = check_offsets(offsets, indices.numel(), layout.num_features)
         check_ids(layout, indices, offsets, b)
-        check_per_sample_weights(per_sample_weights, indices, weights)
+        check_per_sample_weights(lookup.per_sample_weights, indices, weights)
 
-    def forward(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-    ) -> Tensor:
+    def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim]."""
-        self._check(layout, weights, indices, offsets, per_sample_weights)
+        self._check(layout, weights, lookup)
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf = layout.num_features
         b = (offsets.numel() - 1) // nf
         out = torch.zeros(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
@@ -243,15 +248,11 @@ class ReferenceBackend:
         return out
 
     def row_grads(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D])."""
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf = layout.num_features
         b = (offsets.numel() - 1) // nf
         ids_by_table: list[list[Tensor]] = [[] for _ in range(layout.num_tables)]
@@ -286,37 +287,26 @@ class ReferenceBackend:
         layout: TBELayout,
         weights: Tensor,
         state: dict[str, Tensor],
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
+        lookup: Lookup,
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
     ) -> None:
         """Sum each distinct row's gradients, then apply the optimizer to those rows."""
-        self._check(layout, weights, indices, offsets, per_sample_weights)
-        check_grad_shape(grad_output, layout, offsets)
-        grads = self.row_grads(layout, indices, offsets, per_sample_weights, pooling, grad_output)
+        self._check(layout, weights, lookup)
+        check_grad_shape(grad_output, layout, lookup.offsets)
+        grads = self.row_grads(layout, lookup, grad_output)
         for t, uniq, g in grads:
             update_table_rows(layout, weights, state, t, uniq, g, opt, step)
 
 
 def row_grads(
-    backend: Any,
-    layout: TBELayout,
-    indices: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Tensor | None,
-    pooling: PoolingMode,
-    grad_output: Tensor,
+    backend: Any, layout: TBELayout, lookup: Lookup, grad_output: Tensor
 ) -> list[tuple[int, Tensor, Tensor]]:
     """Per looked-up table (t, sorted distinct ids, summed gradients): ``backend``'s own when it
     has one (the cpu kernel), else the reference's; the same sums in the same order."""
     impl = getattr(backend, "row_grads", None) or ReferenceBackend().row_grads
-    out: list[tuple[int, Tensor, Tensor]] = impl(
-        layout, indices, offsets, per_sample_weights, pooling, grad_output
-    )
+    out: list[tuple[int, Tensor, Tensor]] = impl(layout, lookup, grad_output)
     return out
 
 
@@ -350,10 +340,8 @@ def apply_row_grads(
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths.view(-1), 0, out=offsets[1:])
         indices = torch.cat([ids for _, ids, _ in grp]).to(device=weights.device)
-        backend.backward_update(
-            lay, weights, state, indices, offsets.to(weights.device), None, PoolingMode.SUM,
-            grad_out, opt, step,
-        )  # fmt: skip
+        lookup = Lookup(indices, offsets.to(weights.device), None, PoolingMode.SUM)
+        backend.backward_update(lay, weights, state, lookup, grad_out, opt, step)
 
 
 def group_calls(layout: TBELayout, items: Sequence[_Item]) -> list[list[_Item]]:
@@ -537,25 +525,22 @@ def tbe_lookup(
     backend: TBEBackend,
     layout: TBELayout,
     weights: Tensor,
-    indices: Tensor,
-    offsets: Tensor,
-    per_sample_weights: Tensor | None,
-    pooling: PoolingMode,
+    lookup: Lookup,
     update: Callable[[Tensor], None],
 ) -> Tensor:
-    """Pooled lookup [B, total_dim] whose backward calls ``update(grad_output)``.
+    """Pooled lookup [B, total_dim] of ``lookup`` whose backward calls ``update(grad_output)``.
 
     ``anchor`` is a zero-element tensor with ``requires_grad=True``: it puts the op in the autograd
     graph so that backward runs, while the weights themselves never receive a ``.grad``.
     """
-    expected = layout.num_features
+    expected, offsets = layout.num_features, lookup.offsets
     if (offsets.numel() - 1) % max(expected, 1) != 0:
         raise TBEInputError(
             f"offsets has {offsets.numel()} entries; expected F*B+1 for F={expected} features"
         )
 
     def run() -> Tensor:
-        return backend.forward(layout, weights, indices, offsets, per_sample_weights, pooling)
+        return backend.forward(layout, weights, lookup)
 
     if not (torch.is_grad_enabled() and anchor.requires_grad):
         return run()

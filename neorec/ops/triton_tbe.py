@@ -45,7 +45,7 @@ from torch import Tensor
 from neorec.ops.cuda import segments
 from neorec.ops.padded_rows import PaddedRows, pad_heads, rows_by_table
 from neorec.ops.row_optim import RowOptimizer, state_shapes
-from neorec.ops.tbe import PoolingMode, ReferenceBackend, TBEInputError, TBELayout
+from neorec.ops.tbe import Lookup, PoolingMode, ReferenceBackend, TBEInputError, TBELayout
 from neorec.ops.tbe_checks import (
     assert_inputs_async,
     bag_of_ids,
@@ -211,14 +211,9 @@ class _Sorted:
     first occurrence (its head) holds the run's length in ``seg_count``, the others 0. Every size
     is the batch's id count, so nothing is read back to the host."""
 
-    def __init__(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        bag: Tensor,
-    ) -> None:
+    def __init__(self, layout: TBELayout, lookup: Lookup, bag: Tensor) -> None:
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights = lookup.per_sample_weights
         dev = indices.device
         meta = layout.meta(dev)
         nf = layout.num_features
@@ -262,14 +257,7 @@ class TritonBackend:
         ``TRITON_INTERPRET=1`` still set (triton reads it again while launching)."""
         return INTERPRET and bool(triton.knobs.runtime.interpret)
 
-    def _check(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-    ) -> Tensor | None:
+    def _check(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor | None:
         """Check the inputs: on the device for CUDA tensors (no host read; returns each id's bag,
         ``bag_of_ids``), by the reference's host checks for CPU ones (returns None)."""
         if weights.dtype != torch.float32 or weights.dim() != 1 or not weights.is_contiguous():
@@ -277,23 +265,18 @@ class TritonBackend:
                 f"triton TBE backend: weights must be a flat contiguous float32 tensor, got "
                 f"dtype {weights.dtype} shape {tuple(weights.shape)}"
             )
-        b = check_shapes(layout, weights, indices, offsets, per_sample_weights)
+        indices, offsets = lookup.indices, lookup.offsets
+        b = check_shapes(layout, weights, indices, offsets, lookup.per_sample_weights)
         if on_device(indices):
             return assert_inputs_async(layout, indices, offsets, b, self.name)
-        self._ref._check(layout, weights, indices, offsets, per_sample_weights)
+        self._ref._check(layout, weights, lookup)
         return None
 
-    def forward(
-        self,
-        layout: TBELayout,
-        weights: Tensor,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-    ) -> Tensor:
+    def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim]."""
-        self._check(layout, weights, indices, offsets, per_sample_weights)
+        self._check(layout, weights, lookup)
+        indices, offsets = lookup.indices, lookup.offsets
+        per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf = layout.num_features
         b = (offsets.numel() - 1) // nf
         out = torch.empty(b, layout.total_dim, dtype=weights.dtype, device=weights.device)
@@ -324,20 +307,13 @@ class TritonBackend:
         return out
 
     def _summed(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
-        bag: Tensor,
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor, bag: Tensor
     ) -> tuple[_Sorted, Tensor]:
         """The sorted batch and at each head its row's summed gradient [n, max dim] (padded;
         the rows of other occurrences are left zero)."""
-        srt = _Sorted(layout, indices, offsets, per_sample_weights, bag)
+        srt = _Sorted(layout, lookup, bag)
         max_dim = max((layout.dims[t] for t in srt.tables), default=1)
-        n_u = indices.numel()
+        n_u = lookup.indices.numel()
         summed = torch.zeros(n_u, max_dim, dtype=torch.float32, device=grad_output.device)
         if n_u:
             blk = _block(max_dim)
@@ -351,49 +327,33 @@ class TritonBackend:
                 summed,
                 max_dim,
                 HAS_PSW=srt.psw is not None,
-                MEAN=PoolingMode(pooling) == PoolingMode.MEAN,
+                MEAN=PoolingMode(lookup.pooling) == PoolingMode.MEAN,
                 BLOCK_D=blk,
                 **_launch_opts(),
             )
         return srt, summed
 
     def row_grads(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D]).
 
         The sizes are data-dependent: one host read (the per-table counts) per call
         (``row_grads_padded`` has none)."""
-        bag = bag_of_ids(offsets, indices.numel())  # (unchecked, as the reference's)
-        srt, summed = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
-        )
+        bag = bag_of_ids(lookup.offsets, lookup.indices.numel())  # (unchecked, as the reference's)
+        srt, summed = self._summed(layout, lookup, grad_output, bag)
         return rows_by_table(layout, srt.key, srt.head, summed, srt.tables)
 
     def row_grads_padded(
-        self,
-        layout: TBELayout,
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
-        grad_output: Tensor,
-        bounds: list[int],
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor, bounds: list[int]
     ) -> list[PaddedRows]:
         """``row_grads`` in a block of ``bounds[t]`` rows per table t, the count on the device
         (``padded_rows.pad_heads``): no host read."""
-        if indices.numel() == 0:
+        n = lookup.indices.numel()
+        if n == 0:
             return pad_heads(layout, None, None, None, bounds, grad_output.device)
-        bag = bag_of_ids(offsets, indices.numel())  # (unchecked, as the reference's)
-        srt, summed = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
-        )
+        bag = bag_of_ids(lookup.offsets, n)  # (unchecked, as the reference's)
+        srt, summed = self._summed(layout, lookup, grad_output, bag)
         return pad_heads(layout, srt.key, srt.head, summed, bounds, grad_output.device)
 
     def backward_update(
@@ -401,28 +361,23 @@ class TritonBackend:
         layout: TBELayout,
         weights: Tensor,
         state: dict[str, Tensor],
-        indices: Tensor,
-        offsets: Tensor,
-        per_sample_weights: Tensor | None,
-        pooling: PoolingMode,
+        lookup: Lookup,
         grad_output: Tensor,
         opt: RowOptimizer,
         step: int,
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
-        bag = self._check(layout, weights, indices, offsets, per_sample_weights)
+        bag = self._check(layout, weights, lookup)
         if bag is None:
-            bag = bag_of_ids(offsets, indices.numel())
-        check_grad_shape(grad_output, layout, offsets)
+            bag = bag_of_ids(lookup.offsets, lookup.indices.numel())
+        check_grad_shape(grad_output, layout, lookup.offsets)
         if grad_output.dtype != torch.float32:
             raise TBEInputError(f"grad_output must be float32, got {grad_output.dtype}")
         for k in state_shapes(opt.kind, layout.total_rows, layout.total_elems):
             if k not in state:
                 raise TBEInputError(f"triton TBE backend: optimizer '{opt.kind}' needs state '{k}'")
-        srt, summed = self._summed(
-            layout, indices, offsets, per_sample_weights, pooling, grad_output, bag
-        )
-        n_u = indices.numel()
+        srt, summed = self._summed(layout, lookup, grad_output, bag)
+        n_u = lookup.indices.numel()
         if not n_u:
             return
         m1 = state.get("momentum1", weights)

@@ -104,7 +104,7 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _write_das(args: argparse.Namespace, out: TextIO) -> int:
     """``neorec predict --das DIR``: the FM's logits of a stream window's split as a side file."""
-    from neorec.data.stream import write_fm_logits
+    from neorec.serve.das import write_fm_logits
     from neorec.serve.model import MODEL_FILE, config_from_dict, find_model_dir, read_model_info
 
     if args.data:

@@ -80,9 +80,9 @@ def eval_data(cfg: Config, data: str | None = None, split: str = "eval") -> Eval
             "use --data PATH for other data"
         )
     if data is None:
-        from neorec.train.sources import make_source
+        from neorec.build import data_source
 
-        source = make_source(cfg)
+        source = data_source(cfg)
         where = {
             "synthetic": f"synthetic {split} split",
             "stream": f"stream window {cfg.data.window} {split} split",
@@ -115,7 +115,7 @@ def _path_batches(cfg: Config, p: Path) -> Any:
             "run `neorec data preprocess` into it again"
         )
     from neorec.data.criteo import CriteoTSVDataset, criteo_files
-    from neorec.train.sources import _report_skipped
+    from neorec.data.sources import report_skipped
 
     d = cfg.data
     dataset = CriteoTSVDataset(
@@ -124,7 +124,7 @@ def _path_batches(cfg: Config, p: Path) -> Any:
 
     def batches() -> Iterator[Batch]:
         yield from dataset
-        _report_skipped("--data", dataset)
+        report_skipped("--data", dataset)
 
     return batches
 

@@ -32,7 +32,6 @@ from neorec.checkpoint.format import (
     one_line,
     seal_manifest,
 )
-from neorec.checkpoint.hooks import describe_config
 from neorec.checkpoint.manager import CheckpointManager
 from neorec.checkpoint.restore import (
     check_model,
@@ -147,7 +146,7 @@ def save_model(model: Any, cfg: Config, out_dir: str | Path, step: int | None = 
     placeholder = torch.optim.SGD(dense_module(model).parameters(), lr=0.0)
     manager = CheckpointManager(ck, model, placeholder, str(out))
     manager.extra_description = {
-        "model_config": describe_config(cfg)["model_config"],
+        "model_config": cfg.describe_model()["model_config"],
         "dense_optimizer": cfg.train.dense_optimizer,
     }
     error = ""
@@ -250,7 +249,7 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     Everything is checked before the model is built (model.json, the checkpoint's manifest and
     its model description); a missing, unfinished or corrupt directory is a ``CheckpointError``.
     """
-    from neorec.modules.dlrm import build_dlrm
+    from neorec.build import build_dlrm
     from neorec.modules.embedding import check_tables_memory
 
     model_dir = find_model_dir(path)
@@ -260,7 +259,7 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     name = info["checkpoint"]
     chain = load_chain(storage, name)
     saved = dict(chain[-1]["model"])
-    check_model(storage.path(name), saved, describe_config(cfg))  # model.json vs manifest
+    check_model(storage.path(name), saved, cfg.describe_model())  # model.json vs manifest
     dense = load_dense(storage, name, chain[-1]["dense"])
     build = _serving_config(cfg)
     check_tables_memory(build.embedding.tables, build.embedding.optimizer)

@@ -1,6 +1,7 @@
 """Sharding: the plan as data, the cost model and the planner (pure Python, no process groups)."""
 
-from neorec.sharding.cost_model import CostModel, PlanCost, ShardCost, TableSpec, load_tables
+from neorec.sharding.cost_model import CostModel, TableSpec, load_tables
+from neorec.sharding.cost_types import PlanCost, ShardCost
 from neorec.sharding.planner import Planner, PlanningError, PlanResult, format_report, plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import (

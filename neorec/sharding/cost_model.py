@@ -41,17 +41,20 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   in host DRAM or on SSD. Lookups and updates run on the cache at device bandwidth as for a
   ``device`` shard; on top, each step moves its misses at the tier's bandwidth: the lookups x
   the miss rate (a missed row is read once per batch: at most the touched rows) x the record
-  bytes, read in and (every resident row has been updated, so evictions are dirty) written back. The miss rate is ``1 - expected_hit_rate`` of
-  ``neorec.storage.model`` for the table's skew (``TableSpec.zipf_alpha``; the locality-calibrated
-  distribution when unknown) and cache policy; a row shard sees the table's hit rate (hot rows
-  are spread over row ranges). Plus the slot lookups of every id (bookkeeping at device
-  bandwidth).
+  bytes, read in and (every resident row has been updated, so evictions are dirty) written
+  back. The miss rate is ``1 - expected_hit_rate`` of ``neorec.sharding.hit_rate`` for the
+  table's skew (``TableSpec.zipf_alpha``; the locality-calibrated distribution when unknown) and
+  cache policy; a row shard sees the table's hit rate (hot rows are spread over row ranges).
+  Plus the slot lookups of every id (bookkeeping at device bandwidth).
 
 A rank's predicted time is the sum of its shards' times plus the sample-side term (every shard's
 cost is its own: no shard changes how the others on its rank are updated); the step's
 predicted embedding time is, per phase, the slowest rank's, summed. Constants come from the
 ``Topology`` and can be calibrated (``neorec plan --calibrate``, ``neorec.measure.calibrate``);
 ``neorec bench costcheck`` compares predictions with measured steps on this machine.
+
+The predictions' types (``ShardCost``, ``RankCost``, ``PlanCost``, ``PHASES``) are in
+``neorec.sharding.cost_types``; the cached tiers' hit rates in ``neorec.sharding.hit_rate``.
 """
 
 from __future__ import annotations
@@ -59,8 +62,9 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
+from neorec.sharding.cost_types import PlanCost, RankCost, ShardCost
+from neorec.sharding.hit_rate import cache_hit_rates
 from neorec.sharding.tables import (
     ID_DISTRIBUTIONS,
     OPTIMIZERS,
@@ -72,7 +76,6 @@ from neorec.sharding.tables import (
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import (
     CACHED_STORAGES,
-    Shard,
     ShardingPlan,
     ShardingType,
     dense_dp,
@@ -80,17 +83,13 @@ from neorec.sharding.types import (
 
 __all__ = [
     "OPTIMIZERS",
-    "PHASES",
     "TableSpec",
-    "ShardCost",
-    "RankCost",
-    "PlanCost",
     "CostModel",
     "load_tables",
     "tables_from_config",
     "distinct_rows",
-    "cache_hit_rates",
     "cache_rows",
+    "CACHE_MIN_BATCHES",
     "ID_DISTRIBUTIONS",
 ]
 
@@ -147,189 +146,10 @@ CACHE_MIN_BATCHES = 2.0
 """A cache must hold this many batches' distinct rows of its shard (a batch's rows stay pinned
 until its backward; the next batch's are prefetched); smaller caches are not offered."""
 
-_HIT_MEMO: dict[tuple[int, float | None, str, float, float], float] = {}
-
-
-def _hit_key(table: TableSpec, fraction: float) -> tuple[int, float | None, str, float, float]:
-    alpha = table.hit_alpha
-    pooling = table.pooling_factor if alpha is None else 0.0  # only the locality model uses it
-    return (table.rows, alpha, table.cache_policy, pooling, float(fraction))
-
-
-def cache_hit_rates(table: TableSpec, fractions: Iterable[float]) -> list[float]:
-    """Expected per-lookup hit rates of row caches of ``fractions`` of ``table``'s rows
-    (``neorec.storage.model.expected_hit_rates`` for the table's skew and policy; memoized).
-
-    Uniform ids hit at the cache fraction; other distributions are computed with torch, imported
-    here on first use and run on one thread (many small ops; other threads only contend).
-    """
-    fr = [float(f) for f in fractions]
-    alpha = table.hit_alpha
-    if alpha == 0.0:
-        return [min(1.0, max(0.0, f)) for f in fr]
-    todo = sorted({f for f in fr if _hit_key(table, f) not in _HIT_MEMO})
-    if todo:
-        import torch
-
-        from neorec.storage.model import expected_hit_rates
-
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            rates = expected_hit_rates(
-                table.rows, todo, alpha, table.cache_policy, max(table.pooling_factor, 1e-3)
-            )
-        finally:
-            torch.set_num_threads(n)
-        if len(_HIT_MEMO) > 1 << 16:
-            _HIT_MEMO.clear()
-        for f, h in zip(todo, rates):
-            _HIT_MEMO[_hit_key(table, f)] = h
-    return [_HIT_MEMO[_hit_key(table, f)] for f in fr]
-
 
 def cache_rows(rows: int, fraction: float) -> int:
     """Rows of a cache of ``fraction`` of ``rows`` (at least one, at most all), as the runtime."""
     return max(1, min(rows, math.ceil(fraction * rows)))
-
-
-PHASES = ("fwd_comm", "fwd_compute", "bwd_comm", "bwd_compute")
-"""Step phases separated by collectives; each ends when its slowest rank does."""
-
-
-@dataclass(frozen=True)
-class ShardCost:
-    """Predicted per-step time (seconds per phase) and memory (bytes) of one shard on its rank."""
-
-    fwd_comm_s: float
-    fwd_compute_s: float
-    bwd_comm_s: float
-    bwd_compute_s: float
-    device_bytes: float
-    host_bytes: float
-    inter_s: float = 0.0
-    """Part of the communication time spent on inter-host links."""
-    ssd_bytes: float = 0.0
-    """Bytes on SSD (the row store of an ``ssd``-tier shard)."""
-
-    @property
-    def phases(self) -> tuple[float, float, float, float]:
-        """Times in ``PHASES`` order."""
-        return (self.fwd_comm_s, self.fwd_compute_s, self.bwd_comm_s, self.bwd_compute_s)
-
-    @property
-    def compute_s(self) -> float:
-        """Forward plus backward compute."""
-        return self.fwd_compute_s + self.bwd_compute_s
-
-    @property
-    def comm_s(self) -> float:
-        """Forward plus backward communication."""
-        return self.fwd_comm_s + self.bwd_comm_s
-
-    @property
-    def time_s(self) -> float:
-        """All phases."""
-        return self.compute_s + self.comm_s
-
-
-@dataclass
-class RankCost:
-    """Predicted load of one rank."""
-
-    rank: int
-    phases: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))
-    """Seconds in each of ``PHASES``."""
-    device_bytes: float = 0.0
-    host_bytes: float = 0.0
-    ssd_bytes: float = 0.0
-    shards: list[tuple[str, Shard, float]] = field(default_factory=list)
-    """(table, shard, predicted seconds) held by this rank."""
-
-    @property
-    def compute_s(self) -> float:
-        """Forward plus backward compute of this rank's shards."""
-        return self.phases[1] + self.phases[3]
-
-    @property
-    def comm_s(self) -> float:
-        """Owner-side communication of this rank's shards."""
-        return self.phases[0] + self.phases[2]
-
-    @property
-    def local_s(self) -> float:
-        """Time of this rank's own shards (without the sample-side term)."""
-        return sum(self.phases)
-
-
-@dataclass
-class PlanCost:
-    """Predicted cost of a whole plan: per-rank loads plus the sample-side term.
-
-    The predicted step time is the critical path: for each phase the slowest rank's time (the
-    collective that ends a phase waits for it), summed over phases, plus the sample-side term.
-    """
-
-    ranks: list[RankCost]
-    sample_side_s: float
-    device_capacity_bytes: float
-    host_capacity_bytes: float
-    ssd_capacity_bytes: float = 0.0
-
-    def rank_time(self, rank: int) -> float:
-        """Predicted embedding time of ``rank`` per step if it never waited for another rank."""
-        return self.ranks[rank].local_s + self.sample_side_s
-
-    def phase_max(self) -> list[float]:
-        """Slowest rank's time in each phase."""
-        return [max(r.phases[p] for r in self.ranks) for p in range(len(PHASES))]
-
-    @property
-    def max_time_s(self) -> float:
-        """Predicted embedding time of a step: sum over phases of the slowest rank, + sample side."""
-        return sum(self.phase_max()) + self.sample_side_s
-
-    @property
-    def max_rank_s(self) -> float:
-        """Slowest rank's own total (a lower bound of ``max_time_s``)."""
-        return max(self.rank_time(r.rank) for r in self.ranks)
-
-    @property
-    def mean_time_s(self) -> float:
-        """Mean rank time."""
-        return sum(self.rank_time(r.rank) for r in self.ranks) / len(self.ranks)
-
-    @property
-    def imbalance(self) -> float:
-        """Predicted step time / mean rank time (1.0 = perfectly balanced in every phase)."""
-        mean = self.mean_time_s
-        return self.max_time_s / mean if mean > 0 else 1.0
-
-    def overflows(self) -> list[str]:
-        """Ranks whose device or host memory is exceeded (empty when the plan fits)."""
-        out = []
-        for r in self.ranks:
-            if r.device_bytes > self.device_capacity_bytes * (1 + 1e-9):
-                out.append(
-                    f"rank {r.rank}: device {r.device_bytes / GB:.2f} GB > "
-                    f"{self.device_capacity_bytes / GB:.2f} GB"
-                )
-            if r.host_bytes > self.host_capacity_bytes * (1 + 1e-9):
-                out.append(
-                    f"rank {r.rank}: host {r.host_bytes / GB:.2f} GB > "
-                    f"{self.host_capacity_bytes / GB:.2f} GB"
-                )
-            if r.ssd_bytes > self.ssd_capacity_bytes * (1 + 1e-9):
-                out.append(
-                    f"rank {r.rank}: ssd {r.ssd_bytes / GB:.2f} GB > "
-                    f"{self.ssd_capacity_bytes / GB:.2f} GB"
-                )
-        return out
-
-    @property
-    def fits(self) -> bool:
-        """True when every rank's memory fits."""
-        return not self.overflows()
 
 
 class CostModel:

@@ -18,7 +18,7 @@ its residual), ``ridge`` (linear in standardized features, a few penalties) and 
 whole table mixes (other tables and shard geometries than those fitted); the one with the lowest
 held-out mean |relative error| plus half its 95th percentile is kept per target, refitted on all
 samples, and its held-out mean / 95th percentile / max error travel with it as its validation
-error.
+error (``neorec.sharding.learned_fit``; the placements measured: ``learned_placements``).
 
 The fitted model lives in the topology file (``Topology.learned_cost``) with the machine it was
 fitted on (CPU model, vector flags, logical CPUs) and the world size of its samples;
@@ -37,7 +37,8 @@ import numpy as np
 
 from neorec.errors import NeorecError
 from neorec.machine import cpu_model_and_flags
-from neorec.sharding.cost_model import CostModel, PlanCost, TableSpec
+from neorec.sharding.cost_model import CostModel, TableSpec
+from neorec.sharding.cost_types import PlanCost
 from neorec.sharding.learned_features import FEATURES, check_params, plan_features
 from neorec.sharding.learned_features import predict as _predict
 from neorec.sharding.topology import Topology

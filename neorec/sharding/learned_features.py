@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from neorec.sharding.cost_model import PHASES, CostModel, PlanCost, TableSpec
+from neorec.sharding.cost_model import CostModel, TableSpec
+from neorec.sharding.cost_types import PHASES, PlanCost
 from neorec.sharding.tables import OPTIMIZERS
 from neorec.sharding.types import ShardingPlan, ShardingType
 

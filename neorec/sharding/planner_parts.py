@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from neorec.errors import NeorecError
-from neorec.sharding.cost_model import ShardCost
+from neorec.sharding.cost_types import ShardCost
 from neorec.sharding.types import CACHED_STORAGES, ShardingType
 
 __all__ = ["PlanningError", "DEFAULT_CACHE_FRACTIONS"]
@@ -73,7 +73,7 @@ class _Piece:
 _MOVABLE = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE)
 """Types whose shards local search moves between ranks (never onto a rank that holds another shard
 of the same table); table-row-wise shards stay put on their host, data-parallel ones everywhere."""
-_NPH = 4  # phases: fwd comm, fwd compute, bwd comm, bwd compute (cost_model.PHASES)
+_NPH = 4  # phases: fwd comm, fwd compute, bwd comm, bwd compute (cost_types.PHASES)
 _Geo = list[tuple[tuple[int, int], tuple[int, int], ShardCost]]
 
 

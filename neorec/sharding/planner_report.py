@@ -8,13 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from neorec.sharding.cost_model import (
-    PHASES,
-    PlanCost,
-    TableSpec,
-    cache_hit_rates,
-    cache_rows,
-)
+from neorec.sharding.cost_model import TableSpec, cache_rows
+from neorec.sharding.cost_types import PHASES, PlanCost
+from neorec.sharding.hit_rate import cache_hit_rates
 from neorec.sharding.learned_cost import Scoring, model_summary
 from neorec.sharding.topology import GB, Topology
 from neorec.sharding.types import CACHED_STORAGES, ShardingPlan

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from neorec.sharding.cost_model import ShardCost, TableSpec
+from neorec.sharding.cost_model import TableSpec
+from neorec.sharding.cost_types import ShardCost
 from neorec.sharding.planner_diagnose import diagnose
 from neorec.sharding.planner_parts import (
     _EPS,

@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from neorec.sharding.cost_model import PlanCost, TableSpec
+from neorec.sharding.cost_model import TableSpec
+from neorec.sharding.cost_types import PlanCost
 from neorec.sharding.planner import Planner, PlanResult
 from neorec.sharding.planner_baselines import baseline_candidates, plan_key
 from neorec.sharding.types import ShardingPlan

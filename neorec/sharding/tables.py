@@ -12,6 +12,7 @@ from typing import Any
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
+from neorec.ops.id_map_size import map_bytes_per_slot
 from neorec.sharding.types import CACHED_STORAGES, STORAGES, ShardingType, parse_sharding_type
 
 __all__ = [
@@ -71,7 +72,7 @@ class TableSpec:
     row); empty = the cost model's ``weight_bytes`` per value."""
     map_bytes_per_row: float = 0.0
     """Memory per row besides the row and its optimizer state: a dynamic table's id map
-    (``neorec.ops.id_map.map_bytes_per_slot``; its ``rows`` are its slots)."""
+    (``neorec.ops.id_map_size.map_bytes_per_slot``; its ``rows`` are its slots)."""
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.pooling_factor < 0 or self.zipf_alpha < 0:
@@ -128,8 +129,6 @@ class TableSpec:
             kw["precision"] = prec  # fp32 tables keep the cost model's weight_bytes
         rows = t.rows
         if getattr(t, "kind", "fixed") == "dynamic":  # capacity slots (+ a default row) + map
-            from neorec.ops.id_map import map_bytes_per_slot
-
             cap = int(t.capacity or t.rows)
             rows = cap + int(t.unadmitted == "default_row")
             per = map_bytes_per_slot(cap, t.admission, t.eviction)

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neorec.errors import NeorecError
-from neorec.sharding.cost_model import PHASES, CostModel, TableSpec
+from neorec.sharding.cost_model import CostModel, TableSpec
+from neorec.sharding.cost_types import PHASES
 from neorec.sharding.planner import Planner, PlanningError
 from neorec.sharding.planner_report import SIMULATION_NOTE, PlanResult
 from neorec.sharding.topology import GB, Topology

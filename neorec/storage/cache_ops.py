@@ -3,7 +3,7 @@
 ``CachedEmbeddingBagCollection`` calls these once per table per batch. The compiled versions
 (``neorec/ops/csrc/row_cache.c``, built into the cpu TBE kernel library) do each in one pass over
 the batch or the cache; the torch versions take the same decisions (same misses, victims, slots)
-and run where there is no C compiler, or with ``NEOREC_CACHE_NATIVE=0`` (tests compare the two).
+and run where there is no C compiler, or with ``system.native = false`` (tests compare the two).
 
 Measured (``neorec bench cache``, 8 tables x 100k cached rows, ~81k misses and evictions per batch):
 the torch bookkeeping cost ~200 ms per batch, mostly many small index operations and sorts.
@@ -11,12 +11,13 @@ the torch bookkeeping cost ~200 ms per batch, mostly many small index operations
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from neorec.ops import settings
 
 __all__ = [
     "native",
@@ -39,8 +40,8 @@ _STATE: dict[str, Any] = {}
 
 
 def native() -> Any:
-    """The compiled library, or None (no C compiler, or ``NEOREC_CACHE_NATIVE=0``)."""
-    if os.environ.get("NEOREC_CACHE_NATIVE", "1") == "0":
+    """The compiled library, or None (no C compiler, or ``neorec.ops.settings.NATIVE`` off)."""
+    if not settings.NATIVE:
         return None
     with _LOCK:
         if "lib" not in _STATE:

@@ -42,6 +42,7 @@ from neorec.modules.embedding import (
 )
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
+    Lookup,
     PoolingMode,
     TBEBackend,
     TBELayout,
@@ -371,6 +372,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         training = torch.is_grad_enabled() and self._anchor.requires_grad
         slots, used = self._prepare(indices, offsets, pin=training)
         slots, offsets_dev = slots.to(dev), offsets.to(dev)
+        lookup = Lookup(slots, offsets_dev, psw, self.pooling)
 
         def update(grad_output: Tensor) -> None:
             written = False
@@ -383,10 +385,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                         self.layout,
                         self.weights,
                         self.optimizer_state(),
-                        slots,
-                        offsets_dev,
-                        psw,
-                        self.pooling,
+                        lookup,
                         grad_output,
                         self.optimizer,
                         step,
@@ -400,17 +399,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     hook(self.table_layout, indices, offsets)
 
         try:
-            return tbe_lookup(
-                self._anchor,
-                self.backend,
-                self.layout,
-                self.weights,
-                slots,
-                offsets_dev,
-                psw,
-                self.pooling,
-                update,
-            )
+            return tbe_lookup(self._anchor, self.backend, self.layout, self.weights, lookup, update)
         except BaseException:
             if training:
                 self._release(used, dirty=False)

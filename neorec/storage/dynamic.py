@@ -45,6 +45,7 @@ from neorec.modules.embedding import (
 from neorec.ops.id_map import IdMap, RowTarget, _mix64_np, mix64
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
+    Lookup,
     PoolingMode,
     TBEBackend,
     TBELayout,
@@ -66,7 +67,6 @@ __all__ = [
     "DynamicEmbeddingBagCollection",
     "DynamicTableState",
     "MixedEmbeddingBagCollection",
-    "dynamic_collection",
     "dynamic_init_rows",
     "table_capacity",
 ]
@@ -392,6 +392,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         rows = indices if rows is slots else rows.to(dev)
         psw = psw.to(dev) if psw is not None else None
         layout, weights, state = self._fast()
+        lookup = Lookup(rows, offsets, psw, self.pooling)
 
         def update(grad_output: Tensor) -> None:
             written = False
@@ -402,9 +403,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 check_finite_weights(psw)
                 step = int(self.step) + 1
                 self.backend.backward_update(
-                    layout, weights, state, rows, offsets, psw, self.pooling, grad_output,
-                    self.optimizer, step,
-                )  # fmt: skip
+                    layout, weights, state, lookup, grad_output, self.optimizer, step
+                )
                 self.step.fill_(step)
                 written = True
             finally:
@@ -414,10 +414,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 hook(self.layout, indices, offsets)
 
         try:
-            return tbe_lookup(
-                self._anchor, self.backend, layout, weights, rows, offsets, psw, self.pooling,
-                update,
-            )  # fmt: skip
+            return tbe_lookup(self._anchor, self.backend, layout, weights, lookup, update)
         except BaseException:
             if training:
                 self._unhold(held, False)
@@ -497,30 +494,3 @@ class DynamicEmbeddingBagCollection(nn.Module):
             self._table(i)[:cap] = 0.0
             for k, st in self.optimizer_state().items():
                 self._state_rows(i, k, st)[:cap] = 0.0
-
-
-def dynamic_collection(
-    cfg: Any, fixed: nn.Module | None = None, device: torch.device | str = "cpu"
-) -> nn.Module:
-    """The collection of a config with ``kind = "dynamic"`` tables: a
-    ``DynamicEmbeddingBagCollection`` of them (a ``DynamicCachedEmbeddingBagCollection`` when
-    one is on dram / ssd), combined with ``fixed`` (the caller's collection of the config's other
-    tables, built as usual) when there are any."""
-    emb = cfg.embedding
-    dyn_tables = [t for t in emb.tables if getattr(t, "kind", "fixed") == "dynamic"]
-    args = (dyn_tables, RowOptimizer.from_config(emb), emb.pooling, emb.backend, device)
-    kw: dict[str, Any] = {"init_scale": emb.init_scale, "seed": cfg.train.seed}
-    dyn: nn.Module
-    if any(t.storage != "memory" for t in dyn_tables):
-        from neorec.storage.dynamic_cached import DynamicCachedEmbeddingBagCollection
-
-        st = cfg.storage
-        kw.update(storage_dir=st.dir, io_threads=st.io_threads, mapped_mb=st.mapped_mb)
-        dyn = DynamicCachedEmbeddingBagCollection(*args, **kw)
-    else:
-        dyn = DynamicEmbeddingBagCollection(*args, **kw)
-    if len(dyn_tables) == len(emb.tables):
-        return dyn
-    if fixed is None:
-        raise ConfigError("dynamic_collection: the config has fixed tables; pass their collection")
-    return MixedEmbeddingBagCollection(emb.tables, fixed, dyn)

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from neorec.ops import settings
+
 __all__ = ["read_records", "write_records", "native_available"]
 
 _SOURCE = r"""
@@ -147,7 +149,7 @@ def _run(fd: int, ids: Tensor, rec: int, base: int, buf: Tensor, threads: int, w
     if ids.numel() == 0:
         return
     lib = _load()
-    if lib is None or os.environ.get("NEOREC_ROWIO") == "python":
+    if lib is None or not settings.NATIVE:
         _python_io(fd, ids, rec, base, buf, write)
         return
     bad = ctypes.c_int64(-1)

@@ -5,7 +5,7 @@
 1. **FM.** A larger DLRM (``--fm-config``) trains on windows 0, 1, ... in order, incrementally
    (one model and optimizer carried from window to window). After window w it is saved
    (``serve.save_model``: ``fm_w{w}``) and DAS writes its logits for the train and eval splits of
-   window w + k (``neorec.data.stream.write_fm_logits``: ``k{k}/fm_w{w+k}_{split}.npy``).
+   window w + k (``neorec.serve.das.write_fm_logits``: ``k{k}/fm_w{w+k}_{split}.npy``).
 2. **Student.** The small DLRM (``--config``, its ``[distill]``) trains on the same windows,
    incrementally, reading the logits of the FM of window w - k through the stream source
    (``data.fm_logits``, ``data.fm_staleness = k``); windows w < k have no FM yet and train alone.
@@ -49,14 +49,13 @@ def replace_section(cfg: Config, section: str, **kw: Any) -> Config:
 def student_model(cfg: Config) -> Any:
     """The unsharded model of ``cfg`` as the trainer builds it (dense blocks; the FM's too) and
     its dense optimizer."""
+    from neorec.build import build_dlrm, dense_optimizer
     from neorec.distributed.dense_blocks import block_dense
-    from neorec.modules.dlrm import build_dlrm
-    from neorec.train.steps import make_dense_optimizer
 
     model = build_dlrm(cfg)
     if cfg.train.dense_blocks > 1:
         block_dense(model.dense_arch, cfg.train.dense_blocks)
-    return model, make_dense_optimizer(cfg, model.dense_parameters())
+    return model, dense_optimizer(cfg.train, model.dense_parameters())
 
 
 def window_cfg(cfg: Config, w: int, **data: Any) -> Config:
@@ -77,16 +76,16 @@ def train_fm(
     ``work/{das_name}`` for one k); per window the FM's eval metrics on the student's eval split
     of that window (fresh FM; ``recal_ne``: after the best constant shift; ``own_ne``: on the
     FM's own traffic) and the seconds its training took."""
-    from neorec.data.stream import write_fm_logits
+    from neorec.build import data_source
     from neorec.serve import save_model
-    from neorec.train.sources import StreamSource
+    from neorec.serve.das import write_fm_logits
     from neorec.train.steps import evaluate, train_step
 
     model, opt = student_model(window_cfg(fm_cfg, 0))
     out, step = [], 0
     for w in range(windows):
         cfg_w = window_cfg(fm_cfg, w)
-        src = StreamSource(cfg_w)
+        src = data_source(cfg_w)
         t0 = time.perf_counter()
         for batch in src.train_batches():
             step += 1
@@ -94,11 +93,11 @@ def train_fm(
         secs = time.perf_counter() - t0
         # the student's eval split (the FM's is the same samples when eval_samples agree; the
         # labels are the student's vertical's)
-        ev = evaluate(model, StreamSource(window_cfg(student, w)).eval_batches())
-        recal = recalibrated_ne(model, StreamSource(window_cfg(student, w)).eval_batches())
+        ev = evaluate(model, data_source(window_cfg(student, w)).eval_batches())
+        recal = recalibrated_ne(model, data_source(window_cfg(student, w)).eval_batches())
         own = ev
         if student.data.vertical_bias or student.data.vertical_shift:
-            own = evaluate(model, StreamSource(cfg_w).eval_batches())  # on its own traffic
+            own = evaluate(model, data_source(cfg_w).eval_batches())  # on its own traffic
         row = {
             "window": w,
             "ne": ev["ne"],
@@ -146,9 +145,9 @@ def train_student(
 ) -> tuple[Any, list[float], list[float]]:
     """One student over the windows: ``(model, per-window eval NE of the serving head, per-window
     NE of the stale FM logits it read (NaN where none))``; ``log(line)`` per window if given."""
+    from neorec.build import data_source
     from neorec.data.stream import read_fm_logits
     from neorec.metrics import binary_metrics
-    from neorec.train.sources import StreamSource
     from neorec.train.steps import evaluate, train_step
 
     model, opt = student_model(cfg)
@@ -160,7 +159,7 @@ def train_student(
             assert das is not None
             data["fm_logits"] = str(das)
         cfg_w = window_cfg(cfg, w, **data)
-        src = StreamSource(cfg_w)
+        src = data_source(cfg_w)
         batches = list(src.train_batches())  # generated before the clock starts
         distill = cfg.distill if distilled else None
         for batch in batches:
@@ -169,7 +168,7 @@ def train_student(
         nes.append(evaluate(model, src.eval_batches())["ne"])
         fm_ne = float("nan")
         if distilled:
-            arr = read_fm_logits(cfg_w, "eval")
+            arr = read_fm_logits(cfg_w.data, cfg_w.embedding.tables, cfg_w.model.num_dense, "eval")
             assert arr is not None
             labels = torch.cat([b.labels for b in src.eval_batches()]).double()
             fm = torch.sigmoid(torch.from_numpy(arr).double())
@@ -195,7 +194,11 @@ def check_pair(student: Config, fm: Config, config: str, fm_config: str) -> None
             f"{fm_config}: the FM learns from the stream itself; data.vertical_bias / "
             "data.vertical_shift describe the student's vertical (set them in the student config)"
         )
-    if stream_fingerprint(own) != stream_fingerprint(fm):
+
+    def _fingerprint(c: Config) -> str:
+        return stream_fingerprint(c.data, c.embedding.tables, c.model.num_dense)
+
+    if _fingerprint(own) != _fingerprint(fm):
         raise ConfigError(
             f"{config} and {fm_config} describe different streams (seed, drift, churn, batch "
             "size or tables differ); the FM and the student must read the same stream"

@@ -49,7 +49,7 @@ class MetricState:
         self.labels = [state["labels"]] if state["labels"].numel() else []
 
 
-# ---- dynamic tables (issue 21): admitted / evicted / unadmitted lookups, occupancy -------------
+# ---- dynamic tables: admitted / evicted / unadmitted lookups, occupancy -------------
 _DYN_COUNTS = ("admitted", "evicted", "unadmitted", "lookups")
 
 

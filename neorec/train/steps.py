@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neorec.config import Config, DistillConfig
+from neorec.config import DistillConfig
 from neorec.data.batch import Batch
 from neorec.distributed.dense_blocks import blocks_of, per_block
 from neorec.errors import NeorecError
@@ -25,7 +25,6 @@ __all__ = [
     "TrainingDiverged",
     "LossGuard",
     "RecModel",
-    "make_dense_optimizer",
     "train_step",
     "predict",
     "evaluate",
@@ -82,19 +81,6 @@ class RecModel(Protocol):
     def train(self, mode: bool = True) -> Any: ...
 
     def dense_parameters(self) -> Iterator[nn.Parameter]: ...
-
-
-def make_dense_optimizer(cfg: Config, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch.optim optimizer for dense parameters: torch's fused (one kernel for all
-    parameters) Adagrad / Adam on CPU and CUDA; the per-parameter loop costs ~25 us a tensor, a
-    third of a small model's step."""
-    lr = cfg.train.dense_lr
-    kind = cfg.train.dense_optimizer
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, fused=True)
-    return torch.optim.Adam(params, lr=lr, fused=True)
 
 
 def train_step(

@@ -18,51 +18,38 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from neorec.build import apply_system, build_model, check_run, data_source, dense_optimizer
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
+from neorec.data.sources import DataSource
 from neorec.distributed.comm import rank_device
-from neorec.distributed.dense_blocks import block_dense
 from neorec.errors import NeorecError
 from neorec.metrics import binary_metrics
-from neorec.modules.dlrm import build_dlrm
 from neorec.train.metrics import DynamicLine, dynamic_counters, dynamic_fields
 from neorec.train.pipeline import make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of
 from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
-from neorec.train.sources import DataSource, make_source
 from neorec.train.steps import (
     LossGuard,
     RecModel,
     TrainingDiverged,
     evaluate,
-    make_dense_optimizer,
     predict,
     train_step,
 )
 from neorec.train.summary import RunSummary
 from neorec.train.tb import TBWriter, tensorboard_wanted
-from neorec.train.towers import resolve_tower_groups, towered_model
 
 __all__ = [
     "TrainingDiverged",
     "DataSource",
-    "make_source",
-    "make_dense_optimizer",
     "train_step",
     "evaluate",
+    "predict",
     "Progress",
     "Trainer",
     "train",
 ]
-
-
-def _injected_failure(rank: int) -> int:
-    """Step at which this rank must fail (``NEOREC_FAIL_AT=rank:step``, for failure tests)."""
-    spec = os.environ.get("NEOREC_FAIL_AT", "")
-    if not spec:
-        return -1
-    r, st = (int(x) for x in spec.split(":"))
-    return st if r == rank else -1
 
 
 class Trainer(RunSummary):
@@ -113,38 +100,17 @@ class Trainer(RunSummary):
         self.tee = Tee(out or sys.stdout) if self.rank == 0 else None
         self.out: TextIO = cast(TextIO, self.tee) if self.tee is not None else out or sys.stdout
         self.runlog: RunLog | None = None
-        cfg.train.check_device()  # cuda without a CUDA device: refused before any work
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))  # ranks on this host
+        check_run(cfg, self.world, one_host=self.world == local)
         self.device = rank_device(cfg.train.device)
-        if cfg.data.batch_size % self.world:
-            raise ConfigError(
-                f"data.batch_size {cfg.data.batch_size} must be divisible by the {self.world} ranks"
-            )
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        from neorec.config import check_trainable
-        from neorec.modules.embedding import check_tables_memory
-
-        check_trainable(cfg)  # one dim, the dense part's size, splits of at least one batch
-        dynamic = [t.name for t in cfg.embedding.tables if t.kind == "dynamic"]
-        if dynamic and self.world > 1 and cfg.towers.enabled:
-            raise ConfigError(
-                f"tables {dynamic} are dynamic: towers ([towers] count / groups) on "
-                f"{self.world} ranks do not hold dynamic tables yet; drop the towers or train "
-                "in one process"
-            )
+        apply_system(cfg.system)
         self.tb: TBWriter | None = None
         self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
-        if self.world == int(os.environ.get("LOCAL_WORLD_SIZE", self.world)):  # one host
-            check_tables_memory(cfg.embedding.tables, cfg.embedding.optimizer)
-        if self.world == 1 and cfg.sharding.plan:
-            from neorec.sharding.types import ShardingPlan
-
-            # Read and checked although one process shards nothing: a plan for N ranks is
-            # refused (it says to run --nproc N), not ignored.
-            ShardingPlan.load(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
         # The data's checks (paths, splits, table sizes) come before the tables are built.
-        self.source = make_source(cfg)
-        from neorec.checkpoint.hooks import TrainerCheckpoints, preflight_resume
+        self.source = data_source(cfg)
+        from neorec.train.checkpoints import TrainerCheckpoints, preflight_resume
 
         # So does the checkpoint to resume: found, its chain read, its model compared with cfg.
         resume = preflight_resume(cfg, self.out, self.rank)
@@ -152,9 +118,10 @@ class Trainer(RunSummary):
         self.plan: Any = None
         self.tower_groups: list[list[str]] | None = None
         self.model = model if model is not None else self._build_model()
-        self.opt = make_dense_optimizer(cfg, self.model.dense_parameters())
+        self.opt = dense_optimizer(cfg.train, self.model.dense_parameters())
         self.step = 0
-        self._fail_at = _injected_failure(self.rank)
+        fail = cfg.system.fail_rank_step  # fault injection for tests
+        self._fail_at = fail[1] if fail is not None and fail[0] == self.rank else -1
         self._epoch = self._next_batch = 0  # data position: the next batch to read (checkpointed)
         self.ckpt = TrainerCheckpoints.create(self, resume)
         self.eval_every = every_of(
@@ -164,43 +131,14 @@ class Trainer(RunSummary):
         self._eval_s = 0.0  # seconds of the periodic evals (inside the train time)
 
     def _build_model(self) -> RecModel:
-        groups = resolve_tower_groups(self.cfg, self.source, self.rank, self.world)
-        self.tower_groups = groups
-        if self.world == 1:
-            dev = self.device
-            model = (
-                build_dlrm(self.cfg, dev, groups=groups) if groups else build_dlrm(self.cfg, dev)
-            )
-            if self.cfg.train.dense_blocks > 1:
-                # The dense gradient summed in the blocks' tree: what N ranks compute (bitwise).
-                block_dense(model.dense_arch, self.cfg.train.dense_blocks)
-            return model
-        from neorec.distributed.model_parallel import (
-            DistributedModel,
-            check_same_everywhere,
-            resolve_plan,
-        )
-
-        check_same_everywhere("configs", self.cfg.to_dict())
-        dc = self.cfg.distill
-        if dc.enabled and (dc.aux_head or dc.adapter):
-            raise ConfigError(
-                "distill.aux_head / distill.adapter run in one process for now; drop --nproc or "
-                "use plain distillation (distill.weight)"
-            )
-        dynamic = [t.name for t in self.cfg.embedding.tables if t.kind == "dynamic"]
-        if groups:
-            return towered_model(self.cfg, groups)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        plan = resolve_plan(self.cfg, self.world, local)
-        if dynamic:  # row-wise by the raw id's hash over every rank: never placed by a plan
-            from neorec.distributed.dynamic_reshard import without_dynamic
-
-            plan = without_dynamic(plan, self.cfg.embedding.tables)
-        check_same_everywhere("sharding plans", plan.to_dict())
-        if self.rank == 0 and self.cfg.train.progress:
+        built = build_model(self.cfg, self.source, self.device, self.rank, self.world, local)
+        self.tower_groups, self.plan = built.tower_groups, built.plan
+        plan = built.plan
+        if plan is not None and self.rank == 0 and self.cfg.train.progress:
             if plan.tables:
                 print(plan.format_table(), file=self.out, flush=True)
+            dynamic = [t.name for t in self.cfg.embedding.tables if t.kind == "dynamic"]
             if dynamic:
                 print(
                     f"dynamic tables {dynamic}: row-wise by the hash of the raw id over all "
@@ -208,8 +146,7 @@ class Trainer(RunSummary):
                     file=self.out,
                     flush=True,
                 )
-        self.plan = plan
-        return DistributedModel(self.cfg, plan, device=self.device)
+        return cast(RecModel, built.model)
 
     def _local(self, batch: Batch) -> Batch:
         if self.world == 1 or getattr(self.source, "yields_local", False):
@@ -329,7 +266,7 @@ class Trainer(RunSummary):
         progress.begin(self.step)
         t0 = progress.start
         positions: deque[tuple[int, int]] = deque()
-        from neorec.lowp.hooks import TrainerLowp
+        from neorec.train.lowp import TrainerLowp
 
         self.lowp = TrainerLowp.create(self)
         step_fn: Any = train_step

@@ -68,25 +68,6 @@ class ResumeTarget:
         return self.storage.path(self.name)
 
 
-MODEL_KEYS = ("num_dense", "bottom_mlp", "top_mlp", "interaction", "dcn_layers", "dcn_low_rank")
-"""The model settings that shape the dense part (recorded, so a resume compares them early)."""
-
-
-def describe_config(cfg: Any) -> dict[str, Any]:
-    """The parts of ``describe_model`` a config determines (no dense shapes: no model yet)."""
-    emb = cfg.embedding
-    return {
-        "tables": {
-            t.name: {"rows": int(t.rows), "dim": int(t.dim), "features": list(t.features)}
-            for t in emb.tables
-        },
-        "pooling": str(emb.pooling),
-        "embedding_optimizer": str(emb.optimizer),
-        "dense_optimizer": str(cfg.train.dense_optimizer),
-        "model_config": {k: getattr(cfg.model, k) for k in MODEL_KEYS},
-    }
-
-
 def preflight_resume(cfg: Any, out: TextIO | None = None, rank: int = 0) -> ResumeTarget | None:
     """Resolve ``checkpoint.resume`` and check the checkpoint against ``cfg``; None = new run.
 
@@ -125,7 +106,7 @@ def preflight_resume(cfg: Any, out: TextIO | None = None, rank: int = 0) -> Resu
         except NoCheckpointError as e:
             raise NoCheckpointError(f"checkpoint.resume '{which}': {e}") from None
     chain = load_chain(storage, name)
-    check_model(storage.path(name), chain[-1]["model"], describe_config(cfg))
+    check_model(storage.path(name), chain[-1]["model"], cfg.describe_model())
     return ResumeTarget(storage, name, chain[-1], which)
 
 
@@ -138,7 +119,7 @@ class TrainerCheckpoints:
         self.manager = CheckpointManager(
             self.cfg.checkpoint, trainer.model, trainer.opt, checkpoint_root(self.cfg)
         )
-        model_config = describe_config(self.cfg)["model_config"]
+        model_config = self.cfg.describe_model()["model_config"]
         self.manager.extra_description = {"model_config": model_config}
         self.pauses_ms: list[float] = []
         if target is None and self.cfg.checkpoint.every_steps and trainer.rank == 0:

@@ -1,12 +1,13 @@
-"""Data sources the trainer reads: the synthetic generator, its drifting stream (windows, with FM
-logits attached by DAS), Criteo TSV files, preprocessed shards."""
+"""Data sources a run reads: the synthetic generator, its drifting stream (windows, with FM
+logits attached by DAS), Criteo TSV files, preprocessed shards (``make_source`` picks one from the
+data section, the tables and the dense width)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from neorec.config import Config, ConfigError
+from neorec.config import ConfigError, DataConfig, TableConfig
 from neorec.data.batch import Batch
 
 __all__ = ["DataSource", "SyntheticSource", "StreamSource", "CriteoSource", "make_source"]
@@ -35,11 +36,11 @@ class DataSource(Protocol):
 class SyntheticSource:
     """Synthetic click data with a hidden teacher."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, d: DataConfig, tables: Sequence[TableConfig], num_dense: int) -> None:
         from neorec.data.synthetic import SyntheticClickData
 
-        self.bs = cfg.data.batch_size
-        self.data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
+        self.bs = d.batch_size
+        self.data = SyntheticClickData(d, list(tables), num_dense)
 
     def train_batches(self, start: int = 0) -> Iterator[Batch]:
         """Train split, from batch ``start``."""
@@ -64,12 +65,11 @@ class StreamSource(SyntheticSource):
     batch carries the FM logits of its samples (``Batch.fm_logits``) from the FM of window
     ``data.window - data.fm_staleness`` (train: required; eval: when its side file exists)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, d: DataConfig, tables: Sequence[TableConfig], num_dense: int) -> None:
         import numpy as np
 
         from neorec.data.stream import DriftingClickData, read_fm_logits
 
-        d = cfg.data
         for key in ("window_samples", "eval_samples"):
             n = getattr(d, key)
             if n < d.batch_size:
@@ -83,10 +83,10 @@ class StreamSource(SyntheticSource):
         self.fm: dict[str, np.ndarray] = {}
         if d.fm_logits:  # checked before the generator (and the model) are built
             for split, required in (("train", True), ("eval", False)):
-                arr = read_fm_logits(cfg, split, required)
+                arr = read_fm_logits(d, tables, num_dense, split, required)
                 if arr is not None:
                     self.fm[split] = arr
-        self.data = DriftingClickData(d, cfg.embedding.tables, cfg.model.num_dense)
+        self.data = DriftingClickData(d, list(tables), num_dense)
 
     def _batch(self, split: str, i: int) -> Batch:
         import torch
@@ -112,14 +112,14 @@ class StreamSource(SyntheticSource):
 class CriteoSource:
     """Criteo Kaggle/Terabyte TSV files."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, d: DataConfig, tables: Sequence[TableConfig]) -> None:
         from neorec.data.criteo import CriteoTSVDataset, criteo_files
 
-        if not cfg.data.path:
+        if not d.path:
             raise ConfigError("data.source = 'criteo' needs data.path (a TSV file or directory)")
-        files = [str(p) for p in criteo_files(cfg.data.path)]
-        if cfg.data.eval_path:
-            train_files, eval_files = files, [str(p) for p in criteo_files(cfg.data.eval_path)]
+        files = [str(p) for p in criteo_files(d.path)]
+        if d.eval_path:
+            train_files, eval_files = files, [str(p) for p in criteo_files(d.eval_path)]
         elif len(files) > 1:
             train_files, eval_files = files[:-1], files[-1:]
         else:
@@ -128,15 +128,14 @@ class CriteoSource:
                 "or preprocess it (`neorec data preprocess --input FILE --output DIR` holds out "
                 "its last 1/7) and set data.path to DIR"
             )
-        self.cfg = cfg
 
         def make(paths: list[str]) -> Any:
             return CriteoTSVDataset(
                 paths,
-                cfg.embedding.tables,
-                cfg.data.batch_size,
-                bad_lines=cfg.data.bad_lines,
-                hash_categories=cfg.data.hash_categories,
+                list(tables),
+                d.batch_size,
+                bad_lines=d.bad_lines,
+                hash_categories=d.hash_categories,
             )
 
         self.train_set, self.eval_set = make(train_files), make(eval_files)
@@ -146,12 +145,12 @@ class CriteoSource:
         for i, b in enumerate(self.train_set):
             if i >= start:
                 yield b
-        _report_skipped("train", self.train_set)
+        report_skipped("train", self.train_set)
 
     def eval_batches(self) -> Iterator[Batch]:
         """Eval files."""
         yield from self.eval_set
-        _report_skipped("eval", self.eval_set)
+        report_skipped("eval", self.eval_set)
 
     def num_train_batches(self) -> int | None:
         """Unknown without a pass over the files."""
@@ -162,7 +161,7 @@ class CriteoSource:
         return None
 
 
-def _report_skipped(split: str, data: Any) -> None:
+def report_skipped(split: str, data: Any) -> None:
     """One line after a pass that skipped bad lines (data.bad_lines = "skip"): how many, and the
     first one (rank 0 only)."""
     import torch.distributed as dist
@@ -176,24 +175,24 @@ def _report_skipped(split: str, data: Any) -> None:
         )
 
 
-def make_source(cfg: Config) -> DataSource:
-    """The data source a config names. Cheap checks only (paths, manifests, splits, table sizes),
-    so that bad data is refused before the tables are built."""
-    if cfg.data.fm_logits and cfg.data.source != "stream":
+def make_source(d: DataConfig, tables: Sequence[TableConfig], num_dense: int) -> DataSource:
+    """The data source ``d`` names, for ``tables`` and ``num_dense`` dense features. Cheap checks
+    only (paths, manifests, splits, table sizes), so that bad data is refused before the tables
+    are built."""
+    if d.fm_logits and d.source != "stream":
         raise ConfigError(
-            f"data.fm_logits is set but data.source is '{cfg.data.source}': FM logits (DAS) are "
+            f"data.fm_logits is set but data.source is '{d.source}': FM logits (DAS) are "
             'attached to the stream only; set data.source = "stream" or data.fm_logits = ""'
         )
-    if cfg.data.source == "synthetic":
-        return SyntheticSource(cfg)
-    if cfg.data.source == "stream":
-        return StreamSource(cfg)
+    if d.source == "synthetic":
+        return SyntheticSource(d, tables, num_dense)
+    if d.source == "stream":
+        return StreamSource(d, tables, num_dense)
     from pathlib import Path
 
     from neorec.data.loader import MANIFEST, PreprocessedSource, is_preprocessed
     from neorec.errors import DataError
 
-    d = cfg.data
     if not d.path:
         raise ConfigError(
             "data.source = 'criteo' needs data.path (a TSV file, a directory of them, or a "
@@ -203,10 +202,10 @@ def make_source(cfg: Config) -> DataSource:
         if path and not Path(path).exists():
             raise DataError(f"{path}: no such file or directory ({key}); check the path")
     if is_preprocessed(d.path):  # written by `neorec data preprocess`
-        return PreprocessedSource(cfg)
+        return PreprocessedSource(d, tables)
     if (Path(d.path) / "shards").is_dir():
         raise DataError(
             f"{d.path}: a preprocessed directory without {MANIFEST} (preprocessing did not "
             "finish); run `neorec data preprocess` into it again"
         )
-    return CriteoSource(cfg)
+    return CriteoSource(d, tables)
