@@ -216,7 +216,7 @@ def _dp_codec_run(rank: int, world: int) -> None:
         everyone = [torch.empty_like(mine) for _ in range(world)]
         torch.distributed.all_gather(everyone, mine)
         assert all(torch.equal(e, mine) for e in everyone), f"{name}: replicas differ"
-        results[name] = (mine, ebc.stats.bytes_sent["dp_allgather"])
+        results[name] = (mine, ebc.comm_stats.bytes_sent["dp_allgather"])
     exact, exact_bytes = results["fp32"]
     for name, tol in (("bf16", 2e-2), ("int8", 5e-2)):
         got, sent = results[name]

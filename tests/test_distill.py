@@ -234,8 +234,8 @@ def test_trainer_trains_an_exfm_student_on_das_logits(tmp_path):
     staleness 1), a student trained on window 1 with the aux head and the adapter."""
     import json
 
-    from neorec.data.stream import write_fm_logits
     from neorec.serve import load_model
+    from neorec.serve.das import write_fm_logits
     from neorec.train.trainer import Trainer
 
     stream = [

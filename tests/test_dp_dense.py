@@ -54,11 +54,11 @@ def _run(rank: int, world: int, opt: str) -> None:
             (ebc(mine) * grad[rank * B : (rank + 1) * B]).sum().backward()
         tables[name] = [ebc.gather_table(t.name) for t in TABLES]
         # One exchange a step for each kind in use (pairs: the counts, then ids and rows).
-        calls = ebc.stats.calls.get("dp_allgather", 0)
-        assert calls == {"default": 6, "pairs": 3, "dense": 3}[name], (name, ebc.stats.calls)
+        calls = ebc.comm_stats.calls.get("dp_allgather", 0)
+        assert calls == {"default": 6, "pairs": 3, "dense": 3}[name], (name, ebc.comm_stats.calls)
         if name == "dense":  # every table's rows x (dim + 1) floats, to each other rank
             block = sum(t.rows * (t.dim + 1) for t in TABLES)
-            assert ebc.stats.bytes_sent["dp_allgather"] == 3 * (world - 1) * 4 * block
+            assert ebc.comm_stats.bytes_sent["dp_allgather"] == 3 * (world - 1) * 4 * block
     for name in ("pairs", "dense"):
         for t, x, y in zip(TABLES, tables["default"], tables[name]):
             assert torch.equal(x, y), f"{opt} {name}: table {t.name} differs from the default"

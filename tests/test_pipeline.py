@@ -42,7 +42,7 @@ def _train(kind: str, rank: int, world: int, comm: CommConfig, weighted: bool):
     test = global_batch(999, weighted).slice(rank * b, (rank + 1) * b)
     with torch.no_grad():
         preds = model(test.dense, test.sparse)
-    return torch.stack(losses), model.state_dict(), preds, dict(model.stats.bytes_sent)
+    return torch.stack(losses), model.state_dict(), preds, dict(model.comm_stats.bytes_sent)
 
 
 def _same(rank: int, world: int) -> None:
@@ -104,7 +104,14 @@ def test_loader_error_reaches_the_trainer():
         yield global_batch(1, False)
         raise OSError("disk gone")
 
-    pipe = make_pipeline("overlapped", None, None, bad(), lambda *a: torch.zeros(()))  # type: ignore[arg-type]
+    class Stages:  # the model's pipeline stages, doing nothing (the step ignores the model)
+        def prefetch(self, sparse):
+            pass
+
+        def stage_input_dist(self, sparse, host):
+            pass
+
+    pipe = make_pipeline("overlapped", Stages(), None, bad(), lambda *a: torch.zeros(()))  # type: ignore[arg-type]
     with pytest.raises(OSError, match="disk gone"):  # at step 1: step 1 reads batch 2 ahead
         pipe.progress(1)
     pipe.close()

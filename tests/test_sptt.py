@@ -114,7 +114,7 @@ def _identity_rank(rank: int, world: int, opt: str, weighted: bool, root: str = 
         )
     # only the tower's own tables live on this host
     assert {t.name for t in dm.ebc.tables} == set(GROUPS[rank // 2])
-    inter = dm.stats.inter_host
+    inter = dm.comm_stats.inter_host
     assert inter.get("tower_fwd", 0) > 0 and inter.get("fwd_pooled", 0) == 0, inter
     assert inter.get("lengths", 0) == 0 and inter.get("ids", 0) == 0, inter
 

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,10 +29,10 @@ from neorec.data.stream import (
     active_rows,
     fm_paths,
     read_fm_logits,
-    write_fm_logits,
 )
 from neorec.errors import DataError
 from neorec.serve import load_model, save_model
+from neorec.serve.das import write_fm_logits
 from neorec.train.trainer import Trainer
 
 C = campaign("stream das")
@@ -124,11 +125,21 @@ def test_id_shrink_visits_and_weight(tmp_path: Path) -> None:
     from neorec.data.stream import stream_fingerprint
 
     base, low = stream_cfg(tmp_path), stream_cfg(tmp_path, "data.id_shrink_visits=100")
-    assert stream_fingerprint(base) == "c23818eb0865996b"  # recorded before the knob
+    assert (
+        stream_fingerprint(base.data, base.embedding.tables, base.model.num_dense)
+        == "c23818eb0865996b"
+    )  # recorded before the knob
     same = stream_cfg(tmp_path, "data.id_shrink_visits=4000", "data.id_weight=1")
     heavy = stream_cfg(tmp_path, "data.id_weight=3")
-    assert stream_fingerprint(same) == stream_fingerprint(base) != stream_fingerprint(low)
-    assert stream_fingerprint(heavy) not in (stream_fingerprint(base), stream_fingerprint(low))
+    assert (
+        stream_fingerprint(same.data, same.embedding.tables, same.model.num_dense)
+        == stream_fingerprint(base.data, base.embedding.tables, base.model.num_dense)
+        != stream_fingerprint(low.data, low.embedding.tables, low.model.num_dense)
+    )
+    assert stream_fingerprint(heavy.data, heavy.embedding.tables, heavy.model.num_dense) not in (
+        stream_fingerprint(base.data, base.embedding.tables, base.model.num_dense),
+        stream_fingerprint(low.data, low.embedding.tables, low.model.num_dense),
+    )
     a, b, c = _gen(base, 2), _gen(same, 2), _gen(low, 2)
     (ba, pa), (bb, pb), (bc, pc) = (g.batch_with_probs("train", 1, 64) for g in (a, b, c))
     assert torch.equal(pa, pb) and _same(ba, bb)
@@ -380,7 +391,7 @@ def _corrupt_cases(fms: SimpleNamespace) -> None:
         "writer: other tables", w(fms.run[0], other, 1, "train", good, fm_window=0), "tables"
     )
     # a refused rewrite left the good file as it was
-    assert read_fm_logits(_student(fms.tmp, good, 1, 1), "train") is not None
+    assert _read(_student(fms.tmp, good, 1, 1), "train") is not None
     C.record("good file still reads", "handled", "after the refusals")
 
 
@@ -416,7 +427,7 @@ def test_teacher_metrics_by_window(tmp_path: Path) -> None:
     from neorec.data.stream import teacher_metrics_by_window
 
     cfg = stream_cfg(tmp_path)
-    table = teacher_metrics_by_window(cfg)
+    table = teacher_metrics_by_window(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
     assert [m["window"] for m in table] == [0, 1, 2, 3]
     assert table[3]["ne"] == _gen(cfg, 3).teacher_metrics("eval", 64)["ne"]
     assert len({m["ne"] for m in table}) == 4
@@ -426,7 +437,7 @@ def test_config_errors_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="data.window 5"):
         load_config(None, ["data.source='stream'", "data.window=5", "data.windows=5"])
     with pytest.raises(DataError):
-        read_fm_logits(stream_cfg(tmp_path, f"data.fm_logits='{tmp_path}'"), "train")
+        _read(stream_cfg(tmp_path, f"data.fm_logits='{tmp_path}'"), "train")
 
 
 def test_predict_cli_window_split_and_das(
@@ -453,3 +464,8 @@ def test_predict_cli_window_split_and_das(
     assert main(bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("neorec: error: ") and "data.window" in err[0]
+
+
+def _read(cfg: Any, split: str) -> Any:
+    """``read_fm_logits`` of a config's stream."""
+    return read_fm_logits(cfg.data, cfg.embedding.tables, cfg.model.num_dense, split)

@@ -131,19 +131,19 @@ def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dic
     times, waits = [], []
     for i in range(n):
         if i == a.warmup:
-            model.stats.reset()
+            model.comm_stats.reset()
         dist.barrier()
-        w0 = sum(model.stats.wait_s.values())
+        w0 = sum(model.comm_stats.wait_s.values())
         t0 = time.perf_counter()
         pipe.progress(i + 1)
         times.append(time.perf_counter() - t0)
-        waits.append(sum(model.stats.wait_s.values()) - w0)
+        waits.append(sum(model.comm_stats.wait_s.values()) - w0)
     pipe.close()
     ms = torch.tensor([1000 * statistics.median(times[a.warmup :])])
     wait = torch.tensor([1000 * statistics.median(waits[a.warmup :])])
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     dist.all_reduce(wait, op=dist.ReduceOp.MAX)
-    sent = {k: v / a.iters for k, v in model.stats.bytes_sent.items()}
+    sent = {k: v / a.iters for k, v in model.comm_stats.bytes_sent.items()}
     gathered: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, sent)
     total = {k: sum(g.get(k, 0) for g in gathered) for k in set().union(*gathered)}

@@ -110,7 +110,7 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
         )
 
     flat = distributed_model(cfg, resolve_plan(cfg, world, rph))
-    flat.stats.ranks_per_host = rph
+    flat.comm_stats.ranks_per_host = rph
     models: dict[str, Any] = {"flat": flat, "dmt": towered_model(cfg, groups, build_dense)}
     result: dict[str, Any] = {}
     for name, model in models.items():
@@ -118,15 +118,15 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
         times = []
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
-                model.stats.reset()
-                model.stats.ranks_per_host = rph
+                model.comm_stats.reset()
+                model.comm_stats.ranks_per_host = rph
             dist.barrier()
             t0 = time.perf_counter()
             train_step(model, opt, batches[i % len(batches)], i + 1)
             if i >= a.warmup:
                 times.append(time.perf_counter() - t0)
-        inter = sum(model.stats.inter_host.values()) / a.steps
-        total = sum(model.stats.bytes_sent.values()) / a.steps
+        inter = sum(model.comm_stats.inter_host.values()) / a.steps
+        total = sum(model.comm_stats.bytes_sent.values()) / a.steps
         mine = torch.tensor([inter, total, statistics.median(times)], dtype=torch.float64)
         parts = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine)
@@ -134,7 +134,7 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
             "inter_host_bytes": float(sum(p[0] for p in parts)),
             "embedding_bytes": float(sum(p[1] for p in parts)),
             "ms_per_step": 1000 * float(max(p[2] for p in parts)),
-            "by_collective": dict(model.stats.inter_host),
+            "by_collective": dict(model.comm_stats.inter_host),
         }
     result["groups"] = groups
     if rank == 0:

@@ -15,6 +15,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from neorec.config import load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
 from neorec.data.synthetic import zipf_batches
+from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.dlrm import DLRM
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
@@ -145,16 +147,44 @@ class _Mode:
         return out
 
 
-class _FbgemmCollection(torch.nn.Module):
-    """The embeddings of a config as FBGEMM's TBE (one table per feature, fused optimizer)."""
+class _FbgemmCollection(EmbeddingCollection):
+    """The embeddings of a config as FBGEMM's TBE (one table per feature, fused optimizer): the
+    peer's collection, for timing only (its state and rows stay inside FBGEMM)."""
+
+    step: torch.Tensor
 
     def __init__(self, cfg, device: str) -> None:
         super().__init__()
         emb = cfg.embedding
         opt = RowOptimizer.from_config(emb)
         rows = [t.rows for t in emb.tables for _ in t.features]
-        self.names = list(emb.feature_names)
-        self.tbe = fbgemm_tbe(rows, emb.tables[0].dim, opt.kind, opt.lr, opt.eps, device)
+        self.tables = list(emb.tables)
+        self.names = self.feature_names = list(emb.feature_names)
+        self.dim = emb.tables[0].dim
+        self.tbe = fbgemm_tbe(rows, self.dim, opt.kind, opt.lr, opt.eps, device)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output."""
+        return len(self.names) * self.dim
+
+    @property
+    def state_names(self) -> list[str]:
+        """None visible: FBGEMM keeps its optimizer state."""
+        return []
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """None visible: FBGEMM keeps its optimizer state."""
+        return {}
+
+    def add_update_hook(self, hook: Any) -> None:
+        """Refused: FBGEMM's TBE reports no updated rows (the peer is timed, not checkpointed)."""
+        raise NotImplementedError("FBGEMM's TBE reports no updated rows")
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """Refused: the peer's rows are not read back (it is timed only)."""
+        raise NotImplementedError("FBGEMM's TBE rows are not read back here")
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         """Pooled [B, F * D], features in config order (FBGEMM's table-major offsets)."""

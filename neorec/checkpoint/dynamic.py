@@ -40,8 +40,14 @@ from neorec.checkpoint.format import (
     one_line,
     row_bytes,
 )
+from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection
+from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.errors import NeorecError
+from neorec.modules.collection import EmbeddingCollection
+from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
+from neorec.storage.dynamic import DynamicEmbeddingBagCollection
 from neorec.storage.dynamic_state import map_items
+from neorec.storage.mixed import MixedEmbeddingBagCollection
 
 __all__ = [
     "dynamic_part",
@@ -55,32 +61,43 @@ __all__ = [
 ]
 
 
-def dynamic_part(ebc: Any) -> Any:
+_DYNAMIC = (DynamicEmbeddingBagCollection, ShardedDynamicEmbeddingBagCollection)
+
+
+def dynamic_part(ebc: EmbeddingCollection) -> Any:
     """The collection of ``ebc``'s dynamic tables (itself, its ``dynamic`` part), or None."""
-    if hasattr(ebc, "export_table") and hasattr(ebc, "id_maps"):
+    if isinstance(ebc, _DYNAMIC):
         return ebc
-    part = getattr(ebc, "dynamic", None)
-    return part if part is not None and hasattr(part, "export_table") else None
+    if isinstance(ebc, MixedEmbeddingBagCollection):
+        return ebc.dynamic
+    return None
 
 
-def fixed_part(ebc: Any) -> Any:
+def fixed_part(ebc: EmbeddingCollection) -> Any:
     """The collection of ``ebc``'s fixed tables: itself, its ``fixed`` part, or None."""
-    if dynamic_part(ebc) is None:
-        return ebc
-    return getattr(ebc, "fixed", None)
+    if isinstance(ebc, _DYNAMIC):
+        return None
+    if isinstance(ebc, MixedEmbeddingBagCollection):
+        return ebc.fixed
+    return ebc
 
 
-def set_steps(ebc: Any, step: int) -> None:
+def _counters(c: EmbeddingCollection) -> list[Tensor]:
+    """The step counters a collection holds itself (its parts hold theirs)."""
+    if isinstance(c, GroupedEmbeddingBagCollection):
+        return [t for g in c.groups.values() for t in _counters(g)]  # type: ignore[arg-type]
+    if isinstance(c, ShardedEmbeddingBagCollection):
+        return [c.step, *([c.dp_step] if c.dp is not None else [])]  # (replicas count apart)
+    if isinstance(c, ShardedDynamicEmbeddingBagCollection):
+        return [c.default_step, *(p.step for p in c.parts)]
+    return [c.step]
+
+
+def set_steps(ebc: EmbeddingCollection, step: int) -> None:
     """Every part's fused-optimizer step counter (precision groups, fixed and dynamic parts)."""
-    parts: list[Any] = []
-    for p in (fixed_part(ebc), dynamic_part(ebc)):
-        if p is not None:
-            parts += list(p.groups.values()) if hasattr(p, "groups") else [p]
-            parts += list(getattr(p, "parts", []))  # a sharded dynamic table's local collections
-    for p in {id(p): p for p in [ebc, *parts]}.values():
-        for k in ("step", "dp_step", "default_step"):  # (a sharded module's replicated counters)
-            t = getattr(p, k, None)
-            if isinstance(t, Tensor):
+    for part in (fixed_part(ebc), dynamic_part(ebc)):
+        if part is not None:
+            for t in _counters(part):
                 t.fill_(step)
 
 

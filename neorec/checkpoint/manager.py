@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from neorec.checkpoint.catalog import (
     PREFIX,
@@ -77,6 +77,7 @@ from neorec.checkpoint.restore import (
 from neorec.checkpoint.storage import open_storage
 from neorec.checkpoint.tracker import DP, DirtyRowTracker, LocalBlock, local_blocks
 from neorec.config import CheckpointConfig
+from neorec.modules.collection import EmbeddingCollection
 
 __all__ = [
     "CheckpointManager",
@@ -142,14 +143,14 @@ class CheckpointManager:
     def __init__(
         self,
         cfg: CheckpointConfig,
-        model: nn.Module,
+        model: Any,
         dense_opt: torch.optim.Optimizer,
         root: str,
     ) -> None:
         self.cfg = cfg
         self.storage = open_storage(root, fsync=cfg.fsync)
         self.model = model
-        self.ebc: Any = model.ebc
+        self.ebc: EmbeddingCollection = model.ebc
         self.opt = dense_opt
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -339,11 +340,10 @@ class CheckpointManager:
 
     def _snap_dense(self, extra: dict[str, Any]) -> dict[str, Any]:
         ebc = self.ebc
-        steps = [int(ebc.step)] + ([int(ebc.dp_step)] if hasattr(ebc, "dp_step") else [])
         return {
             "dense": _clone(dense_module(self.model).state_dict()),
             "optimizer": _clone(self.opt.state_dict()),
-            "emb_step": max(steps),
+            "emb_step": ebc.fused_steps(),
             "extra": _clone(extra),
         }
 

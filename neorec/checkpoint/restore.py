@@ -35,23 +35,17 @@ __all__ = [
 ]
 
 
-def dense_module(model: nn.Module) -> nn.Module:
-    """The dense part of a model (unwrapped from DDP): ``model.dense_part`` when the model has
-    one (a towered model: tower modules and dense arch), else ``model.dense_arch``."""
-    part = getattr(model, "dense_part", None)
-    if part is not None:
-        return part  # type: ignore[no-any-return]
-    dense: nn.Module = model.dense_arch  # type: ignore[assignment]
-    return getattr(dense, "module", dense)  # DDP wraps the real module
+def dense_module(model: Any) -> nn.Module:
+    """The dense part of a model (unwrapped from DDP; a towered model's: tower modules and
+    dense arch): ``model.dense_part``."""
+    part: nn.Module = model.dense_part
+    return part
 
 
-def model_tables(model: nn.Module) -> list[Any]:
-    """Every table of the model: ``model.all_tables`` when its collection holds only some of
-    them (a towered model's rank holds its host's tower), else the collection's."""
-    tables: Any = getattr(model, "all_tables", None)
-    if tables is None:
-        tables = getattr(model.ebc, "tables")  # noqa: B009 - model.ebc is typed as a Module
-    return list(tables)
+def model_tables(model: Any) -> list[Any]:
+    """Every table of the model (a towered model's rank holds only its host's tower):
+    ``model.all_tables``."""
+    return list(model.all_tables)
 
 
 def describe_model(model: nn.Module, dense_opt: torch.optim.Optimizer) -> dict[str, Any]:

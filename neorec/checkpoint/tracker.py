@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+from neorec.modules.collection import optimizer_state_of
+from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.ops.lowp_rows import DecodedRows
 from neorec.ops.tbe import TBELayout
 
@@ -53,15 +56,10 @@ def _state_views(layout: TBELayout, state: dict[str, Tensor], t: int) -> dict[st
     return out
 
 
-def _state(module: Any, prefix: str = "") -> dict[str, Tensor]:
-    names = ("momentum1", "exp_avg", "exp_avg_sq")
-    return {k: getattr(module, prefix + k) for k in names if hasattr(module, prefix + k)}
-
-
 def _weight_view(ebc: Any, lay: TBELayout, t: int) -> Any:
     """Table ``t``'s rows as an fp32 [rows, dim] view (low-precision tables: decoded on read,
     encoded on write)."""
-    fmt = getattr(ebc, "row_format", None)
+    fmt = ebc.row_format
     if fmt is None or fmt.precision == "fp32":
         return lay.table(ebc.weights, t)
     return DecodedRows(fmt, ebc.weights, lay, t)
@@ -69,18 +67,17 @@ def _weight_view(ebc: Any, lay: TBELayout, t: int) -> Any:
 
 def _spaces(ebc: Any) -> dict[str, Any]:
     """The row spaces of an unsharded collection: one, or one per precision group."""
-    groups = getattr(ebc, "groups", None)
-    if groups is None:
+    if not isinstance(ebc, GroupedEmbeddingBagCollection):
         return {MP: ebc}
-    return {f"{MP}.{p}": g for p, g in groups.items()}
+    return {f"{MP}.{p}": g for p, g in ebc.groups.items()}
 
 
 def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
     """Every rectangle of every table that ``ebc`` (sharded or not) holds, in global coordinates."""
     out = []
-    if not hasattr(ebc, "local_tables"):  # unsharded: whole tables
+    if not isinstance(ebc, ShardedEmbeddingBagCollection):  # unsharded: whole tables
         for space, part in _spaces(ebc).items():
-            lay, state = part.layout, _state(part)
+            lay, state = part.layout, optimizer_state_of(part)
             for t, spec in enumerate(part.tables):
                 out.append(
                     LocalBlock(
@@ -98,7 +95,7 @@ def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
                 )
         return out
     mp_lay: TBELayout = ebc.layout
-    state = _state(ebc)
+    state = optimizer_state_of(ebc)
     for i, (ti, s) in enumerate(ebc.local_tables):
         out.append(
             LocalBlock(
@@ -115,7 +112,7 @@ def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
             )
         )
     if ebc.dp is not None:
-        dlay, dstate = ebc.dp.layout, _state(ebc, "dp_")
+        dlay, dstate = ebc.dp.layout, optimizer_state_of(ebc, "dp_")
         for j, spec in enumerate(ebc.dp.tables):
             out.append(
                 LocalBlock(
@@ -138,19 +135,16 @@ class DirtyRowTracker:
     """Marks the rows each fused update touched, per row space (``mp`` shards, ``dp`` replicas)."""
 
     def __init__(self, ebc: Any) -> None:
+        sharded = isinstance(ebc, ShardedEmbeddingBagCollection)
         self.layouts: dict[str, TBELayout] = (
-            {MP: ebc.layout}
-            if hasattr(ebc, "local_tables")
-            else {k: part.layout for k, part in _spaces(ebc).items()}
+            {MP: ebc.layout} if sharded else {k: p.layout for k, p in _spaces(ebc).items()}
         )
-        dp = getattr(ebc, "dp", None)
-        if dp is not None:
-            self.layouts[DP] = dp.layout
+        if sharded and ebc.dp is not None:
+            self.layouts[DP] = ebc.dp.layout
         # The masks live where the tables do: the per-step hook marks rows without a host read
         # (a row cache's tables live in its host stores: masks of all their rows stay on the host).
-        w = getattr(ebc, "weights", None)
-        cached = callable(getattr(ebc, "stores", None))
-        self.device = w.device if isinstance(w, Tensor) and not cached else torch.device("cpu")
+        host = ebc.host_resident
+        self.device = torch.device("cpu") if host else ebc.weights.device
         self._base = {
             k: torch.tensor(lay.row_offsets[:-1], dtype=torch.int64)[
                 torch.tensor(lay.feature_table, dtype=torch.int64)

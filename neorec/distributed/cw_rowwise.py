@@ -174,7 +174,7 @@ def _full_row_mean_sq(
     for tis in by_ranks.values():
         group = ebc._cw_groups[tis[0]]
         flat = torch.cat([parts[ti] for ti in tis])
-        total = ordered_all_reduce(flat, group, ebc.stats) if group is not None else flat
+        total = ordered_all_reduce(flat, group, ebc.comm_stats) if group is not None else flat
         for ti, tot in zip(tis, torch.split(total, [parts[ti].numel() for ti in tis])):
             mean_sq[ti] = tot / ebc.tables[ti].dim
     return mean_sq

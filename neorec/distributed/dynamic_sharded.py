@@ -46,6 +46,7 @@ from neorec.distributed.dynamic_reshard import (
     rank_state,
 )
 from neorec.errors import ConfigError
+from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.embedding import (
     UpdateHook,
     check_collection_args,
@@ -85,7 +86,7 @@ class DynamicLocalInput:
     """[b, F] full bag lengths of this rank's own samples (for mean pooling)."""
 
 
-class ShardedDynamicEmbeddingBagCollection(nn.Module):
+class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
     """The row-wise-by-id-hash sharded form of ``DynamicEmbeddingBagCollection``: same forward
     (pooled [b, sum of dims] for this rank's samples), same training (fused update in backward).
 
@@ -286,6 +287,12 @@ class ShardedDynamicEmbeddingBagCollection(nn.Module):
     def state_names(self) -> list[str]:
         """Names of the optimizer state buffers."""
         return self.parts[0].state_names
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """This rank's parts' state tensors, ``<part>.<name>``."""
+        return {
+            f"{i}.{k}": v for i, p in enumerate(self.parts) for k, v in p.optimizer_state().items()
+        }
 
     @property
     def id_maps(self) -> list[Any]:

@@ -77,7 +77,7 @@ class InputDist:
     world: int
     group: Any
     _host_group: Any
-    stats: CommStats
+    comm_stats: CommStats
     device: torch.device
     pooling: PoolingMode
     dp: Any
@@ -136,7 +136,7 @@ class InputDist:
         len_splits = [len(us) * b for us in self.units_by_owner]
         recv_len_splits = [len(self.local_units) * b] * self.world
         recv_len = all_to_all(
-            send_len, len_splits, recv_len_splits, self._host_group, self.stats, "lengths"
+            send_len, len_splits, recv_len_splits, self._host_group, self.comm_stats, "lengths"
         ).wait()
         val_counts = [int(x.sum()) for x in torch.split(send_len, len_splits)]
         blocks = recv_len.to(torch.int64).view(self.world, len(self.local_units), b)
@@ -160,10 +160,12 @@ class InputDist:
         assert dp_idx is not None and dp_off is not None
 
         def ids_phase() -> Awaitable[LocalInput]:
-            a_val = all_to_all(d_val, val_counts, recv_counts, self.group, self.stats, "ids")
+            a_val = all_to_all(d_val, val_counts, recv_counts, self.group, self.comm_stats, "ids")
             a_w = None
             if d_w is not None:
-                a_w = all_to_all(d_w, val_counts, recv_counts, self.group, self.stats, "weights")
+                a_w = all_to_all(
+                    d_w, val_counts, recv_counts, self.group, self.comm_stats, "weights"
+                )
 
             def finish() -> LocalInput:
                 if self.device.type == "cuda":  # staged on a side stream, read on this one

@@ -40,7 +40,7 @@ class DistributedModel(nn.Module):
         global batch (``neorec.distributed.dense_blocks``)."""
         super().__init__()
         self.device = torch.device(device)
-        self.stats = stats
+        self.comm_stats = stats
         self.ebc: Any = ebc
         world = dist.get_world_size() if dist.is_initialized() else 1
         if dense_blocks > 1:
@@ -68,7 +68,7 @@ class DistributedModel(nn.Module):
             self.dense_arch.register_comm_hook(None, self._allreduce_hook(allreduce, world))
 
     def _allreduce_hook(self, codec: Codec | None, world: int):  # noqa: ANN202 - DDP hook signature
-        stats = self.stats
+        stats = self.comm_stats
 
         # Unannotated on purpose: DDP compares the annotations to its own types (strings here).
         def hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -87,20 +87,33 @@ class DistributedModel(nn.Module):
         assert isinstance(arch, DenseArch)
         check_dense_input(dense, sparse, arch)
         if self._ring_bytes and torch.is_grad_enabled():
-            self.stats.add("allreduce_dense", self._ring_bytes)
+            self.comm_stats.add("allreduce_dense", self._ring_bytes)
         return self.dense_arch(dense, self.ebc(sparse))
 
     def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
         """Prepare the input distribution of a later batch from ``host``, its copy before the
         host-to-device copy (the pipelines call this before the step); a collection without
         staging prepares its input at forward."""
-        stage = getattr(self.ebc, "stage_input_dist", None)
-        if callable(stage):
-            stage(sparse, host)
+        self.ebc.stage_input_dist(sparse, host)
+
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """The collection's prefetch stage (nothing for tables in memory)."""
+        self.ebc.prefetch(sparse, defer=True)
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters trained by the dense optimizer (replicated, DDP-averaged)."""
         return self.dense_arch.parameters()
+
+    @property
+    def dense_part(self) -> nn.Module:
+        """The dense arch (unwrapped from DDP): the keys of ``DLRM.dense_part``."""
+        part = self.dense_arch
+        return part.module if isinstance(part, DistributedDataParallel) else part
+
+    @property
+    def all_tables(self) -> list[Any]:
+        """Every table of the model (its sharded collection's)."""
+        return list(self.ebc.tables)
 
 
 def check_same_everywhere(what: str, payload: dict) -> None:

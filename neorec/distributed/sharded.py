@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.distributed.codecs import Codec
@@ -47,7 +47,8 @@ from neorec.distributed.replicas import (
     gather_dp_grads_padded,
 )
 from neorec.errors import ConfigError
-from neorec.modules.embedding import UpdateHook, init_rows, register_table_buffers
+from neorec.modules.collection import EmbeddingCollection, UpdateHook, optimizer_state_of
+from neorec.modules.embedding import init_rows, register_table_buffers
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
 from neorec.ops.padded_rows import PaddedRows, apply_padded_row_grads
 from neorec.ops.row_optim import RowOptimizer
@@ -70,7 +71,7 @@ __all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
 _ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 
 
-class ShardedEmbeddingBagCollection(InputDist, nn.Module):
+class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
     """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates."""
 
     weights: Tensor
@@ -107,7 +108,7 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
             raise ValueError(f"plan is for {plan.world_size} ranks, running on {self.world}")
         plan.validate()
         self.plan = plan
-        self.stats = stats if stats is not None else CommStats()
+        self.comm_stats = stats if stats is not None else CommStats()
         self.validate_ids = validate_ids
         self.backend = get_backend(backend, self.device)
         self.feature_names = [f for t in self.tables for f in t.features]
@@ -141,6 +142,33 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         """Data-parallel tables of at most this many rows x dim are summed as dense blocks in one
         all-gather (without a codec); larger ones exchange (id, row) pairs. 0: pairs for all."""
         self._staged: list[tuple[SparseFeatures, Chain[LocalInput]]] = []
+
+    @property
+    def output_dim(self) -> int:
+        """Columns of the pooled output (this rank's samples)."""
+        return self.total_dim
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the fused optimizer's state buffers."""
+        return list(optimizer_state_of(self))
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """The local shards' state tensors, and the data-parallel replicas' as ``dp_<name>``."""
+        return {**optimizer_state_of(self), **{f"dp_{k}": v for k, v in self.dp_state().items()}}
+
+    def dp_state(self) -> dict[str, Tensor]:
+        """The data-parallel replicas' state tensors (empty without data-parallel tables)."""
+        return optimizer_state_of(self, "dp_") if self.dp is not None else {}
+
+    def fused_steps(self) -> int:
+        """Fused updates so far: the shards' or the data-parallel replicas' count, the larger."""
+        return max(int(self.step), int(self.dp_step) if self.dp is not None else 0)
+
+    def table_weight(self, name: str) -> Tensor:
+        """The whole table [rows, dim] from every rank's shards: ``gather_table`` (a collective:
+        every rank calls it)."""
+        return self.gather_table(name)
 
     def add_update_hook(self, hook: UpdateHook) -> None:
         """Call ``hook(layout, indices, offsets)`` after every fused update of ``layout``'s rows.
@@ -296,7 +324,7 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         send_splits = [b * self.layout.total_dim] * self.world
         recv_splits = [b * d for d in self.dims_by_owner]
         recv = AllToAllPooled.apply(
-            pooled, send_splits, recv_splits, self.group, self.stats, self.codecs, b
+            pooled, send_splits, recv_splits, self.group, self.comm_stats, self.codecs, b
         )
         sources = [recv]
         if self.dp is not None:
@@ -359,10 +387,12 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         if len(dense) < lay.num_tables:
             per_table = gather_dp_grads(
                 lay, [g for g in grads if g[0] not in dense], self.dp_codec, self.world,
-                self.group, self.stats, self.device, self._host_group,
+                self.group, self.comm_stats, self.device, self._host_group,
             )  # fmt: skip
         if dense:
-            summed = gather_dp_grads_dense(lay, dense, grads, self.world, self.group, self.stats)
+            summed = gather_dp_grads_dense(
+                lay, dense, grads, self.world, self.group, self.comm_stats
+            )
             per_table = [summed[t] if t in summed else per_table[t] for t in range(lay.num_tables)]
         step = self._next_step("dp_step")
         # Every rank's (id, row sum) pairs in rank order, added per row in that order and
@@ -404,7 +434,7 @@ class ShardedEmbeddingBagCollection(InputDist, nn.Module):
         bounds = dp_bounds(local.dp_counts, self.world, self._host_group)
         grads = padded(lay, lookup, grad, bounds)
         per_table = gather_dp_grads_padded(
-            lay, grads, self.dp_codec, self.world, self.group, self.stats
+            lay, grads, self.dp_codec, self.world, self.group, self.comm_stats
         )
         step = self._next_step("dp_step")
         apply_padded_row_grads(

@@ -91,7 +91,7 @@ class _TowerDense(nn.Module):
         """Logits [b] from this rank's dense features and its host's tower batch [H*b, F_h*D]."""
         m = self._owner[0]
         out = self.towers[m.host](pooled)  # [H*b, k_h*D]
-        got = PeerExchange.apply(out, m.out_send, m.out_recv, m.xgroup, m.stats)
+        got = PeerExchange.apply(out, m.out_send, m.out_recv, m.xgroup, m.comm_stats)
         b = dense.shape[0]
         parts = torch.split(got, [n for n in m.out_recv if n])  # tower order = host order
         cat = torch.cat([p.view(b, -1) for p in parts], dim=1)
@@ -132,7 +132,7 @@ class DistributedTowerModel(nn.Module):
         self.rph = world // towers
         self.hosts = towers
         self.host, self.local = divmod(rank, self.rph)
-        self.stats = CommStats(ranks_per_host=self.rph)
+        self.comm_stats = CommStats(ranks_per_host=self.rph)
         self.groups = [list(g) for g in groups]
         self.all_tables = list(tables)
         big = max(t.rows for t in self.all_tables) >= 2**31
@@ -154,7 +154,7 @@ class DistributedTowerModel(nn.Module):
             [t for t in self.all_tables if t.name in mine],
             self.rph,
             host_groups[self.host],
-            self.stats,
+            self.comm_stats,
         )
         tower_mods, dense_arch = build_dense()
         if len(tower_mods) != towers:
@@ -214,7 +214,7 @@ class DistributedTowerModel(nn.Module):
             len(self.features[j // self.rph]) * b if p else 0 for j, p in enumerate(self._peers)
         ]
         len_recv = [len(mine) * b if p else 0 for p in self._peers]
-        got_len = all_to_all(send_len, len_send, len_recv, group, self.stats, "tower_lengths")
+        got_len = all_to_all(send_len, len_send, len_recv, group, self.comm_stats, "tower_lengths")
         recv_len = got_len.wait().to(torch.int64)
         per_src = torch.split(recv_len, [n for n in len_recv if n])
         val_send = [0] * world
@@ -225,17 +225,20 @@ class DistributedTowerModel(nn.Module):
             val_recv[j] = int(per_src[t].sum())
         # ids travel as int32 when every table fits (lossless, half the bytes), as in input_dist
         values = torch.cat([s.values.to(self._id_dtype) for s in subs])
-        got_val = all_to_all(values, val_send, val_recv, group, self.stats, "tower_ids")
+        got_val = all_to_all(values, val_send, val_recv, group, self.comm_stats, "tower_ids")
         weights = None
         if sparse.weights is not None:
             w = torch.cat([s.weights for s in subs if s.weights is not None])
-            weights = all_to_all(w, val_send, val_recv, group, self.stats, "tower_ids")
+            weights = all_to_all(w, val_send, val_recv, group, self.comm_stats, "tower_ids")
         blocks = recv_len.view(self.hosts, len(mine), b)
         idx, offsets, wts = source_major_to_unit_major(
             blocks, got_val.wait().to(torch.int64), weights.wait() if weights is not None else None
         )
         lengths = offsets[1:] - offsets[:-1]
         return SparseFeatures(mine, idx, lengths, wts)
+
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """Nothing: a tower's sharded tables live in memory (no row cache to fill)."""
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters trained by the dense optimizer: every tower module and the dense arch."""

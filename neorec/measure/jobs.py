@@ -43,7 +43,7 @@ def prepare_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int) -
     ebc = sharded_collection(cfg, plan)
     local = [bt.slice(rank * b, (rank + 1) * b).sparse for bt in batches]
     g = torch.Generator().manual_seed(1000 + rank)
-    grad = torch.randn(b, ebc.total_dim, generator=g)
+    grad = torch.randn(b, ebc.output_dim, generator=g)
     return {"ebc": ebc, "local": local, "grad": grad, "steps": 0}
 
 
@@ -57,9 +57,9 @@ def time_embedding(run: dict, warmup: int, iters: int) -> dict:
     times, fwds, waits = [], [], []
     for i in range(n):
         if i == warmup:
-            ebc.stats.reset()
+            ebc.comm_stats.reset()
         dist.barrier()
-        w0 = sum(ebc.stats.wait_s.values())
+        w0 = sum(ebc.comm_stats.wait_s.values())
         t0 = time.perf_counter()
         out = ebc(local[run["steps"] % len(local)])
         t1 = time.perf_counter()
@@ -68,13 +68,13 @@ def time_embedding(run: dict, warmup: int, iters: int) -> dict:
         run["steps"] += 1
         times.append(t2 - t0)
         fwds.append(t1 - t0)
-        waits.append(sum(ebc.stats.wait_s.values()) - w0)
+        waits.append(sum(ebc.comm_stats.wait_s.values()) - w0)
     stats = torch.tensor(
         [1000 * statistics.median(x[warmup:]) for x in (times, fwds, waits)]
         + [1000 * statistics.median([t - f for t, f in zip(times, fwds)][warmup:])]
     )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    sent = {k: v / iters for k, v in ebc.stats.bytes_sent.items()}
+    sent = {k: v / iters for k, v in ebc.comm_stats.bytes_sent.items()}
     gathered: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, sent)
     total = {k: sum(g.get(k, 0) for g in gathered) for k in set().union(*gathered)}

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from neorec.config import ModelConfig, TableConfig
 from neorec.errors import ConfigError, DataError
+from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.exfm_heads import StudentAdapter
 from neorec.ops.row_optim import RowOptimizer
@@ -194,6 +195,10 @@ def serving_state_dict(arch: nn.Module) -> dict[str, Tensor]:
 class DLRM(nn.Module):
     """The unsharded model: the specification every distributed form must equal."""
 
+    ebc: EmbeddingCollection
+    comm_stats = None
+    """No collectives (a distributed model's ``CommStats``)."""
+
     def __init__(
         self,
         model: ModelConfig,
@@ -204,7 +209,7 @@ class DLRM(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         init_scale: float = 0.0,
-        ebc: nn.Module | None = None,
+        ebc: EmbeddingCollection | None = None,
     ) -> None:
         super().__init__()
         dims = {t.dim for t in tables}
@@ -231,13 +236,26 @@ class DLRM(nn.Module):
         """Parameters trained by the dense (torch.optim) optimizer."""
         return self.dense_arch.parameters()
 
+    @property
+    def dense_part(self) -> nn.Module:
+        """What checkpoints and saved models store of the dense side: the dense arch."""
+        return self.dense_arch
+
+    @property
+    def all_tables(self) -> list[TableConfig]:
+        """Every table of the model (its collection's)."""
+        return list(self.ebc.tables)
+
     def prefetch(self, sparse: SparseFeatures) -> None:
         """Pipeline stage for the next batch, called before this step runs: a row cache over
         DRAM/SSD (``neorec.storage``) reads its missing rows in the background once this step's
         forward has made its own rows resident. No-op for in-memory tables."""
-        fn = getattr(self.ebc, "prefetch", None)
-        if callable(fn):
-            fn(sparse, defer=True)
+        self.ebc.prefetch(sparse, defer=True)
+
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """Pipeline stage of a later batch from ``host``, its copy before the host-to-device
+        copy: the collection checks it there (then its forward reads nothing back)."""
+        self.ebc.stage_input_dist(sparse, host)
 
 
 def check_dense_input(dense: object, sparse: SparseFeatures, arch: DenseArch) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import ConfigError, TableConfig
+from neorec.modules.collection import EmbeddingCollection, UpdateHook, optimizer_state_of
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, bytes_per_row, table_key
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes, zeros_state
@@ -91,11 +92,7 @@ def register_table_buffers(
     module.register_buffer(prefix + "step", torch.zeros((), dtype=torch.int64))
 
 
-UpdateHook = Callable[[TBELayout, Tensor, Tensor], None]
-"""Called after each fused update with (layout, indices, offsets) of the batch."""
-
-
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(EmbeddingCollection):
     """Pooled lookups of every table in one TBE call; trained by a fused row optimizer.
 
     Weights and optimizer state are flat buffers (see ``neorec.ops.tbe``), so they are in
@@ -172,11 +169,11 @@ class EmbeddingBagCollection(nn.Module):
     @property
     def state_names(self) -> list[str]:
         """Names of the optimizer state buffers."""
-        return [k for k in ("momentum1", "exp_avg", "exp_avg_sq") if hasattr(self, k)]
+        return list(optimizer_state_of(self))
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """The fused optimizer's state tensors (flat)."""
-        return {k: getattr(self, k) for k in self.state_names}
+        return optimizer_state_of(self)
 
     def table_weight(self, name: str) -> Tensor:
         """One table's weights [rows, dim]: a view of the fp32 buffer, or for low-precision
@@ -218,6 +215,13 @@ class EmbeddingBagCollection(nn.Module):
             seen = (buf, buf._version, int(buf))  # a host read: first step, or after a write
             self._host_step = seen
         return seen[2] + 1
+
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """Check ``host``, the host copy of a later batch whose device copy is ``sparse``, and
+        mark the device copy checked: its forward then reads nothing back from the device."""
+        if host is not None and host.keys == self.feature_names:
+            checked_batch(self, host)  # raises SparseFeatureError naming the culprit
+            sparse.checked_for = self  # type: ignore[attr-defined]
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
@@ -286,7 +290,7 @@ def checked_batch(ebc: Any, sparse: SparseFeatures, ids: bool = False) -> Sparse
         return sparse  # its host copy passed these checks before it was copied here
     rows = ebc._rows_by_feature if ebc.validate_ids or ids else None
     dtype = ebc.weights.dtype if ebc.weights.is_floating_point() else torch.float32
-    if getattr(ebc, "row_format", None) is not None and ebc.row_format.precision != "fp32":
+    if ebc.row_format is not None and ebc.row_format.precision != "fp32":
         dtype = torch.float32  # low-precision rows pool in fp32
     sparse.validate(rows, ebc._table_by_feature, weight_dtype=dtype)
     return sparse

@@ -10,12 +10,8 @@ from torch import Tensor, nn
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
-from neorec.modules.embedding import (
-    EmbeddingBagCollection,
-    UpdateHook,
-    checked_batch,
-    feature_maps,
-)
+from neorec.modules.collection import EmbeddingCollection, UpdateHook
+from neorec.modules.embedding import EmbeddingBagCollection, checked_batch, feature_maps
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode
 from neorec.sparse import SparseFeatures
@@ -40,7 +36,7 @@ def parts_permutation(ebc: Any, parts: Sequence[Any]) -> Tensor:
     return torch.cat([cols[f] for f in ebc.feature_names])
 
 
-class GroupedEmbeddingBagCollection(nn.Module):
+class GroupedEmbeddingBagCollection(EmbeddingCollection):
     """One ``EmbeddingBagCollection`` per table precision (fp32, fp16, bf16, fp8), with the
     interface of one collection: pooled outputs in the tables' feature order.
 
@@ -104,6 +100,20 @@ class GroupedEmbeddingBagCollection(nn.Module):
     def output_dim(self) -> int:
         """Columns of the pooled output."""
         return sum(g.output_dim for g in self._parts)
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the fused optimizer's state (every group has the same optimizer)."""
+        return self._parts[0].state_names
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """Each group's state tensors, ``<precision>.<name>``."""
+        names = list(self.groups.keys())  # the parts' order
+        return {
+            f"{p}.{k}": v
+            for p, g in zip(names, self._parts)
+            for k, v in g.optimizer_state().items()
+        }
 
     def add_update_hook(self, hook: UpdateHook) -> None:
         """Call ``hook(layout, indices, offsets)`` after every group's fused update."""

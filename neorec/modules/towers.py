@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from neorec.config import ConfigError, ModelConfig, TableConfig
+from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.dlrm import CrossNet, DenseArch, check_dense_input
 from neorec.sparse import SparseFeatures
 
@@ -129,10 +130,14 @@ class TowerDLRM(nn.Module):
     forward = dense_arch(dense, cat_t towers[t](pooled[:, columns of tower_features[t]])).
     """
 
+    ebc: EmbeddingCollection
+    comm_stats = None
+    """No collectives (a distributed model's ``CommStats``)."""
+
     def __init__(
         self,
         model: ModelConfig,
-        ebc: nn.Module,
+        ebc: EmbeddingCollection,
         tower_tables: Sequence[Sequence[str]],
         kind: str = "identity",
         out_vectors: int = 1,
@@ -140,7 +145,7 @@ class TowerDLRM(nn.Module):
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        tables = list(ebc.tables)  # type: ignore[arg-type]
+        tables = list(ebc.tables)
         dims = {t.dim for t in tables}
         if len(dims) != 1:
             raise ConfigError(f"towers need one embedding dim for all tables, got {sorted(dims)}")
@@ -155,7 +160,7 @@ class TowerDLRM(nn.Module):
             )
         # within a tower: the collection's table order (as neorec.distributed.towers)
         self.tower_tables = [sorted(g, key=names.index) for g in tower_tables]
-        feats: list[str] = list(ebc.feature_names)  # type: ignore[arg-type]
+        feats: list[str] = list(ebc.feature_names)
         by_table = {t.name: list(t.features) for t in tables}
         self.tower_features = [
             [feats.index(f) for n in g for f in by_table[n]] for g in self.tower_tables
@@ -196,6 +201,11 @@ class TowerDLRM(nn.Module):
         yield from self.towers.parameters()
 
     @property
+    def all_tables(self) -> list[TableConfig]:
+        """Every table of the model (its collection's)."""
+        return list(self.ebc.tables)
+
+    @property
     def dense_part(self) -> nn.Module:
         """The dense arch and the tower modules as one module (state-dict keys ``dense_arch.*``,
         ``towers.*``): what checkpoints and saved models store, the same as the distributed
@@ -207,9 +217,11 @@ class TowerDLRM(nn.Module):
 
     def prefetch(self, sparse: SparseFeatures) -> None:
         """As ``DLRM.prefetch``: a row cache reads the next batch's misses in the background."""
-        fn = getattr(self.ebc, "prefetch", None)
-        if callable(fn):
-            fn(sparse, defer=True)
+        self.ebc.prefetch(sparse, defer=True)
+
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
+        """As ``DLRM.stage_input_dist``: the collection checks the host copy."""
+        self.ebc.stage_input_dist(sparse, host)
 
 
 AFFINITY_METHODS = ("hstat", "corr")

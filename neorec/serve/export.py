@@ -48,8 +48,9 @@ def dense_program(model: Any, cfg: Config) -> tuple[nn.Module, int]:
     """A plain copy of the model's dense part (no dense blocks, eval mode) and its input width."""
     from neorec.checkpoint.restore import dense_module
     from neorec.modules.dlrm import DenseArch, serving_state_dict
+    from neorec.modules.towers import TowerDLRM
 
-    if getattr(model, "towers", None) is not None:
+    if isinstance(model, TowerDLRM):
         raise ConfigError(
             "neorec export does not handle towered (DMT) models yet; eval and predict do"
         )

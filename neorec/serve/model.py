@@ -138,7 +138,7 @@ def save_model(model: Any, cfg: Config, out_dir: str | Path, step: int | None = 
     rank, world = _world()
     _agree(_check_target(out) if rank == 0 else "", world)
     if step is None:
-        step = max([int(ebc.step)] + ([int(ebc.dp_step)] if hasattr(ebc, "dp_step") else []))
+        step = ebc.fused_steps()
     ck = CheckpointConfig(
         policy="full", bits=32, opt_bits=0, keep_last=1, async_write=False, fsync=True
     )

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from neorec.config import TableConfig
+from neorec.modules.collection import EmbeddingCollection, optimizer_state_of
 from neorec.modules.embedding import (
     UpdateHook,
     as_device,
@@ -78,8 +79,10 @@ __all__ = [
 ]  # fmt: skip
 
 
-class CachedEmbeddingBagCollection(nn.Module):
+class CachedEmbeddingBagCollection(EmbeddingCollection):
     """EmbeddingBagCollection whose dram/ssd tables train through a row cache over a store."""
+
+    host_resident = True
 
     weights: Tensor
     step: Tensor
@@ -217,11 +220,11 @@ class CachedEmbeddingBagCollection(nn.Module):
     @property
     def state_names(self) -> list[str]:
         """Names of the optimizer state buffers (of the cache)."""
-        return [k for k in ("momentum1", "exp_avg", "exp_avg_sq") if hasattr(self, k)]
+        return list(optimizer_state_of(self))
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """The fused optimizer's state tensors over the cache (flat, cache layout)."""
-        return {k: getattr(self, k) for k in self.state_names}
+        return optimizer_state_of(self)
 
     @property
     def output_dim(self) -> int:

@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
+from neorec.modules.collection import EmbeddingCollection, optimizer_state_of
 from neorec.modules.embedding import (
     UpdateHook,
     as_device,
@@ -111,7 +112,7 @@ def dynamic_init_rows(
     return vals.mul_(2 * bound).sub_(bound)
 
 
-class DynamicEmbeddingBagCollection(nn.Module):
+class DynamicEmbeddingBagCollection(EmbeddingCollection):
     """EmbeddingBagCollection over ``kind = "dynamic"`` tables: raw ids -> slots -> TBE.
 
     Same interface as ``EmbeddingBagCollection`` for forward / backward (the fused update),
@@ -210,11 +211,11 @@ class DynamicEmbeddingBagCollection(nn.Module):
     @property
     def state_names(self) -> list[str]:
         """Names of the optimizer state buffers."""
-        return [k for k in ("momentum1", "exp_avg", "exp_avg_sq") if hasattr(self, k)]
+        return list(optimizer_state_of(self))
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """The fused optimizer's state tensors (flat, slot layout)."""
-        return {k: getattr(self, k) for k in self.state_names}
+        return optimizer_state_of(self)
 
     @property
     def output_dim(self) -> int:

@@ -186,6 +186,7 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
     """
 
     _cached_slots = True
+    host_resident = True
 
     def __init__(
         self,

@@ -7,17 +7,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from neorec.config import TableConfig
-from neorec.modules.embedding import UpdateHook, checked_batch, feature_maps
+from neorec.modules.collection import EmbeddingCollection, UpdateHook
+from neorec.modules.embedding import checked_batch, feature_maps
 from neorec.modules.embedding_groups import parts_permutation
 from neorec.sparse import SparseFeatures
 
 __all__ = ["MixedEmbeddingBagCollection"]
 
 
-class MixedEmbeddingBagCollection(nn.Module):
+class MixedEmbeddingBagCollection(EmbeddingCollection):
     """Fixed tables in one collection (any kind: in memory, low precision, row cache) and dynamic
     tables in a ``DynamicEmbeddingBagCollection`` (in memory or behind a row cache), with the
     interface of one collection: pooled outputs in ``tables``' feature order."""
@@ -27,7 +28,7 @@ class MixedEmbeddingBagCollection(nn.Module):
     def __init__(
         self,
         tables: Sequence[TableConfig],
-        fixed: nn.Module,
+        fixed: EmbeddingCollection,
         dynamic: Any,
     ) -> None:
         super().__init__()
@@ -52,6 +53,19 @@ class MixedEmbeddingBagCollection(nn.Module):
         """Columns of the pooled output."""
         return int(sum(g.output_dim for g in self._parts))
 
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the fused optimizer's state (both parts have the same optimizer)."""
+        return list(self.dynamic.state_names)
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """Each part's state tensors, ``fixed.<name>`` and ``dynamic.<name>``."""
+        return {
+            f"{n}.{k}": v
+            for n, g in (("fixed", self.fixed), ("dynamic", self.dynamic))
+            for k, v in g.optimizer_state().items()
+        }
+
     def add_update_hook(self, hook: UpdateHook) -> None:
         """Call ``hook(layout, indices, offsets)`` after each part's fused update (each with its
         own layout)."""
@@ -72,13 +86,7 @@ class MixedEmbeddingBagCollection(nn.Module):
     def prefetch(self, sparse: SparseFeatures, defer: bool = False) -> None:
         """Each part's row cache ``prefetch`` (parts without one: nothing), on its features."""
         for g in self._parts:
-            fn = getattr(g, "prefetch", None)
-            if callable(fn):
-                fn(sparse.select(g.feature_names), defer=defer)
-
-    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
-        """Nothing staged (what pipelines call before a step): each part distributes its input in
-        its forward."""
+            g.prefetch(sparse.select(g.feature_names), defer=defer)
 
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [B, sum of dims], features in ``feature_names`` order."""

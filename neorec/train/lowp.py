@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.lowp.dispatch import Dispatcher
 from neorec.lowp.report import format_table, report_json
 
@@ -42,9 +43,9 @@ class TrainerLowp:
         cfg = trainer.cfg
         lp = cfg.lowp
         model = trainer.model
-        ebc = getattr(model, "ebc", None)
+        ebc = model.ebc
         weights = None
-        if ebc is not None and hasattr(ebc, "table_weight") and trainer.world == 1:
+        if trainer.world == 1:  # (sharded: table_weight would be a collective)
             names = [t.name for t in cfg.embedding.tables]
 
             def weights() -> dict[str, Any]:
@@ -52,17 +53,17 @@ class TrainerLowp:
 
         several = trainer.world > 1
         wire = None
-        sharded: Any = getattr(model, "ebc", None)
+        sharded = ebc
         if (
             several
             and lp.mode == "auto"
             and cfg.comm.forward == "fp32"
             and cfg.comm.backward == "fp32"
-            and hasattr(sharded, "codecs")
+            and isinstance(sharded, ShardedEmbeddingBagCollection)
         ):
             from neorec.distributed.codecs import make_codec
 
-            def wire(direction: str, codec: str) -> None:
+            def wire(direction: str, codec: str, sharded: Any = sharded) -> None:
                 fwd, bwd = sharded.codecs
                 made = make_codec(codec, cfg.comm.fp8_scaling, cfg.comm.loss_scale)
                 sharded.codecs = (made, bwd) if direction == "forward" else (fwd, made)

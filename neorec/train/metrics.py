@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from neorec.metrics import binary_metrics
+from neorec.modules.collection import EmbeddingCollection
 
 __all__ = [
     "MetricState",
@@ -53,15 +54,12 @@ class MetricState:
 _DYN_COUNTS = ("admitted", "evicted", "unadmitted", "lookups")
 
 
-def dynamic_counters(ebc: Any) -> dict[str, float]:
+def dynamic_counters(ebc: EmbeddingCollection) -> dict[str, float]:
     """Running totals of the dynamic tables of a collection, flat: ``dyn.<table>.<count>`` for
     admitted, evicted, unadmitted (lookups that got no slot), lookups, occupancy and capacity
     (empty without dynamic tables)."""
-    stats = getattr(ebc, "stats", None)
-    if not callable(stats):
-        return {}
     out: dict[str, float] = {}
-    for t, v in stats().items():
+    for t, v in ebc.stats().items():
         if isinstance(v, dict) and "total" in v and "occupancy" in v:
             for k in _DYN_COUNTS:
                 out[f"dyn.{t}.{k}"] = float(v["total"][k])
@@ -95,15 +93,15 @@ class DynamicLine:
     """The progress line's part for dynamic tables: per table, occupancy / capacity and the
     admitted (+), evicted (-) and unadmitted lookups per step since the previous line."""
 
-    def __init__(self, ebc: Any) -> None:
+    def __init__(self, ebc: EmbeddingCollection) -> None:
         self.ebc = ebc
         self.before = dynamic_counters(ebc)
-        self.steps = float(getattr(ebc, "step", 0))
+        self.steps = float(ebc.step)
 
     def __call__(self) -> str:
         """The text (empty without dynamic tables)."""
         now = dynamic_counters(self.ebc)
-        step = float(getattr(self.ebc, "step", 0))
+        step = float(self.ebc.step)
         fields = dynamic_fields(now, self.before, step - self.steps).get("dynamic", {})
         self.before, self.steps = now, step
         parts = [

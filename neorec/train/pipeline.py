@@ -113,11 +113,7 @@ class TrainPipeline:
     def _stage_now(self, host: Batch) -> Batch:
         """The batch on the device, its input distribution prepared from the host copy."""
         batch = _to_device(host, self.device)
-        stage = getattr(self.model, "stage_input_dist", None)
-        if callable(stage):
-            stage(batch.sparse, host.sparse)
-        else:
-            _check_on_host(self.model, host, batch)
+        self.model.stage_input_dist(batch.sparse, host.sparse)
         return batch
 
     def close(self) -> None:
@@ -169,14 +165,8 @@ class OverlappedTrainPipeline(TrainPipeline):
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:
             host, batch = batch, _to_device(batch, self.device)
-            prefetch = getattr(self.model, "prefetch", None)  # the memory hierarchy's row cache
-            if callable(prefetch):
-                prefetch(batch.sparse)
-            stage = getattr(self.model, "stage_input_dist", None)
-            if callable(stage):
-                stage(batch.sparse, host.sparse)
-            else:
-                _check_on_host(self.model, host, batch)
+            self.model.prefetch(batch.sparse)  # the memory hierarchy's row cache
+            self.model.stage_input_dist(batch.sparse, host.sparse)
         return batch
 
     def _wait_side_stream(self, batch: Batch) -> None:
@@ -193,18 +183,6 @@ class OverlappedTrainPipeline(TrainPipeline):
     def close(self) -> None:
         """Stop the loader thread."""
         self._loader.close()
-
-
-def _check_on_host(model: Any, host: Batch, batch: Batch) -> None:
-    """Check the host copy of a batch a one-process model's tables will read (on the device, or
-    the same batch on the CPU) before the step, and mark the copy checked: its forward then reads
-    nothing back from the device."""
-    from neorec.modules.embedding import EmbeddingBagCollection, checked_batch
-
-    ebc = getattr(model, "ebc", None)
-    if type(ebc) is EmbeddingBagCollection and host.sparse.keys == ebc.feature_names:
-        checked_batch(ebc, host.sparse)  # raises SparseFeatureError naming the culprit
-        batch.sparse.checked_for = ebc  # type: ignore[attr-defined]
 
 
 def _to_device(batch: Batch, device: torch.device | None) -> Batch:

@@ -14,8 +14,10 @@ from torch import Tensor, nn
 
 from neorec.config import DistillConfig
 from neorec.data.batch import Batch
+from neorec.distributed.comm import CommStats
 from neorec.distributed.dense_blocks import blocks_of, per_block
 from neorec.errors import NeorecError
+from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.dlrm import emit_hidden
 from neorec.sparse import SparseFeatures
 from neorec.train.distill import distill_arch, distill_loss
@@ -74,7 +76,28 @@ def _diverged(total: float, step: int) -> TrainingDiverged:
 
 
 class RecModel(Protocol):
-    """What the trainer needs of a model (unsharded DLRM or its distributed form)."""
+    """What the trainer needs of a model: ``DLRM``, ``TowerDLRM`` or their distributed forms
+    (``DistributedModel``, ``DistributedTowerModel``)."""
+
+    ebc: EmbeddingCollection
+
+    @property
+    def comm_stats(self) -> CommStats | None:
+        """Bytes and waits of the model's collectives (None: one process)."""
+
+    @property
+    def dense_part(self) -> nn.Module:
+        """What checkpoints store of the dense side (tower modules too; unwrapped from DDP)."""
+
+    @property
+    def all_tables(self) -> list[Any]:
+        """Every table of the model (a towered rank's collection holds its tower's only)."""
+
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """Pipeline stage of the next batch before this step runs (a row cache's reads)."""
+
+    def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None) -> None:
+        """Pipeline stage of a later batch from its host copy (checks, input distribution)."""
 
     def __call__(self, dense: Tensor, sparse: SparseFeatures) -> Tensor: ...
 

@@ -18,6 +18,7 @@ from neorec.config import Config
 from neorec.train.pipeline import PipelineTimes
 from neorec.train.progress import Progress
 from neorec.train.runs import RunFolder, RunLog, run_info, utc_now
+from neorec.train.steps import RecModel
 
 __all__ = ["RunSummary"]
 
@@ -42,7 +43,7 @@ class RunSummary:
     are the trainer's)."""
 
     cfg: Config
-    model: Any
+    model: RecModel
     source: Any
     tb: Any
     world: int
@@ -63,7 +64,7 @@ class RunSummary:
             "codecs": {"forward": c.forward, "backward": c.backward, "allreduce": c.allreduce},
             **times,
         }
-        stats = getattr(self.model, "stats", None)
+        stats = self.model.comm_stats
         if stats is None or self.world == 1:
             return out
         steps = max(1, int(times["steps"]))
@@ -113,10 +114,9 @@ class RunSummary:
             "config": self.cfg.to_dict(),
             "comm": getattr(self, "_comm", None),
         }
-        ebc = getattr(self.model, "ebc", None)
-        # callable: the sharded collection's ``stats`` is its CommStats, not a cache report.
-        if ebc is not None and callable(getattr(ebc, "stats", None)):
-            result["storage"] = ebc.stats()  # row cache hit rate, bytes per tier, evictions
+        storage = self.model.ebc.stats()  # row cache hit rate, bytes per tier, evictions
+        if storage:
+            result["storage"] = storage
         lowp = getattr(self, "lowp", None)
         if lowp is not None:
             result["lowp"] = lowp.summary()

@@ -257,9 +257,8 @@ class Trainer(RunSummary):
         )
         self._open_run(total)
         evals = self.ckpt.resume(self, progress) if self.ckpt is not None else []
-        ebc = getattr(self.model, "ebc", None)
-        if dynamic_counters(ebc):  # dynamic tables: their counters in the progress line
-            progress.extra = DynamicLine(ebc)
+        if dynamic_counters(self.model.ebc):  # dynamic tables: their counters in the progress
+            progress.extra = DynamicLine(self.model.ebc)
         first_step = self.step
         # A periodic eval at the last step of the eval_fraction schedule is the final eval.
         skip_last = total if not cfg.train.eval_every else None
@@ -373,15 +372,14 @@ class Trainer(RunSummary):
         """Running totals this rank can read without a collective: bytes it sent and seconds it
         waited on communication (distributed), row cache hits and misses (a cached model)."""
         out: dict[str, float] = {"step": float(self.step)}
-        stats = getattr(self.model, "stats", None)
+        stats = self.model.comm_stats
         if stats is not None and self.world > 1:
             out["bytes"] = float(sum(stats.bytes_sent.values()))
             out["wait_s"] = float(sum(stats.wait_s.values()))
-        ebc = getattr(self.model, "ebc", None)
-        if ebc is not None and callable(getattr(ebc, "stats", None)):
-            s = ebc.stats()
+        s = self.model.ebc.stats()
+        if s:  # a row cache's hits and misses; dynamic tables' counters
             out["hits"], out["misses"] = float(s.get("hits", 0)), float(s.get("misses", 0))
-            out.update(dynamic_counters(ebc))
+            out.update(dynamic_counters(self.model.ebc))
         return out
 
     def _event(
