@@ -172,15 +172,15 @@ def test_rank0_reports_every_ranks_counters(runs: dict[str, Any]) -> None:
 def test_faults_dynamic_distributed(runs: dict[str, Any], tmp_path: Path) -> None:
     from faults import campaign
 
+    from neorec.build import sharded_collection
     from neorec.checkpoint.format import CheckpointError
-    from neorec.distributed.dynamic_reshard import sharded_dynamic_from_config
     from neorec.train.trainer import Trainer
 
     c = campaign("dynamic tables, distributed")
     cfg = _cfg(tmp_path / "x")
     c.expect_error(
         "dynamic tables on cuda",
-        lambda: sharded_dynamic_from_config(cfg, None, device="cuda"),
+        lambda: sharded_collection(cfg, None, device="cuda"),  # type: ignore[arg-type]
         ("CPU only", "train.device"),
     )
     # the 2-rank checkpoint (step 4) into one process whose table 'e' has too few slots

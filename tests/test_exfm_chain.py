@@ -106,9 +106,9 @@ def test_exfm_chain_runs_and_saves(tmp_path: Path, capsys: pytest.CaptureFixture
     model, cfg = load_model(out / "student")
     assert cfg.data.window == 2
     # the saved student predicts (its serving head; aux head and adapter ride along for training)
-    from neorec.data.sources import StreamSource
+    from neorec.build import data_source
 
-    batch = next(iter(StreamSource(cfg).eval_batches()))
+    batch = next(iter(data_source(cfg).eval_batches()))
     model.train(False)
     assert torch.isfinite(model(batch.dense, batch.sparse)).all()
     # a used --out is refused, one line, exit 2, nothing overwritten

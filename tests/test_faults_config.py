@@ -287,6 +287,10 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "distill.adapter_size": ("int", 1, 4096),
     "distill.temperature": ("float", 0, True, 1e6),
     "distill.weight": ("float", 0, False, 1),
+    "system.hugepages": ("bool",),
+    "system.keep_heap": ("bool",),
+    "system.native": ("bool",),
+    "system.fail_at": ("choice", ("",)),  # RANK:STEP: no mutation is one
 }
 MUTATIONS = {
     "string": "'x'",

@@ -184,4 +184,11 @@ def test_below_the_builder_no_whole_config() -> None:
                 names = {a.name for a in node.names}
                 if names & {"Config", "load_config", "apply_overrides"}:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {sorted(names)}")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for a in node.args.args + node.args.kwonlyargs:
+                    ann = ast.unparse(a.annotation) if a.annotation is not None else ""
+                    # a parameter named cfg is a section (``DataConfig``, ...), not the whole
+                    if a.arg == "cfg" and (not ann.endswith("Config") or ann == "Config"):
+                        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                        bad.append(f"{where}: {node.name}(cfg: {ann or 'unannotated'})")
     assert not bad, "below the builder, the whole Config is imported:\n" + "\n".join(bad)

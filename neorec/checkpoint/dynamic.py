@@ -40,6 +40,7 @@ from neorec.checkpoint.format import (
     one_line,
     row_bytes,
 )
+from neorec.config import CheckpointConfig
 from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.errors import NeorecError
@@ -273,7 +274,11 @@ class DynamicCheckpoints:
                 self.touched[t].zero_()
 
     def pieces(
-        self, name: str, snap: list[tuple[str, Any, bool, Tensor]], storage: Any, cfg: Any
+        self,
+        name: str,
+        snap: list[tuple[str, Any, bool, Tensor]],
+        storage: Any,
+        cfg: CheckpointConfig,
     ) -> list[dict[str, Any]]:
         """Write the snapshot's pieces of checkpoint ``name``; their manifest entries."""
         out = []
