@@ -104,12 +104,6 @@ def _torch_hit_rates(rows, fractions, alpha, policy, pooling) -> list[float]:
 
 
 # ---- rank probabilities -------------------------------------------------------------------------
-def test_locality_constants_are_the_samplers() -> None:
-    assert hit_rate.LOCALITY_REF_BATCH == ids.LOCALITY_REF_BATCH
-    assert hit_rate.LOCALITY_LEVELS == ids.LOCALITY_LEVELS
-    assert hit_rate.LOCALITY_WEIGHTS == ids.LOCALITY_WEIGHTS
-
-
 @pytest.mark.parametrize("rows", ROWS)
 def test_zipf_rank_prob_is_the_samplers(rows: int) -> None:
     r = _ranks(rows)

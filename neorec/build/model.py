@@ -41,7 +41,7 @@ __all__ = [
 
 
 def _dynamic(t: TableConfig) -> bool:
-    return getattr(t, "kind", "fixed") == "dynamic"
+    return t.kind == "dynamic"
 
 
 def low_precision_collection(

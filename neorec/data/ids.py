@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+from neorec.sharding.hit_rate import LOCALITY_LEVELS, LOCALITY_REF_BATCH, LOCALITY_WEIGHTS
+
 __all__ = [
     "zipf_ids",
     "uniform_ids",
@@ -84,13 +86,8 @@ def uniform_ids(rows: int, n: int, generator: torch.Generator | None = None) -> 
 # lookups going to level j. The weights were fitted (neorec.data.locality.calibrate_locality) so that
 # the pooled per-batch reuse histogram of a production-like table mix at batch 65,536 matches the
 # mean of Meta's published locality statistics; a table too small to hold all levels is folded
-# (every level shrunk in proportion), which raises its reuse as it does in production.
-LOCALITY_REF_BATCH = 65_536
-LOCALITY_LEVELS: tuple[float, ...] = (0.5, *(2.0 ** (j - 0.5) for j in range(1, 16)), 2.0**16)
-LOCALITY_WEIGHTS: tuple[float, ...] = (
-    0.05042, 0.1144, 0.07792, 0.13945, 0.17624, 0.13453, 0.07435, 0.03783, 0.01549,
-    0.01181, 0.01098, 0.05011, 0.04827, 0.03464, 0.01064, 0.00163, 0.01131,
-)  # fmt: skip
+# (every level shrunk in proportion), which raises its reuse as it does in production. The
+# constants are defined once, torch-free, in neorec.sharding.hit_rate (the planner reads them too).
 
 
 def locality_layout(

@@ -40,15 +40,20 @@ __all__ = [
 ]
 
 # ---- rank probabilities (as neorec.data.ids samples them) -------------------------------------
+# The locality-calibrated id distribution (``neorec.data.ids`` samples it): in a batch of
+# LOCALITY_REF_BATCH samples, level j's rows are touched about LOCALITY_LEVELS[j] times each, and
+# LOCALITY_WEIGHTS[j] is its share of the lookups; level 0 is the cold rest of the table. The
+# weights were fitted (``neorec.data.locality.calibrate_locality``) to Meta's published locality
+# statistics at batch 65,536.
 LOCALITY_REF_BATCH = 65_536
-"""Batch size at which the locality levels' reuse holds (``neorec.data.ids.LOCALITY_REF_BATCH``)."""
+"""Batch size at which the locality levels' reuse holds."""
 LOCALITY_LEVELS: tuple[float, ...] = (0.5, *(2.0 ** (j - 0.5) for j in range(1, 16)), 2.0**16)
-"""Lookups per row and batch of each level (``neorec.data.ids.LOCALITY_LEVELS``)."""
+"""Lookups per row and batch of each level."""
 LOCALITY_WEIGHTS: tuple[float, ...] = (
     0.05042, 0.1144, 0.07792, 0.13945, 0.17624, 0.13453, 0.07435, 0.03783, 0.01549,
     0.01181, 0.01098, 0.05011, 0.04827, 0.03464, 0.01064, 0.00163, 0.01131,
 )  # fmt: skip
-"""Share of lookups of each level (``neorec.data.ids.LOCALITY_WEIGHTS``)."""
+"""Share of lookups of each level."""
 
 _ZIPF_HEAD = 4096  # ranks summed exactly; the rest integrated (as neorec.data.ids samples them)
 
