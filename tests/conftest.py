@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from collections.abc import Callable
 
+import pytest
 from faults import OUTCOMES, REGISTRY
 
 
@@ -26,3 +29,14 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
     if out:
         with open(out, "w") as fh:
             json.dump(rows, fh, indent=1, sort_keys=True)
+
+
+@pytest.fixture
+def fast_paths() -> Callable[[], Counter[str]]:
+    """The fast paths that ran since the test began (``neorec.ops.fastpath``), as call counts: a
+    test comparing a fast path with its specification asserts that the fast path ran, not a
+    fallback computing the same numbers."""
+    from neorec.ops.fastpath import RAN
+
+    before = Counter(RAN)
+    return lambda: RAN - before

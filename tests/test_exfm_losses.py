@@ -59,13 +59,16 @@ def _run(cfg, batches, fast: bool, monkeypatch) -> tuple[list[float], dict[str, 
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("blocks", [1, 2])
-def test_kernel_equals_torch_path(setup, temperature, blocks, monkeypatch):
+def test_kernel_equals_torch_path(setup, temperature, blocks, monkeypatch, fast_paths):
     cfg = cfg_of(
         *SETUPS[setup], f"distill.temperature={temperature}", f"train.dense_blocks={blocks}"
     )
     batches = _batches(cfg)
     la, sa = _run(cfg, batches, False, monkeypatch)
+    assert fast_paths()["exfm_losses.forward"] == 0, "the torch path is the specification"
     lb, sb = _run(cfg, batches, True, monkeypatch)
+    ran = fast_paths()  # the C kernel computed every step's losses and their gradients
+    assert ran["exfm_losses.forward"] == ran["exfm_losses.backward"] == len(batches)
     assert all(abs(x - y) <= 2e-7 for x, y in zip(la, lb)), (la, lb)
     assert sa.keys() == sb.keys()
     for k in sa:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -195,7 +196,9 @@ def run_steps(
 @pytest.mark.parametrize("use_psw", [False, True])
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_matches_embedding_bag(backend: str, pooling: PoolingMode, use_psw: bool) -> None:
+def test_forward_matches_embedding_bag(
+    backend: str, pooling: PoolingMode, use_psw: bool, fast_paths: Any
+) -> None:
     case = make_case(1)
     dev = device_of(backend)
     c = case.to(dev)
@@ -211,6 +214,7 @@ def test_forward_matches_embedding_bag(backend: str, pooling: PoolingMode, use_p
     f, s = (int(x) for x in empty.nonzero()[0])
     lo, hi = case.layout.out_offsets[f], case.layout.out_offsets[f + 1]
     assert torch.all(out[s, lo:hi] == 0), "an empty bag pools to zeros"
+    assert (fast_paths()["cpu.forward"] > 0) == (backend == "cpu"), "the C kernel ran (or not)"
 
 
 @pytest.mark.parametrize("use_psw", [False, True])
@@ -218,10 +222,11 @@ def test_forward_matches_embedding_bag(backend: str, pooling: PoolingMode, use_p
 @pytest.mark.parametrize("kind", OPTIMIZERS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_update_matches_dense_autograd(
-    backend: str, kind: str, pooling: PoolingMode, use_psw: bool
+    backend: str, kind: str, pooling: PoolingMode, use_psw: bool, fast_paths: Any
 ) -> None:
     case = make_case(2)
     w, st = run_steps(backend, case, kind, pooling, use_psw)
+    assert (fast_paths()["cpu.backward"] > 0) == (backend == "cpu"), "the C kernel ran (or not)"
     opt = RowOptimizer(kind=kind, lr=0.05, weight_decay=0.01)
     w64 = case.weights.double()
     st64 = oracle_state(kind, case.layout)

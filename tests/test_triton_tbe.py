@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -82,7 +83,9 @@ def both(case_seed: int, kind: str, pooling: PoolingMode, use_psw: bool, wd: flo
 
 @pytest.mark.parametrize("use_psw", [False, True])
 @pytest.mark.parametrize("pooling", POOLINGS)
-def test_forward_equals_reference_bitwise(pooling: PoolingMode, use_psw: bool) -> None:
+def test_forward_equals_reference_bitwise(
+    pooling: PoolingMode, use_psw: bool, fast_paths: Any
+) -> None:
     c = make_case(1)
     psw = c.psw if use_psw else None
     got = get_backend("triton").forward(
@@ -92,6 +95,7 @@ def test_forward_equals_reference_bitwise(pooling: PoolingMode, use_psw: bool) -
         c.layout, c.weights, Lookup(c.indices, c.offsets, psw, pooling)
     )
     assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert fast_paths()["triton.forward"] == 1, "the Triton kernel ran (in the interpreter)"
     b = c.grad.shape[0]
     empty = (c.offsets[1:] - c.offsets[:-1]).view(-1, b) == 0  # [F, B]
     f, s = (int(x) for x in empty.nonzero()[0])

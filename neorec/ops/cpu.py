@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from neorec.ops.fastpath import ran
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import Lookup, PoolingMode, TBEIdError, TBEInputError, TBELayout
@@ -308,6 +309,7 @@ class CpuBackend:
     def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim]."""
         lib = load_kernel()
+        ran("cpu.forward")
         lay, idx, off, psw, b = self._prepare(layout, weights, lookup)
         out = torch.empty(b, layout.total_dim, dtype=torch.float32)
         err = (ctypes.c_int64 * 2)()
@@ -342,6 +344,7 @@ class CpuBackend:
         returned instead, as ``row_grads`` does (for updates that need a collective first).
         """
         lib = load_kernel()
+        ran("cpu.backward")
         lay, idx, off, psw, b = self._prepare(layout, weights, lookup)
         if tuple(grad_output.shape) != (b, layout.total_dim):
             raise TBEInputError(

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from neorec.ops.fastpath import ran
+
 __all__ = ["exfm_losses", "native_lib", "NonFiniteFM"]
 
 _COEFS: dict[tuple[float, ...], Tensor] = {}  # (read-only, so shared across steps)
@@ -67,6 +69,7 @@ class _ExfmLosses(torch.autograd.Function):
         temperature: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         lib = native_lib()
+        ran("exfm_losses.forward")
         b = out.shape[0]
         h = 0 if head_w is None else head_w.shape[1]
         a = 0 if first is None else first.shape[0] - 1
@@ -117,6 +120,7 @@ class _ExfmLosses(torch.autograd.Function):
         unit, dhead, dfirst, dsecond, coef = ctx.saved_tensors
         b, h, a, n = ctx.dims
         grad = grad.detach().to(torch.float32).contiguous()
+        ran("exfm_losses.backward")
         native_lib().exfm_losses_backward(
             b,
             h,

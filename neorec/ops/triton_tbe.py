@@ -43,6 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from neorec.ops.cuda import segments
+from neorec.ops.fastpath import ran
 from neorec.ops.padded_rows import PaddedRows, pad_heads, rows_by_table
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import Lookup, PoolingMode, ReferenceBackend, TBEInputError, TBELayout
@@ -275,6 +276,7 @@ class TritonBackend:
     def forward(self, layout: TBELayout, weights: Tensor, lookup: Lookup) -> Tensor:
         """Pooled output [B, total_dim]."""
         self._check(layout, weights, lookup)
+        ran("triton.forward")
         indices, offsets = lookup.indices, lookup.offsets
         per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf = layout.num_features
@@ -368,6 +370,7 @@ class TritonBackend:
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
         bag = self._check(layout, weights, lookup)
+        ran("triton.backward")
         if bag is None:
             bag = bag_of_ids(lookup.offsets, lookup.indices.numel())
         check_grad_shape(grad_output, layout, lookup.offsets)
