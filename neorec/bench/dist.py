@@ -20,11 +20,13 @@ import os
 import statistics
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from neorec.bench.stats import paired_ratio, rotated
 from neorec.bench.step import make_batches
 from neorec.build import dense_optimizer, distributed_model
 from neorec.config import CommConfig, load_config
@@ -64,14 +66,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--transport",
         default="auto",
-        choices=list(TRANSPORTS),
-        help="the all-to-alls: auto (shared memory on one host, the default), shm, or gloo",
+        help="the all-to-alls: auto (shared memory on one host, the default), shm, or gloo; "
+        "comma-separated: each is measured, in rotated order, every round",
     )
     p.add_argument(
         "--keep-heap",
         default="on",
-        choices=["on", "off"],
-        help="ranks keep freed heap memory (system.keep_heap; default on)",
+        help="ranks keep freed heap memory (system.keep_heap): on (default) or off; on,off: both",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of every transport x keep-heap setting, interleaved (fresh ranks each); "
+        "ratios to the last setting with a 95%% interval over the rounds",
     )
     p.add_argument(
         "--pipelines", default="overlapped", help="comma-separated: overlapped, sequential"
@@ -82,7 +90,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="time only the sharded embeddings (forward + backward with the fused update)",
     )
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for flag, allowed in (("transport", TRANSPORTS), ("keep_heap", ("on", "off"))):
+        values = [v.strip() for v in getattr(a, flag).split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            p.error(f"--{flag.replace('_', '-')}: {bad or values!r}: choose from {list(allowed)}")
+        setattr(a, flag + "s", values)
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
+    return a
 
 
 def _config(a: argparse.Namespace):
@@ -215,9 +232,62 @@ def run_ranks(
     return rows
 
 
+def run_grid(a: argparse.Namespace) -> dict[str, Any]:
+    """Every transport x keep-heap setting in each of ``a.rounds`` rounds, in rotated order, each
+    in fresh ranks; per row (type, codecs, pipeline) and setting the rounds' ms/step, and the
+    ratio to the last setting (the paired geometric mean over rounds, 95% interval)."""
+    settings = [(t, h) for t in a.transports for h in a.keep_heaps]
+    ms: dict[str, dict[str, list[float]]] = {}
+    for r in range(a.rounds):
+        for t, h in rotated(settings, r):
+            run = argparse.Namespace(**{**vars(a), "transport": t, "keep_heap": h})
+            for row in run_ranks(run):
+                key = f"{row['type']} {row['codecs']} {row['pipeline']}"
+                ms.setdefault(key, {}).setdefault(f"{t}/{h}", []).append(row["ms_per_step"])
+    base = "/".join(settings[-1])
+    out: dict[str, Any] = {}
+    for key, by in ms.items():
+        out[key] = {
+            s: {
+                "ms_rounds": v,
+                "ms_median": statistics.median(v),
+                "vs_" + base.replace("/", "_"): paired_ratio(v, by[base]).to_dict(),
+            }
+            for s, v in by.items()
+        }
+    return {"baseline": base, "rounds": a.rounds, "results": out}
+
+
+def _print_grid(a: argparse.Namespace, grid: dict[str, Any]) -> None:
+    base = grid["baseline"]
+    print(
+        f"bench dist: {a.nproc} gloo ranks, {a.rounds} interleaved rounds, {a.tables} tables x "
+        f"{a.rows:,} rows x dim {a.dim}, global batch {a.batch}, pooling {a.pooling}, zipf "
+        f"{a.alpha}; ms/step (median over rounds), ratio to {base} (95% interval over rounds)"
+    )
+    print(f"{'row':<36}{'transport/heap':<16}{'ms/step':>9}  ratio [95% interval]")
+    for key, by in grid["results"].items():
+        for s, v in by.items():
+            iv = v["vs_" + base.replace("/", "_")]
+            print(
+                f"{key:<36}{s:<16}{v['ms_median']:>9.2f}  "
+                f"{iv['value']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and a JSON line."""
     a = parse(argv)
+    if a.rounds > 1 or len(a.transports) * len(a.keep_heaps) > 1:
+        grid = run_grid(a)
+        _print_grid(a, grid)
+        keys = ("nproc", "tables", "rows", "dim", "batch", "pooling", "alpha", "embedding_only")
+        line = json.dumps({"bench": "dist", **{k: getattr(a, k) for k in keys}, **grid})
+        print(line)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                f.write(line + "\n")
+        return 0
     rows = run_ranks(a)
     names = sorted({k for r in rows for k in r["bytes_per_step"]})
     head = (
