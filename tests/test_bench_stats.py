@@ -72,3 +72,20 @@ def test_bench_dist_grid_interleaves_and_pairs_by_round(monkeypatch: pytest.Monk
         assert iv["n"] == 3 and abs(iv["value"] - v / 2.0) < 0.05
     with pytest.raises(SystemExit):
         bench_dist.parse(["--transport", "shm,tcp"])
+
+
+def test_bench_step_lowp_reports_paired_speedups(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench step --lowp``: every mode (the plain-autocast baseline included) steps in turn;
+    each speedup over fp32 carries its interval over the paired steps."""
+    import json
+
+    from neorec.bench import step
+
+    tiny = ["--tables", "2", "--rows", "500", "--dim", "8", "--batch", "64", "--pooling", "2"]
+    assert step.main([*tiny, "--lowp", "off,autocast", "--iters", "4", "--warmup", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    iv = out["lowp"]["autocast"]["speedup_vs_off"]
+    assert iv["n"] == 4 and iv["lo"] <= iv["value"] <= iv["hi"]
+    assert out["lowp"]["off"]["speedup_vs_off"]["value"] == 1.0
+    with pytest.raises(SystemExit, match="autocast"):  # the modes are named in the refusal
+        step.main([*tiny, "--lowp", "off,tf32"])
