@@ -13,9 +13,42 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["auc", "log_loss", "normalized_entropy", "calibration", "binary_metrics"]
+__all__ = [
+    "auc",
+    "log_loss",
+    "normalized_entropy",
+    "calibration",
+    "binary_metrics",
+    "t_quantile",
+]
 
 _EPS = 1e-12
+
+# Student t quantiles for 1..30 degrees of freedom, then the normal's.
+_T_QUANTILES = {
+    0.95: (
+        6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
+        1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
+        1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697,
+    ),
+    0.975: (
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    ),
+}  # fmt: skip
+_NORMAL = {0.95: 1.645, 0.975: 1.96}
+
+
+def t_quantile(q: float, dof: int) -> float:
+    """Student's t quantile ``q`` (0.95: a one-sided 95% bound; 0.975: a two-sided 95% interval)
+    with ``dof`` degrees of freedom; infinite below one."""
+    if q not in _T_QUANTILES:
+        raise ValueError(f"quantile must be one of {sorted(_T_QUANTILES)}, got {q}")
+    if dof < 1:
+        return math.inf
+    table = _T_QUANTILES[q]
+    return table[dof - 1] if dof <= len(table) else _NORMAL[q]
 
 
 def as_f64(x: Any) -> np.ndarray:

@@ -15,21 +15,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Interval", "t975", "mean_interval", "paired_difference", "paired_ratio", "rotated"]
+from neorec.metrics import t_quantile
 
-# Student t quantiles at 0.975 by degrees of freedom (1..30); 1.96 beyond.
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
+__all__ = ["Interval", "t975", "mean_interval", "paired_difference", "paired_ratio", "rotated"]
 
 
 def t975(dof: int) -> float:
     """The 0.975 quantile of Student's t with ``dof`` degrees of freedom (two-sided 95%)."""
-    if dof < 1:
-        return math.inf
-    return _T975[dof - 1] if dof <= len(_T975) else 1.96
+    return t_quantile(0.975, dof)
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,9 @@ from torch import Tensor, nn
 
 from neorec.lowp.formats import CANDIDATES, Candidate, quantize
 from neorec.lowp.kernels import out_round, pow2_row_scale
+from neorec.metrics import t_quantile
 
 __all__ = ["Site", "SiteStats", "Probe", "find_sites", "tensor_stats", "upper_bound"]
-
-# One-sided 95% Student t quantiles for 1..30 degrees of freedom (then the normal's 1.645).
-_T95 = (
-    6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
-    1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
-    1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697,
-)  # fmt: skip
 
 _STAT_SAMPLE = 1 << 14  # percentiles over at most this many elements (a fixed stride)
 MAX_ROWS = 1024  # errors of a step are measured on at most this many rows (a fixed stride)
@@ -54,7 +48,7 @@ def upper_bound(values: list[float]) -> float:
     if n == 1:
         return mean
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    t = _T95[n - 2] if n - 1 <= len(_T95) else 1.645
+    t = t_quantile(0.95, n - 1)
     return mean + t * sd / math.sqrt(n)
 
 
