@@ -8,7 +8,6 @@ from typing import Any
 
 HELP = "data tools: preprocess Criteo TSV into columnar shards"
 ACTIONS = ("preprocess",)
-NUM_SPARSE = 26  # Criteo's categorical features C1..C26
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 def _rows_from_config(path: str) -> tuple[list[int], list[bool]]:
     """(rows, raw) per feature: the tables' rows, and which tables are dynamic (raw ids)."""
     from neorec.config import ConfigError, load_config
+    from neorec.data.criteo import NUM_SPARSE
 
     tables = load_config(path).embedding.tables
     if len(tables) != NUM_SPARSE:
@@ -43,6 +43,8 @@ def _rows_from_config(path: str) -> tuple[list[int], list[bool]]:
 
 def _raw_flags(s: str) -> list[bool]:
     """``--raw``: ``all``, ``none`` or comma-separated features (``C3,C7`` or ``3,7``)."""
+    from neorec.data.criteo import NUM_SPARSE
+
     s = s.strip()
     if s in ("all", "none"):
         return [s == "all"] * NUM_SPARSE

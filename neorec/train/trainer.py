@@ -100,8 +100,8 @@ class Trainer(RunSummary):
         self.tee = Tee(out or sys.stdout) if self.rank == 0 else None
         self.out: TextIO = cast(TextIO, self.tee) if self.tee is not None else out or sys.stdout
         self.runlog: RunLog | None = None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))  # ranks on this host
-        check_run(cfg, self.world, one_host=self.world == local)
+        self._host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))  # on this host
+        check_run(cfg, self.world, one_host=self.world == self._host_ranks)
         self.device = rank_device(cfg.train.device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -131,8 +131,9 @@ class Trainer(RunSummary):
         self._eval_s = 0.0  # seconds of the periodic evals (inside the train time)
 
     def _build_model(self) -> RecModel:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        built = build_model(self.cfg, self.source, self.device, self.rank, self.world, local)
+        built = build_model(
+            self.cfg, self.source, self.device, self.rank, self.world, self._host_ranks
+        )
         self.tower_groups, self.plan = built.tower_groups, built.plan
         plan = built.plan
         if plan is not None and self.rank == 0 and self.cfg.train.progress:
