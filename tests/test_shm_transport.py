@@ -47,13 +47,30 @@ def _messages(rank: int, world: int) -> None:
         for k, out in zip((2, 0, 1), got):
             assert out.dtype == dt
             assert torch.equal(out, ref[k]), (step, k)
-    # Files leave /dev/shm once every peer has mapped them.
+    # Never a file in /dev/shm; each rank lets go of its memory's descriptor once every peer has
+    # mapped it, so the memory lives only in the ranks' mappings (and goes with them): the
+    # control block, this rank's slots and one per peer (each mmap keeps a duplicate descriptor).
     dist.barrier()
     comm.all_to_all(torch.zeros(world), [1] * world, [1] * world).wait()
     comm.all_to_all(torch.zeros(world), [1] * world, [1] * world).wait()
     dist.barrier()
-    assert not glob.glob(host.prefix + "*"), glob.glob(host.prefix + "*")
+    assert not glob.glob(f"/dev/shm/neorec-{os.getpid()}-*")
+    assert not host._held
+    assert len(_own_memfds()) == world + 1, _own_memfds()
     comm.close_host_transports()
+
+
+def _own_memfds() -> list[str]:
+    """This process's open descriptors of the transport's memory (its mappings' included)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the descriptor listdir itself used)
+            continue
+        if target.startswith("/memfd:neorec-"):
+            fds.append(target)
+    return fds
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -419,7 +419,7 @@ def init_host_transport(
         if mode == "shm" and backend != "gloo":
             raise ValueError(f"transport 'shm' needs the gloo backend, not {backend}")
         return backend
-    host = HostTransport.create(group, timeout_s)
+    host = HostTransport.create(group, timeout_s, required=mode == "shm")
     if host is None:
         if mode == "shm":
             raise ValueError(

@@ -14,10 +14,20 @@ counters (``neorec/ops/csrc/shm_sync.c``):
   out of each peer's slot, checks its length against the split it expected, and publishes that it
   consumed s.
 
-A slot that is too small is replaced by a larger file (a new generation); the files live in
-``/dev/shm`` only until every peer has mapped them, so a crash leaves nothing behind after the
-first collectives. Ranks must start the same collectives in the same order, as with any process
-group. Results are the same bytes as gloo's (``tests/test_shm_transport.py``).
+The shared memory is anonymous (``memfd_create``): never a file in ``/dev/shm`` or anywhere else,
+so a rank killed at any moment leaves nothing behind; the kernel frees the memory when the last
+process mapping it is gone. A peer maps a rank's memory through ``/proc/<pid>/fd/<fd>`` while the
+rank still holds that descriptor; the rank closes it once every peer has mapped it (so open
+descriptors do not pile up as slots grow). A slot that is
+too small is replaced by a larger one (a new generation). At set-up every rank maps every peer's
+memory and checks a random token in it: ranks on one host that cannot (separate containers, PID
+namespaces) get gloo and one line saying why, or one clear error under ``transport = "shm"``.
+
+A peer that exits (or is a zombie, exited but not yet reaped) is reported within about a second;
+one that is stopped (SIGSTOP, a debugger) is named when the wait reaches ``timeout_s``. Every error
+is a ``ShmTransportError`` (a ``NeorecError``). Ranks must start the same collectives in the same
+order, as with any process group. Results are the same bytes as gloo's
+(``tests/test_shm_transport.py``; the faults: ``tests/test_shm_faults.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +37,9 @@ import mmap
 import os
 import socket
 import struct
+import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,19 +47,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from neorec.errors import NeorecError
+
 __all__ = ["HostTransport", "ShmTransportError", "native_sync"]
 
 _STRIDE = 32
 """int64s per rank in the control block (256 bytes): published at 0, the generation of each slot's
-write at 1-2, consumed at 16 (its own cache lines, written by the reader), the process id at 24
-(a waiter checks every second that the rank it waits for is still alive)."""
-_PUB, _GEN0, _CONS, _PID = 0, 1, 16, 24
+write at 1-2 and the descriptor that holds it at 3-4 (both written with it), consumed at 16 (its
+own cache lines, written by the reader). Rank 0's block holds the control block's token at 8-9."""
+_PUB, _GEN0, _FD0, _TOKEN, _CONS = 0, 1, 3, 8, 16
 _MIN_CAP = 1 << 20
-_SHM_DIR = "/dev/shm"
+_PROC = "/proc"
 
 
-class ShmTransportError(RuntimeError):
-    """A shared-memory collective failed: a peer did not arrive, or sizes disagree."""
+class ShmTransportError(NeorecError, RuntimeError):
+    """A shared-memory collective failed or cannot be set up: a peer did not arrive, exited or
+    is stopped, sizes disagree, or the ranks cannot map each other's memory."""
+
+
+class _Unreachable(Exception):
+    """A peer's memory could not be mapped (the message says which and why)."""
 
 
 def native_sync() -> Any:
@@ -70,92 +87,185 @@ def _declare(lib: Any) -> None:
 
 
 class _Mapping:
-    """One shared file mapped: its mmap, a uint8 tensor over it, and its address."""
+    """One piece of shared memory mapped: its mmap, a uint8 tensor over it, and its address.
+    ``fd`` is the descriptor the owner publishes until every peer has mapped it (-1 once closed,
+    and always in a peer's mapping). The mmap keeps a duplicate descriptor of its own, closed
+    with it: the memory goes when the last process mapping it does."""
 
-    def __init__(self, path: str, size: int, create: bool) -> None:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+    def __init__(self, fd: int, size: int, keep_fd: bool) -> None:
         try:
-            if create:
-                os.ftruncate(fd, size)
-            else:
-                size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if not keep_fd:
+            os.close(fd)
+        self.fd = fd if keep_fd else -1
         self.size = size
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
 
+    @classmethod
+    def new(cls, name: str, size: int) -> _Mapping:
+        """Anonymous shared memory of ``size`` bytes (no file anywhere), its descriptor kept."""
+        fd = os.memfd_create(name)  # close-on-exec
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, size, keep_fd=True)
+
+    @classmethod
+    def of_peer(cls, pid: int, fd: int, token: bytes = b"", at: int = 0) -> _Mapping:
+        """Map the memory process ``pid`` holds as descriptor ``fd``; with ``token``, check it
+        is at offset ``at`` (that it is the peer's memory, not another process's)."""
+        path = f"{_PROC}/{pid}/fd/{fd}"
+        try:
+            peer_fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise _Unreachable(f"{path}: {e.strerror or e}") from e
+        try:
+            size = os.fstat(peer_fd).st_size
+        except BaseException:
+            os.close(peer_fd)
+            raise
+        try:
+            m = cls(peer_fd, size, keep_fd=False)
+        except (OSError, ValueError) as e:
+            raise _Unreachable(f"{path}: {e}") from e
+        if token and bytes(m.mm[at : at + len(token)]) != token:
+            raise _Unreachable(f"{path} is another process's memory")
+        return m
+
+    def release(self) -> None:
+        """Close the published descriptor (the mapping stays): every peer has mapped it."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
 
 class HostTransport:
     """Shared-memory all-to-all for the ranks of ``group``, all on this host. Build it with
-    ``create`` (a collective over the group); ``None`` when the ranks are not all on one host or
-    the counters cannot be compiled."""
+    ``create`` (a collective over the group); ``None`` when the ranks are not all on one host,
+    cannot map each other's memory, or the counters cannot be compiled."""
 
     def __init__(
-        self, lib: Any, control: _Mapping, prefix: str, rank: int, world: int, timeout_s: float
+        self,
+        lib: Any,
+        control: _Mapping,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        pids: list[int],
+        own: _Mapping,
+        peers: dict[int, _Mapping],
     ) -> None:
         self.lib = lib
         self.control = control
-        self.prefix = prefix
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
+        self.pids = pids
         self.seq = 0
         self.read_seq = 0
         self.header = 64 * (-(-16 * world // 64))
-        self._own: _Mapping | None = None
-        self._gen = 0
-        self._unlink: list[tuple[str, int]] = []  # (path, first seq written with it)
-        self._peers: dict[int, tuple[int, _Mapping]] = {}
+        self._own: _Mapping | None = own
+        self._gen = 1
+        self._held: list[tuple[_Mapping, int]] = []  # (own memory, first seq written with it)
+        self._peers: dict[int, tuple[int, _Mapping]] = {j: (1, m) for j, m in peers.items()}
         self._pending: dict[int, Callable[[], None]] = {}
         self._lock = threading.RLock()
         self.closed = False
-        self._put(rank, _PID, os.getpid())
 
     # -- setup -----------------------------------------------------------------------------
     @classmethod
     def create(
-        cls, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0
+        cls,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 300.0,
+        required: bool = False,
     ) -> HostTransport | None:
-        """Collective over ``group``: every rank gets a transport, or every rank gets None."""
+        """Collective over ``group``: every rank gets a transport, or every rank gets None (with
+        ``required``: every rank raises a ``ShmTransportError`` saying why instead). Ranks on one
+        host that cannot map each other's memory get None and rank 0 prints one line why."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         lib = native_sync()
-        ok = lib is not None and os.access(_SHM_DIR, os.W_OK)
-        mine = (socket.gethostname(), _boot_id(), bool(ok))
+        why = ""
+        own = control = None
+        token = os.urandom(16)
+        if lib is None:
+            why = "the shared-memory counters could not be compiled (no C compiler?)"
+        elif not hasattr(os, "memfd_create") or not os.path.isdir(f"{_PROC}/self/fd"):
+            why = "this system has no memfd_create or /proc"
+        else:  # every rank's first slot (rank 0's also the control block), with a token to check
+            try:
+                if rank == 0:
+                    control = _Mapping.new("neorec-ctl", _STRIDE * 8 * world)
+                    control.mm[8 * _TOKEN : 8 * _TOKEN + 16] = token
+                own = _Mapping.new(f"neorec-r{rank}-g1", 2 * _MIN_CAP)
+                own.mm[:16] = token
+            except OSError as e:
+                why = f"cannot create shared memory ({e})"
         every: list[Any] = [None] * world
-        dist.all_gather_object(every, mine, group=group)
-        if not all(e[2] for e in every) or len({(e[0], e[1]) for e in every}) != 1:
+        dist.all_gather_object(every, (socket.gethostname(), _boot_id(), why), group=group)
+        reason = next((f"rank {j}: {e[2]}" for j, e in enumerate(every) if e[2]), "")
+        if not reason and len({(e[0], e[1]) for e in every}) != 1:
+            hosts = sorted({e[0] for e in every})
+            reason = f"the ranks are not all on one host (hosts {', '.join(hosts)}, or boot ids)"
+        if reason or own is None:
+            for mem in (own, control):
+                if mem is not None:
+                    mem.release()
+            if required:
+                raise ShmTransportError(f"transport 'shm' cannot be used: {reason}")
             return None
-        names: list[Any] = [None]
-        control: _Mapping | None = None
-        if rank == 0:
-            prefix = os.path.join(_SHM_DIR, f"neorec-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-            control = _Mapping(prefix + "-ctl", _STRIDE * 8 * world, create=True)
-            names = [prefix]
-        dist.broadcast_object_list(
-            names, src=dist.get_global_rank(group, 0) if group else 0, group=group
+        dist.all_gather_object(
+            every, (os.getpid(), own.fd, control.fd if control else -1, token), group=group
         )
-        prefix = str(names[0])
-        if control is None:
-            control = _Mapping(prefix + "-ctl", 0, create=False)
-        host = cls(lib, control, prefix, rank, world, timeout_s)  # writes its pid
-        dist.barrier(group=group)
-        if rank == 0:
-            os.unlink(prefix + "-ctl")  # every rank has it mapped
-        return host
+        pids = [int(e[0]) for e in every]
+        peers: dict[int, _Mapping] = {}
+        err, j = "", 0
+        try:
+            if control is None:
+                control = _Mapping.of_peer(pids[0], every[0][2], every[0][3], 8 * _TOKEN)
+            for j in range(world):
+                if j != rank:
+                    peers[j] = _Mapping.of_peer(pids[j], every[j][1], every[j][3])
+        except _Unreachable as e:
+            err = (
+                f"rank {rank} cannot map rank {j}'s shared memory ({e}; separate containers or "
+                f"PID namespaces on one host?)"
+            )
+        errs: list[Any] = [None] * world
+        dist.all_gather_object(errs, err, group=group)  # also: every rank has mapped every peer
+        own.release()  # from here on the memory lives only in the processes' mappings
+        if control is not None:
+            control.release()
+        bad = next((str(e) for e in errs if e), "")
+        if bad:
+            if required:
+                raise ShmTransportError(f"transport 'shm' cannot be used: {bad}")
+            if rank == 0:
+                print(
+                    f"neorec: shared-memory transport off: {bad}; using gloo",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
+        assert control is not None
+        return cls(lib, control, rank, world, timeout_s, pids, own, peers)
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Remove this rank's files that are still linked (not collective): each once every
-        peer has read from it, or after ``grace_s`` seconds (a peer that never reads)."""
+        """Close this rank's descriptors still held (not collective): each once every peer has
+        mapped its memory, or after ``grace_s`` seconds (a peer that never reads)."""
         with self._lock:
-            for path, first in self._unlink:
+            for mem, first in self._held:
                 self.lib.shm_wait_all_ge(
                     self._ctl_addr(0, _CONS), self.world, _STRIDE, self.rank, first, grace_s
                 )
-                _unlink_quiet(path)
-            self._unlink.clear()
+                mem.release()
+            self._held.clear()
             self.closed = True
 
     # -- the collective --------------------------------------------------------------------
@@ -240,6 +350,7 @@ class HostTransport:
             struct.pack_into(f"{2 * w}q", own.mm, base, *[self.header + o for o in offs], *nbytes)
             own.bytes[base + self.header : base + self.header + src.numel()].copy_(src)
             self._put(r, _GEN0 + s % 2, self._gen)
+            self._put(r, _FD0 + s % 2, own.fd)  # valid until every peer has mapped it
             self.lib.shm_store(self._ctl_addr(r, _PUB), s)
 
             def read() -> None:
@@ -247,7 +358,7 @@ class HostTransport:
                 for j in range(w):
                     if j == r:
                         continue
-                    peer = self._peer(j, self._get(j, _GEN0 + s % 2))
+                    peer = self._peer(j, self._get(j, _GEN0 + s % 2), s % 2, f"{what} {s}")
                     pbase = (s % 2) * (peer.size // 2)
                     off = struct.unpack_from("q", peer.mm, pbase + 8 * r)[0]
                     n = struct.unpack_from("q", peer.mm, pbase + 8 * (w + r))[0]
@@ -280,6 +391,8 @@ class HostTransport:
         return int(self.control.addr + 8 * (rank * _STRIDE + field))
 
     def _wait(self, field: int, value: int, what: str) -> None:
+        """Until every peer's ``field`` reaches ``value``: checks every second that the rank
+        waited for is alive (a zombie is not); at ``timeout_s``, names it (stopped, if it is)."""
         if value <= 0:
             return
         start = time.monotonic()
@@ -295,12 +408,18 @@ class HostTransport:
             )
             if late < 0:
                 return
-            pid = self._get(late, _PID)
-            if not _alive(pid):
+            pid = self.pids[late]
+            state = _state(pid)
+            if not _alive(pid, state):
                 raise ShmTransportError(
                     f"shm transport: rank {late} (pid {pid}) exited before it could {what}"
                 )
             if left <= 1.0:
+                if state in ("T", "t"):
+                    raise ShmTransportError(
+                        f"shm transport: rank {late} (pid {pid}) is stopped (SIGSTOP or a "
+                        f"debugger) and did not {what} within {self.timeout_s:g} s"
+                    )
                 raise ShmTransportError(
                     f"shm transport: rank {late} did not {what} within {self.timeout_s:g} s "
                     f"(did it fail, or start other collectives in another order?)"
@@ -319,14 +438,13 @@ class HostTransport:
         if self._own is None or need > self._own.size // 2:
             cap = max(_MIN_CAP, 1 << (need - 1).bit_length())
             self._gen += 1
-            path = f"{self.prefix}-r{self.rank}-g{self._gen}"
-            self._own = _Mapping(path, 2 * cap, create=True)
-            self._unlink.append((path, s))
+            self._own = _Mapping.new(f"neorec-r{self.rank}-g{self._gen}", 2 * cap)
+            self._held.append((self._own, s))
         return self._own
 
     def _drop_linked(self) -> None:
-        """Unlink this rank's files every peer has read from (so has mapped)."""
-        if not self._unlink:
+        """Close this rank's descriptors of memory every peer has read from (so has mapped)."""
+        if not self._held:
             return
         done = (
             min(
@@ -338,22 +456,26 @@ class HostTransport:
             else self.seq
         )
         keep = []
-        for path, first in self._unlink:
+        for mem, first in self._held:
             if done >= first:
-                _unlink_quiet(path)
+                mem.release()
             else:
-                keep.append((path, first))
-        self._unlink = keep
+                keep.append((mem, first))
+        self._held = keep
 
-    def _peer(self, j: int, gen: int) -> _Mapping:
+    def _peer(self, j: int, gen: int, slot: int, what: str) -> _Mapping:
         got = self._peers.get(j)
         if got is None or got[0] != gen:
-            path = f"{self.prefix}-r{j}-g{gen}"
+            pid = self.pids[j]
             try:
-                m = _Mapping(path, 0, create=False)
-            except FileNotFoundError as e:
+                m = _Mapping.of_peer(pid, self._get(j, _FD0 + slot))
+            except _Unreachable as e:
+                if not _alive(pid, _state(pid)):
+                    raise ShmTransportError(
+                        f"shm transport: rank {j} (pid {pid}) exited during {what}"
+                    ) from e
                 raise ShmTransportError(
-                    f"shm transport: rank {j}'s buffer {path} is gone (removed from /dev/shm?)"
+                    f"shm transport: rank {j}'s memory of {what} cannot be mapped ({e})"
                 ) from e
             self._peers[j] = (gen, m)
             return m
@@ -368,18 +490,21 @@ def _boot_id() -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped,
+    ``Z`` zombie, ...); None when there is no such process."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive, not ours to judge
-        return True
-    return True
+        with open(f"{_PROC}/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(b")", 1)[-1].split()
+    return fields[0].decode() if fields else None
 
 
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _alive(pid: int, state: str | None = "") -> bool:
+    """Whether ``pid`` runs (or may run again): not gone, not a zombie (``os.kill(pid, 0)``
+    succeeds on a zombie, exited but not yet reaped by its parent)."""
+    if state == "":
+        state = _state(pid)
+    return state is not None and state not in ("Z", "X", "x")
