@@ -130,6 +130,19 @@ def _path_batches(cfg: Config, p: Path) -> Any:
 
 
 @torch.no_grad()
+def _check_finite(dense: Tensor, index: int, first: int) -> None:
+    """Refuse a batch whose dense features hold NaN or inf (``first``: its first sample's index
+    in the data): a ``DataError`` naming the column and the row."""
+    finite = torch.isfinite(dense)
+    if bool(finite.all()):
+        return
+    row, col = (int(i) for i in (~finite).nonzero()[0])
+    raise DataError(
+        f"dense column {col} of row {first + row} of the data (batch {index}, its row {row}) is "
+        f"{float(dense[row, col])}: predict and eval take finite dense features"
+    )
+
+
 def predict_batches(
     model: Any, batches: Iterator[Batch], bf16: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -142,7 +155,10 @@ def predict_batches(
     blocks = blocks_of(model)
     probs: list[Tensor] = []
     labels: list[Tensor] = []
-    for batch in batches:
+    seen = 0
+    for i, batch in enumerate(batches):
+        _check_finite(batch.dense, i, seen)
+        seen += batch.size
         with ctx:
             logits = model(batch.dense, batch.sparse)
         p = torch.cat(per_block(torch.sigmoid, blocks, logits.float()))

@@ -11,6 +11,10 @@
                         (float32 per row) for --quantize int8 / int4 (<i>: the table's index)
       serving.py        the loader (``neorec/serve/standalone.py``): load(DIR) -> predict
 
+The manifest is sealed like a checkpoint's (``neorec.checkpoint.format.seal_manifest``: a SHA-256
+of its canonical JSON) and lists every other file with its size and CRC-32 (``files``); the loader
+checks both before it reads anything (``neorec.serve.artifact.load_artifact`` in neorec).
+
 The tables are read through ``ebc.table_weight`` (fp32 whatever the stored precision).
 Quantization is row-wise asymmetric (``neorec.ops.quant``): int8 over each row's [min, max],
 int4 with Check-N-Run's greedy range search.
@@ -18,7 +22,6 @@ int4 with Check-N-Run's greedy range search.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from neorec.checkpoint.format import seal_manifest
 from neorec.config import Config, ConfigError
 from neorec.errors import DataError
 from neorec.ops.quant import int_rowwise_quantize
@@ -140,6 +144,25 @@ def _write_tables(model: Any, bits: int, quantize: str, out: Path) -> list[dict[
     return specs
 
 
+def _table_files(tables: list[dict[str, Any]]) -> list[str]:
+    """Every file the tables' specs name."""
+    out = []
+    for t in tables:
+        out += list(t["files"].values())
+        if "ids_file" in t:
+            out.append(t["ids_file"])
+    return out
+
+
+def _file_table(root: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
+    """``{file: {bytes, crc32}}`` of the artifact's files (the CRC is ``checkpoint.format``'s,
+    computed in chunks by the loader's own ``file_crc32``)."""
+    return {
+        rel: {"bytes": (root / rel).stat().st_size, "crc32": standalone.file_crc32(str(root / rel))}
+        for rel in rels
+    }
+
+
 def _target(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out}: exists and is not an empty directory; export into a new directory")
@@ -180,7 +203,8 @@ def export_model(model_path: str | Path, out_dir: str | Path, quantize: str = "n
             "source": {"model": str(src.resolve()), "step": step},
             "torch": torch.__version__,
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        manifest["files"] = _file_table(tmp, [dense["file"], *_table_files(tables)])
+        (tmp / "manifest.json").write_bytes(seal_manifest(manifest))
         shutil.copyfile(standalone.__file__, tmp / "serving.py")
         if out.exists():
             out.rmdir()  # empty (checked above)

@@ -9,6 +9,14 @@ checkpoint under the root and is an error when there is none or it cannot be res
 is the same but starts a new run when the root holds no checkpoint at all; anything else is a
 checkpoint directory (or a root, for its latest). ``preflight_resume`` resolves it and compares
 the checkpoint's model with the config before the model is built.
+
+Before that, a run that owns its folder (``neorec.train.runlock``: no other live run can write
+it) sweeps ``<run>/checkpoints``: a checkpoint directory without a manifest, of a lineage with no
+complete checkpoint there, was left by a run that died during its first checkpoint write; nothing
+can resume that lineage, so it is removed, with one line saying what went. Unfinished directories
+of a lineage that has complete checkpoints are its resumed run's to remove (the manager does at
+its first save; the resume says so). A ``checkpoint.dir`` outside the run folder is not swept
+(another run may be writing it).
 """
 
 from __future__ import annotations
@@ -22,16 +30,24 @@ import torch.distributed as dist
 from neorec.checkpoint.catalog import (
     PREFIX,
     load_chain,
+    parse_name,
     resolve_checkpoint,
     scan,
     split_path,
 )
-from neorec.checkpoint.format import CheckpointError, NoCheckpointError
+from neorec.checkpoint.format import MANIFEST, CheckpointError, NoCheckpointError
 from neorec.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from neorec.checkpoint.restore import check_model
-from neorec.checkpoint.storage import FsspecStorage, open_storage
+from neorec.checkpoint.storage import TMP_MARK, FsspecStorage, open_storage
+from neorec.train.runlock import held_for_us
 
-__all__ = ["TrainerCheckpoints", "ResumeTarget", "checkpoint_root", "preflight_resume"]
+__all__ = [
+    "TrainerCheckpoints",
+    "ResumeTarget",
+    "checkpoint_root",
+    "preflight_resume",
+    "sweep_unfinished",
+]
 
 
 def checkpoint_root(cfg: Any) -> str:
@@ -68,12 +84,47 @@ class ResumeTarget:
         return self.storage.path(self.name)
 
 
+def sweep_unfinished(cfg: Any, out: TextIO | None = None, rank: int = 0) -> list[str]:
+    """Rank 0 of a run that owns its folder: remove the unfinished checkpoint directories (no
+    manifest) and temporary files of dead runs from ``<run>/checkpoints``; one line says what
+    went. Returns their names."""
+    if rank != 0 or cfg.checkpoint.dir or not cfg.train.run_dir:
+        return []
+    if not held_for_us(Path(cfg.train.run_dir)):
+        return []
+    storage = open_storage(checkpoint_root(cfg), fsync=False)
+    names = storage.listdir()
+    unfinished, finished = [], set()
+    for name in names:
+        parsed = parse_name(name)
+        if parsed is not None:
+            if storage.exists(f"{name}/{MANIFEST}"):
+                finished.add(parsed[1])
+            else:
+                unfinished.append((name, parsed[1]))
+    gone = [n for n, lineage in unfinished if lineage not in finished]
+    gone += [n for n in names if TMP_MARK in n]  # a file cut short directly under the root
+    for name in gone:
+        storage.remove(name)
+    if gone and out is not None:
+        shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        print(
+            f"checkpoints: removed {len(gone)} unfinished write(s) of runs that died while "
+            f"checkpointing (no {MANIFEST}, never restorable) from {storage.url}: {shown}",
+            file=out,
+            flush=True,
+        )
+    return gone
+
+
 def preflight_resume(cfg: Any, out: TextIO | None = None, rank: int = 0) -> ResumeTarget | None:
     """Resolve ``checkpoint.resume`` and check the checkpoint against ``cfg``; None = new run.
 
-    Reads manifests only. Every failure (nothing to resume, a broken or unreadable latest, a
-    model that differs) is a CheckpointError, raised before any table is built.
+    Reads manifests only (after ``sweep_unfinished``). Every failure (nothing to resume, a broken
+    or unreadable latest, a model that differs) is a CheckpointError, raised before any table is
+    built.
     """
+    sweep_unfinished(cfg, out, rank)
     which = cfg.checkpoint.resume.strip()
     if not which:
         return None
@@ -173,6 +224,8 @@ class TrainerCheckpoints:
         note = (
             f"; ignored unfinished (no manifest): {', '.join(unfinished[:3])}" if unfinished else ""
         )
+        if note and self.cfg.checkpoint.every_steps:
+            note += " (removed at this run's first checkpoint)"
         _say(trainer, f"resumed from step {trainer.step} ({t.which}: {t.path}){note}")
         return evals
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.errors import DataError
+from neorec.train.runlock import locked_by
 from neorec.train.runs import LATEST
 
 __all__ = ["describe_run", "list_runs", "format_runs", "run_runs_command"]
@@ -53,8 +54,14 @@ def describe_run(folder: Path) -> dict[str, Any]:
             "%Y-%m-%dT%H:%M:%SZ"
         )
     row["start_utc"] = start
-    if m is None:
-        row["status"] = "unreadable metrics.json" if metrics_path.exists() else "running or stopped"
+    holder = locked_by(folder)
+    if m is None or holder is not None:  # a live run holds the folder's lock: still going
+        if holder is not None:
+            row["status"] = f"running ({holder})"
+        elif metrics_path.exists():
+            row["status"] = "unreadable metrics.json"
+        else:
+            row["status"] = "stopped"
         row["steps"] = _last_step(folder / "events.jsonl")
         return row
     row["status"] = "done"

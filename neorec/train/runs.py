@@ -12,6 +12,9 @@ folder ``train.name`` or the UTC time, with ``-2``, ``-3`` ... when taken. A new
 reserved (created empty) when it is chosen, so two runs never share one; ``discard_if_empty``
 removes it again when the run never started. ``--nproc`` ranks receive the launcher's choice
 through ``NEOREC_RUN_DIR`` / ``NEOREC_RUNS_ROOT``.
+
+The chosen folder is locked (``neorec.train.runlock``) by the process that chose it, for the run's
+life: a second run of the same folder is refused with one line naming the holder's pid.
 """
 
 from __future__ import annotations
@@ -29,14 +32,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from neorec.errors import ConfigError, NeorecError
+from neorec.errors import ConfigError
 from neorec.machine import cpu_model_and_flags
+from neorec.train import runlock
+from neorec.train.runlock import RunFolderError
 
 __all__ = [
     "RUN_DIR_ENV",
     "RUNS_ROOT_ENV",
     "LATEST",
     "RunFolder",
+    "RunFolderError",
     "resolve_run",
     "update_latest",
     "run_info",
@@ -56,10 +62,6 @@ LATEST = "latest"
 def utc_now() -> str:
     """The time now, UTC, ISO 8601 to the second (``2026-11-25T14:30:12Z``)."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-class RunFolderError(NeorecError):
-    """A run folder that cannot be used (no run to resume, a file where a folder should be)."""
 
 
 # ---- which folder ----------------------------------------------------------------------------
@@ -99,8 +101,29 @@ class RunFolder:
         train = dataclasses.replace(cfg.train, run_dir=str(self.path))
         return dataclasses.replace(cfg, train=train)
 
+    def lock(self) -> RunFolder:
+        """Lock the folder for this process's run (``runlock.acquire``); returns ``self``."""
+        try:
+            runlock.acquire(self.path)
+        except BaseException:
+            self.discard_if_empty()
+            raise
+        return self
+
+    def release(self) -> None:
+        """Drop this process's lock of the folder (the run is over)."""
+        runlock.release(self.path)
+
     def discard_if_empty(self) -> None:
-        """Remove the folder if this process reserved it and nothing was written into it."""
+        """Release the folder's lock; remove the folder if this process reserved it and nothing
+        was written into it (its lock file aside)."""
+        if self.created and runlock.held(self.path):
+            try:
+                if [p.name for p in self.path.iterdir()] == [runlock.LOCK_FILE]:
+                    (self.path / runlock.LOCK_FILE).unlink()
+            except OSError:
+                pass
+        self.release()
         if self.created:
             try:
                 self.path.rmdir()  # only an empty directory goes
@@ -223,12 +246,19 @@ def resolve_run(cfg: Any) -> RunFolder:
             )
         if path.exists() and not path.is_dir():
             raise ConfigError(f"train.run_dir '{t.run_dir}' is a file, not a folder")
-        return RunFolder(path)
+        created = not path.exists()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunFolderError(
+                f"train.run_dir '{t.run_dir}': cannot create it: {e.strerror or e}"
+            ) from None
+        return RunFolder(path, created=created).lock()
     if cfg.checkpoint.resume.strip() and not cfg.checkpoint.dir:
         found = _resumed(cfg, root)
         if found is not None:
-            return found
-    return reserve(root, t.name or _timestamp())
+            return found.lock()
+    return reserve(root, t.name or _timestamp()).lock()
 
 
 def update_latest(root: Path, name: str) -> str:
@@ -481,7 +511,7 @@ class RunLog:
             self.events.flush()
 
     def close(self) -> None:
-        """Close the files (the terminal stays)."""
+        """Close the files (the terminal stays) and release the folder's lock: the run is over."""
         if self.events is not None:
             self.events.close()
             self.events = None
@@ -489,3 +519,4 @@ class RunLog:
         if log is not None:
             self.tee.log = None
             log.close()
+        self.folder.release()
