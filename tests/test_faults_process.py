@@ -7,6 +7,12 @@ Real ``neorec train`` processes, signalled the way a user or a scheduler does:
   seconds ("handled"; workers that keep training are a "crash"), and a SIGTERM'd launcher exits
   143 with one line; a SIGTERM of one worker: the other goes, the launcher prints one line
   naming the rank and the signal;
+- a SIGKILL of the launcher while its workers are held in their interpreter's start-up (a
+  ``sitecustomize`` that waits): deterministic, the kernel must end them (``PR_SET_PDEATHSIG``
+  set between fork and exec);
+- a rank stopped (SIGSTOP) under ``--nproc 2``, and a rank killed or stopped among ranks started
+  by hand (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``): one line naming the lost rank, no
+  traceback, soon after ``train.collective_timeout_s``;
 - SIGINT to the process group (Ctrl-C) of a 1-process and of a ``--nproc 2`` run that has written
   checkpoints: exit 130 and one line on stderr naming the resume command (which must parse back to
   the same config), no traceback, every worker gone;
@@ -24,6 +30,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,9 +68,11 @@ def _default_sigint() -> None:
 class Run:
     """A ``neorec train`` process in its own session, its output in files."""
 
-    def __init__(self, tmp: Path, name: str, argv: list[str]) -> None:
+    def __init__(
+        self, tmp: Path, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "neorec", "train", *argv],
@@ -215,6 +224,113 @@ def test_signals_to_the_launcher_or_a_worker(tmp_path: Path) -> None:
         for run in runs.values():
             run.kill()
     C.check()
+
+
+HOLD = """import os, signal
+if "LOCAL_RANK" in os.environ:  # a worker: held here, before any neorec code can run
+    signal.pause()
+"""
+
+
+def test_launcher_killed_while_its_workers_start_up(tmp_path: Path) -> None:
+    # Deterministic, whatever the load: the workers are held in their interpreter's start-up (a
+    # sitecustomize that waits forever), so nothing of neorec's own watches the launcher yet; the
+    # kernel must end them when it dies (PR_SET_PDEATHSIG, set between the fork and the exec).
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD)
+    path = os.pathsep.join(p for p in (str(hold), os.environ.get("PYTHONPATH", "")) if p)
+    name = "SIGKILL of the launcher while its workers are held in their start-up"
+    run = Run(tmp_path, "held", ["--nproc", "2", *sets(tmp_path, "held")], {"PYTHONPATH": path})
+    try:
+        if not run.wait_training(0, workers=2):
+            C.record(name, "crash", f"workers never started: {run.stderr()[-500:]}")
+        else:
+            os.kill(run.proc.pid, signal.SIGKILL)
+            left = gone_within(run.workers, GONE_S)
+            if left:
+                C.record(name, "crash", f"workers {left} still running {GONE_S:.0f} s later")
+            else:
+                C.record(name, "handled", "both workers gone")
+    finally:
+        run.kill()
+    C.check()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+PEER_TIMEOUT_S = 8  # train.collective_timeout_s of the lost-peer cases
+
+
+def test_a_lost_peer_is_one_line_naming_the_rank(tmp_path: Path) -> None:
+    """A rank stopped (SIGSTOP) or killed, under --nproc 2 and started by hand as a cluster
+    scheduler does (RANK / WORLD_SIZE / MASTER_ADDR): the survivor and the launcher end with one
+    line naming the lost rank, no traceback, soon after train.collective_timeout_s."""
+    extra = (f"train.collective_timeout_s={PEER_TIMEOUT_S}", "comm.transport='gloo'")
+    runs: dict[str, list[Run]] = {}
+    port = _free_port()
+    try:
+        runs["stop"] = [Run(tmp_path, "stop", ["--nproc", "2", *sets(tmp_path, "stop", *extra)])]
+        for case in ("kill", "hstop"):
+            port = _free_port()
+            env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            runs[case] = [
+                Run(
+                    tmp_path,
+                    f"{case}{r}",
+                    sets(tmp_path, case, *extra),
+                    {**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"},
+                )
+                for r in (0, 1)
+            ]
+        _stopped_worker(runs["stop"][0])
+        _lost_by_hand("SIGKILL of rank 1 of ranks started by hand", runs["kill"], signal.SIGKILL)
+        _lost_by_hand("SIGSTOP of rank 1 of ranks started by hand", runs["hstop"], signal.SIGSTOP)
+    finally:
+        for rs in runs.values():
+            for run in rs:
+                run.workers.append(run.proc.pid)
+                run.kill()
+    C.check()
+
+
+def _stopped_worker(run: Run) -> None:
+    name = f"SIGSTOP of worker rank 1 (collective_timeout_s={PEER_TIMEOUT_S})"
+    if not run.wait_training(20, workers=2):
+        C.record(name, "crash", f"never trained: {run.stderr()[-500:]}")
+        return
+    target = next((w for w in run.workers if rank_of(w) == 1), -1)
+    t0 = time.monotonic()
+    os.kill(target, signal.SIGSTOP)
+    code = run.finish(PEER_TIMEOUT_S + START_S)
+    took = time.monotonic() - t0
+    lines = one_line(run.stderr())
+    left = gone_within(run.workers, GONE_S)
+    detail = f"exit {code} after {took:.1f} s, left {left}, stderr {lines[-3:]!r}"[-480:]
+    ok = code == 1 and len(lines) == 1 and not left
+    ok = ok and lines[0].startswith("neorec: error: rank 1 was stopped")
+    C.record(name, "handled" if ok else "crash", detail)
+
+
+def _lost_by_hand(name: str, ranks: list[Run], sig: signal.Signals) -> None:
+    first, second = ranks
+    if not first.wait_training(20):
+        C.record(name, "crash", f"never trained: {first.stderr()[-500:]}")
+        return
+    t0 = time.monotonic()
+    os.kill(second.proc.pid, sig)
+    code = first.finish(PEER_TIMEOUT_S + START_S)
+    took = time.monotonic() - t0
+    lines = one_line(first.stderr())
+    detail = f"rank 0: exit {code} after {took:.1f} s, stderr {lines[-3:]!r}"[-480:]
+    want = "did not answer a collective" if sig == signal.SIGSTOP else "exited or lost"
+    ok = code == 2 and len(lines) == 1
+    ok = ok and lines[0].startswith(f"neorec: error: rank 0: rank 1 {want}")
+    C.record(name, "handled" if ok else "crash", detail)
 
 
 def _check_resume(line: str, argv: list[str]) -> str:

@@ -146,7 +146,7 @@ def test_failure_line_prefers_the_first_reported_error(tmp_path, monkeypatch):
         "neorec: error: rank 1 was killed by SIGKILL; the other ranks were stopped",
         1,
     )
-    assert launch._report(1, "RuntimeError: boom", defect=True)
+    assert launch._report(1, "RuntimeError: boom", kind="defect")
     line, code = launch.failure_line(fail, str(tmp_path))
     assert line.startswith("neorec: error: rank 1 failed: RuntimeError: boom (traceback above)")
     assert code == 1
@@ -175,3 +175,53 @@ def test_expected_parent(monkeypatch):
     dead.wait()
     monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(dead.pid))  # the launcher died before us
     assert launch._expected_parent() == dead.pid != os.getppid()
+
+
+@pytest.mark.parametrize(
+    "message, world, want",
+    [
+        ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv "
+         "operation to complete", 2, "rank 1 did not answer a collective"),
+        ("Application timeout caused pair closure", 2, "rank 1 did not answer a collective"),
+        ("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4711: Connection reset by "
+         "peer", 2, "rank 1 exited or lost its connection during a collective"),
+        ("Connection closed by peer [127.0.0.1]:4711", 4, "another rank exited or lost"),
+        ("shape mismatch", 2, None),
+    ],
+)  # fmt: skip
+def test_peer_lost_names_the_peer(message, world, want):
+    from neorec.errors import NeorecError
+    from neorec.launch import peer_lost
+
+    got = peer_lost(RuntimeError(message), 0, world)
+    if want is None:
+        assert got is None
+        return
+    assert isinstance(got, NeorecError) and str(got).startswith(want), got
+    assert "\n" not in str(got) and "(gloo: " in str(got)
+    assert peer_lost(ValueError(message), 0, world) is None
+
+
+def test_failure_line_names_a_stopped_rank(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from neorec import launch
+
+    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
+    fail = {
+        0: SimpleNamespace(timestamp=5, exitcode=2),
+        1: SimpleNamespace(timestamp=5, exitcode=-15),
+    }
+    assert launch._report(0, "rank 1 did not answer a collective (gloo: x)", kind="peer")
+    assert launch.failure_line(fail, str(tmp_path), [1]) == (
+        "neorec: error: rank 1 was stopped (SIGSTOP?) and its peers' collectives timed out; "
+        "the other ranks were stopped",
+        1,
+    )
+    # Not stopped: a peer's report gives way to the end the agent saw of the rank it names.
+    fail[1].exitcode = -9
+    assert launch.failure_line(fail, str(tmp_path), [], "restarts exhausted: 1 of 1") == (
+        "neorec: error: rank 1 was killed by SIGKILL; the other ranks were stopped "
+        "(restarts exhausted: 1 of 1)",
+        1,
+    )

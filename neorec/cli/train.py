@@ -11,6 +11,8 @@ from typing import Any
 
 from neorec.launch import (
     EXIT_INTERRUPTED,
+    Nodes,
+    Recovery,
     interrupted_line,
     is_worker,
     launch,
@@ -40,6 +42,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "torchrun --nnodes ... -m neorec train",
     )
     p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines of the job (each runs this command with --nproc ranks); with "
+        "--rdzv-endpoint: every node's launcher meets there (c10d rendezvous)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place among --nnodes (informational: the rendezvous assigns ranks)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="with --nnodes > 1: where the nodes' launchers meet (the same on every node)",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        default="neorec",
+        help="with --nnodes > 1: the job's id at the endpoint (the same on every node)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc: when a rank dies, restart the group up to K times, every rank resuming "
+        "from the run's newest complete checkpoint (default 0: a lost rank ends the run)",
+    )
+    p.add_argument(
         "--resume",
         metavar="PATH|latest|auto",
         help="continue from a checkpoint directory, 'latest' (the latest checkpoint of the latest "
@@ -56,15 +89,25 @@ def run(args: argparse.Namespace) -> int:
         return run_worker(lambda: _train_worker(args))
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    _check_nodes(args)
+    if args.max_restarts and args.nproc == 1 and args.nnodes == 1:
+        raise ConfigError(
+            "--max-restarts restarts the ranks of a --nproc N job (N >= 2); one process: "
+            "run it again with --resume latest"
+        )
     sets = list(args.set)
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
     cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
     from neorec.train.runs import resolve_run
 
+    if args.nnodes > 1:  # rank 0 chooses the run folder and tells the others (as under torchrun)
+        return _launch(args, cfg, resume_command(args.config, sets, args.nproc), {})
     run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)
     resume = resume_command(args.config, sets, args.nproc, run.name if run.root else None)
-    if args.nproc > 1:
+    if args.nproc > 1 or args.nnodes > 1:
         code = 1
         try:
             code = _launch(args, run.apply(cfg), resume, run.env())
@@ -82,11 +125,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_nodes(args: argparse.Namespace) -> None:
+    from neorec.config import ConfigError
+
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if args.rdzv_endpoint and args.nnodes == 1:
+        raise ConfigError("--rdzv-endpoint is for --nnodes > 1 (one node meets on localhost)")
+    if args.nnodes > 1 and args.max_restarts:
+        raise ConfigError(
+            "--max-restarts restarts the ranks of one node; on several nodes run torchrun "
+            "--max-restarts K on each (docs/running.md)"
+        )
+
+
 def _train_worker(args: argparse.Namespace) -> int:
     from neorec.config import load_config
+    from neorec.launch import LAUNCHER_PID_ENV
 
     if args.resume:
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        # A restarted group: fault injection fires in the first attempt only, and under a bare
+        # torchrun --max-restarts (no neorec launcher to name the checkpoint) the run resumes
+        # its latest checkpoint when it has one.
+        args.set.append("system.fail_at=''")
+        if LAUNCHER_PID_ENV not in os.environ and not args.resume:
+            args.set.append('checkpoint.resume="auto"')
     cfg = load_config(args.config, args.set)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _train_distributed(cfg)
@@ -99,6 +168,8 @@ def _train_worker(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, cfg: Any, resume: str, env: dict[str, str]) -> int:
     """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs);
     ``env`` hands them the run folder."""
+    from neorec.train.checkpoints import checkpoint_root
+
     rest = ["train"]
     if args.config:
         rest += ["--config", args.config]
@@ -109,7 +180,11 @@ def _launch(args: argparse.Namespace, cfg: Any, resume: str, env: dict[str, str]
         what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
         return interrupted_line(cfg, resume, None, what)
 
-    return launch(args.nproc, rest, on_signal, env)
+    if args.nnodes > 1:
+        nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
+        return launch(args.nproc, rest, on_signal, env, nodes=nodes)
+    recovery = Recovery(checkpoint_root(cfg), cfg.train.run_dir or None)
+    return launch(args.nproc, rest, on_signal, env, args.max_restarts, recovery)
 
 
 def _train_distributed(cfg: Any) -> int:

@@ -30,13 +30,15 @@ class SystemConfig:
     """The compiled C helpers for the dynamic tables' id map, the row cache's bookkeeping and
     its record I/O (false: the NumPy / torch paths, the same decisions, slower)."""
     fail_at: str = ""
-    """Fault injection for tests: ``RANK:STEP`` makes that rank raise at that step ("": never)."""
+    """Fault injection for tests: ``RANK:STEP`` makes that rank raise at that step, ``RANK:STEP:kill``
+    SIGKILL itself there ("": never; a restarted group, ``--max-restarts``, never)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "system")
-        if self.fail_at and not re.fullmatch(r"\d+:\d+", self.fail_at):
+        if self.fail_at and not re.fullmatch(r"\d+:\d+(:kill)?", self.fail_at):
             raise ConfigError(
-                f"system.fail_at must be RANK:STEP (e.g. '1:5') or empty, got {self.fail_at!r}"
+                f"system.fail_at must be RANK:STEP or RANK:STEP:kill (e.g. '1:5') or empty, got "
+                f"{self.fail_at!r}"
             )
 
     @property
@@ -44,5 +46,5 @@ class SystemConfig:
         """``fail_at`` as (rank, step), or None."""
         if not self.fail_at:
             return None
-        r, s = self.fail_at.split(":")
+        r, s = self.fail_at.split(":")[:2]
         return int(r), int(s)

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -289,6 +290,8 @@ class Trainer(RunSummary):
         try:
             while True:
                 if self.step + 1 == self._fail_at:
+                    if self.cfg.system.fail_at.endswith(":kill"):
+                        os.kill(os.getpid(), signal.SIGKILL)
                     raise RuntimeError(
                         f"injected failure on rank {self.rank} at step {self._fail_at}"
                     )

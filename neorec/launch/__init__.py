@@ -12,6 +12,11 @@ it starts N workers ``python -m neorec train ...`` with ``LOCAL_RANK`` set. What
   lines and failure report are not printed (set ``LOGLEVEL`` to see them).
 - **Ctrl-C**: workers stay quiet; the launcher (or the single process) prints one line, with the
   resume command when a complete checkpoint exists, and exits 130.
+- **A lost peer**: gloo's error when a peer rank died or stopped answering (a reset connection, a
+  collective's timeout) is one line naming that rank (``PeerLostError``), not a traceback; the
+  launcher names a rank it finds stopped (SIGSTOP) and ends it at once.
+- **Restarts** (``--max-restarts K``, ``neorec.launch.elastic``): a lost rank restarts the group
+  from the run's newest checkpoint; workers are tied to the launcher from their fork.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
@@ -50,6 +56,10 @@ __all__ = [
     "resume_command",
     "step_of",
     "init_rank_group",
+    "PeerLostError",
+    "Recovery",
+    "Nodes",
+    "peer_lost",
 ]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -69,16 +79,45 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
+class PeerLostError(NeorecError):
+    """A collective failed because another rank died or stopped answering."""
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The machines of a job: how many, this one's place, where their launchers meet."""
+
+    count: int = 1
+    rank: int = 0
+    endpoint: str = "localhost:0"
+    job_id: str = ""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Where a restarted group finds the run's checkpoints and its events.jsonl."""
+
+    checkpoint_root: str
+    run_dir: str | None = None
+
+
 # ---- the worker side -----------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (R, S, T, Z, ...); '' if it is gone, '?' if unknown."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return ""
     except (OSError, IndexError):
-        pass  # no /proc: ask the kernel
+        return "?"
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    state = proc_state(pid)
+    if state != "?":
+        return state not in ("", "Z")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -145,15 +184,19 @@ def _peer_failed(rank: int) -> bool:
     return any(n.endswith(".json") and n != f"rank-{rank}.json" for n in os.listdir(d))
 
 
-def _report(rank: int, message: str, defect: bool = False) -> bool:
-    """Hand a worker's failure to the launcher (which prints it once); False if there is none."""
+def _report(rank: int, message: str, kind: str = "error") -> bool:
+    """Hand a worker's failure to the launcher (which prints it once); False if there is none.
+
+    ``kind``: ``error`` (a ``NeorecError``: bad input, the same again on a restart), ``defect``
+    (any other exception) or ``peer`` (a collective broken by another rank: ``PeerLostError``).
+    """
     d = os.environ.get(ERROR_DIR_ENV, "")
     if not d or not os.path.isdir(d):
         return False
     try:
         tmp = os.path.join(d, f".rank-{rank}.tmp")
         with open(tmp, "w") as f:
-            record = {"rank": rank, "time": time.time(), "message": message, "defect": defect}
+            record = {"rank": rank, "time": time.time(), "message": message, "kind": kind}
             json.dump(record, f)
         os.replace(tmp, os.path.join(d, f"rank-{rank}.json"))
     except OSError:
@@ -177,6 +220,37 @@ def _consequence(rank: int, grace_s: float = _GRACE_S) -> bool:
         time.sleep(0.1)
 
 
+# gloo's messages (tcp transport) when a peer stopped answering / went away mid-collective
+_TIMED_OUT = ("Timed out waiting", "timeout caused pair closure", "timed out connecting")
+_CUT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_lost(exc: BaseException, rank: int, world: int) -> PeerLostError | None:
+    """gloo's error of a collective whose peer died or stopped answering, as one line naming the
+    peer (the other rank of two; "another rank" of more); None for any other exception."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    timed_out = any(t in text for t in _TIMED_OUT)
+    cut = any(t in text for t in _CUT)
+    if not (timed_out or cut):
+        return None
+    peer = f"rank {1 - rank}" if world == 2 and rank in (0, 1) else "another rank"
+    gloo = first.split("] ", 1)[-1][:200]
+    if timed_out:
+        what = f"{peer} did not answer a collective within train.collective_timeout_s (stopped?)"
+    else:
+        what = f"{peer} exited or lost its connection during a collective"
+    return PeerLostError(f"{what} (gloo: {gloo})")
+
+
+def _is_transport(e: BaseException) -> bool:
+    """The shared-memory transport's error (a peer gone mid-collective), by its class's name:
+    ``distributed.shm`` is a lower layer this one does not reach into."""
+    return any(c.__name__ == "ShmTransportError" for c in type(e).__mro__)
+
+
 def _exit_now(code: int) -> NoReturn:
     """End a failed or interrupted worker at once: no interpreter teardown, whose destructors of
     a process group with a vanished peer can abort (``terminate called ...``) or wait."""
@@ -190,7 +264,7 @@ def run_worker(fn: Callable[[], int]) -> int:
     """Run one rank's work: watch the launcher, report errors once, stay quiet on Ctrl-C.
 
     A ``NeorecError`` is reported (to the launcher, else as ``neorec: error: rank R: ...``) and
-    exits 2; Ctrl-C (a SIGINT forwarded by the launcher) exits 130 without a word, as does any
+    exits 2, as does gloo's error of a collective whose peer is gone (``peer_lost``); Ctrl-C (a SIGINT forwarded by the launcher) exits 130 without a word, as does any
     failure that follows it (a collective broken by a peer that stopped first). A failure that
     follows a peer's (see ``_consequence``) also stays quiet (exit 1). Other exceptions are
     defects: their traceback is printed and the launcher's line names the rank and the exception
@@ -204,7 +278,8 @@ def run_worker(fn: Callable[[], int]) -> int:
         return fn()
     except NeorecError as e:
         _WorkerState.unwinding = True
-        if not _report(rank, str(e)):
+        kind = "peer" if isinstance(e, PeerLostError) or _is_transport(e) else "error"
+        if not _report(rank, str(e), kind):
             print(f"neorec: error: rank {rank}: {e}", file=sys.stderr, flush=True)
         _exit_now(e.exit_code)
     except KeyboardInterrupt:
@@ -214,7 +289,12 @@ def run_worker(fn: Callable[[], int]) -> int:
         _WorkerState.unwinding = True
         if _consequence(rank):
             _exit_now(EXIT_INTERRUPTED if _WorkerState.interrupted else 1)
-        _report(rank, f"{type(e).__name__}: {e}".splitlines()[0], defect=True)
+        lost = peer_lost(e, rank, int(os.environ.get("WORLD_SIZE", "1")))
+        if lost is not None:
+            if not _report(rank, str(lost), kind="peer"):
+                print(f"neorec: error: rank {rank}: {lost}", file=sys.stderr, flush=True)
+            _exit_now(lost.exit_code)
+        _report(rank, f"{type(e).__name__}: {e}".splitlines()[0], kind="defect")
         traceback.print_exc()
         _exit_now(1)
 
@@ -255,19 +335,20 @@ def _restore_signals() -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
-def _first_reported(errdir: str) -> dict[str, Any] | None:
-    """The earliest failure a worker reported (rank, message, defect), if any."""
+def reports(errdir: str) -> list[dict[str, Any]]:
+    """The failures the workers reported (rank, message, kind, time), earliest first."""
     found = []
     for p in Path(errdir).glob("rank-*.json"):
         try:
             d = json.loads(p.read_text())
-            found.append((float(d["time"]), int(d["rank"]), str(d["message"]), bool(d["defect"])))
+            kind = str(d.get("kind", "defect" if d.get("defect") else "error"))
+            found.append(
+                {"time": float(d["time"]), "rank": int(d["rank"]), "message": str(d["message"])}
+                | {"kind": kind}
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    if not found:
-        return None
-    _, rank, message, defect = min(found)
-    return {"rank": rank, "message": message, "defect": defect}
+    return sorted(found, key=lambda r: (r["time"], r["rank"]))
 
 
 def _exit_code(failures: dict[int, Any], rank: int) -> int:
@@ -275,30 +356,62 @@ def _exit_code(failures: dict[int, Any], rank: int) -> int:
     return code if 0 < code < 256 else 1
 
 
-def failure_line(failures: dict[int, Any], errdir: str) -> tuple[str, int]:
-    """The one line and the exit code of a failed job: the first failure a rank reported, else
-    the first the agent saw (``failures``: global rank -> torch's ProcessFailure)."""
-    first = _first_reported(errdir)
-    stopped = "the other ranks were stopped"
-    if first is not None and not first["defect"]:
-        return f"neorec: error: rank {first['rank']}: {first['message']}", 2
+def cause_of(
+    failures: dict[int, Any], errdir: str, stopped: list[int] | tuple[int, ...] = ()
+) -> tuple[str, int, bool]:
+    """Why a group failed: (the cause, naming the rank; the exit code; whether the line is an
+    error of the user's input, which stopped nothing: a ``NeorecError``).
+
+    In this order: the first ``NeorecError`` or defect a rank reported; a rank found stopped
+    (its peers' collectives timed out); the first end the agent saw that is not a peer's
+    consequence (a signal, an exit code); the first lost peer a rank reported.
+    """
+    found = reports(errdir)
+    first = next((r for r in found if r["kind"] in ("error", "defect")), None)
+    if first is not None and first["kind"] == "error":
+        return f"rank {first['rank']}: {first['message']}", 2, True
     if first is not None:
-        rank = first["rank"]
-        line = f"neorec: error: rank {rank} failed: {first['message']} (traceback above); {stopped}"
-        return line, _exit_code(failures, rank)
+        cause = f"rank {first['rank']} failed: {first['message']} (traceback above)"
+        return cause, _exit_code(failures, first["rank"]), False
+    if stopped:
+        cause = f"rank {stopped[0]} was stopped (SIGSTOP?) and its peers' collectives timed out"
+        return cause, 1, False
+    peers = {r["rank"] for r in found if r["kind"] == "peer"}
+    own = {r: f for r, f in failures.items() if r not in peers}
+    if not own and found:
+        lost = found[0]
+        return f"rank {lost['rank']}: {lost['message']}", 2, False
     # (Whole seconds: on a tie the first the agent saw, which it lists first.)
-    rank = min(failures, key=lambda r: failures[r].timestamp)
-    code = int(failures[rank].exitcode)
+    pool = own or failures
+    rank = min(pool, key=lambda r: pool[r].timestamp)
+    code = int(pool[rank].exitcode)
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"neorec: error: rank {rank} was killed by {name}; {stopped}", 1
+        return f"rank {rank} was killed by {name}", 1, False
     if code == EXIT_INTERRUPTED:  # a SIGINT sent to that worker alone
-        return f"neorec: rank {rank} was interrupted; {stopped}", EXIT_INTERRUPTED
-    line = f"neorec: error: rank {rank} exited with code {code} (its output is above); {stopped}"
-    return line, _exit_code(failures, rank)
+        return f"rank {rank} was interrupted", EXIT_INTERRUPTED, False
+    return (
+        f"rank {rank} exited with code {code} (its output is above)",
+        _exit_code(pool, rank),
+        False,
+    )
+
+
+def failure_line(
+    failures: dict[int, Any],
+    errdir: str,
+    stopped: list[int] | tuple[int, ...] = (),
+    note: str = "",
+) -> tuple[str, int]:
+    """The one line and the exit code of a failed job (``failures``: global rank -> torch's
+    ProcessFailure; ``stopped``: ranks found stopped; ``note``: why it was not restarted)."""
+    cause, code, input_error = cause_of(failures, errdir, stopped)
+    head = "neorec: " if code == EXIT_INTERRUPTED else "neorec: error: "
+    tail = "" if input_error else "; the other ranks were stopped"
+    return head + cause + tail + (f" ({note})" if note else ""), code
 
 
 def launch(
@@ -306,10 +419,16 @@ def launch(
     worker_argv: list[str],
     on_signal: Callable[[signal.Signals], str],
     env: dict[str, str] | None = None,
+    max_restarts: int = 0,
+    recovery: Recovery | None = None,
+    nodes: Nodes | None = None,
 ) -> int:
     """Run ``python -m neorec WORKER_ARGV`` as ``nproc`` local ranks; one line if it fails.
 
     ``env``: more environment for the workers (e.g. the run folder the launcher chose).
+    ``max_restarts``: times a failed group is started again, from the newest checkpoint this
+    job wrote under ``recovery.checkpoint_root`` (``neorec.launch.elastic``). ``nodes``: the
+    job's machines (default: this one alone).
 
     Returns the exit code: 0; 2 when a worker reported a ``NeorecError`` (printed once as
     ``neorec: error: rank R: ...``); a failed worker's own code; 128 + n when the launcher got
@@ -318,19 +437,24 @@ def launch(
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import launch_agent
 
+    from neorec.launch.elastic import Job, run_agent
+
+    nodes = nodes or Nodes(job_id=str(uuid.uuid4()))
     argv = [
-        "--nnodes=1",
+        f"--nnodes={nodes.count}",
+        f"--node-rank={nodes.rank}",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
         "--rdzv-backend=c10d",
-        "--rdzv-endpoint=localhost:0",
-        f"--rdzv-id={uuid.uuid4()}",
+        f"--rdzv-endpoint={nodes.endpoint}",
+        f"--rdzv-id={nodes.job_id}",
         "-m",
         "neorec",
         *worker_argv,
     ]
     errdir = tempfile.mkdtemp(prefix="neorec-errors-")
+    job = Job(errdir, max_restarts, recovery)
     try:
         with _quiet_torchrun():
             targs = torchrun.parse_args(argv)
@@ -340,12 +464,16 @@ def launch(
             ours = {LAUNCHER_PID_ENV: str(os.getpid()), ERROR_DIR_ENV: errdir}
             with _env(**ours, **(env or {})):
                 try:
-                    launch_agent(config, cmd, list(cmd_args))
+                    run_agent(config, cmd, list(cmd_args), job)
                 finally:
                     _restore_signals()
         return 0
     except ChildFailedError as e:
-        line, code = failure_line(e.failures, errdir)
+        note = job.no_restart if max_restarts else ""
+        if max_restarts and not note:
+            note = f"restarts exhausted: {len(job.restarts)} of {max_restarts}"
+        # (The failures the agent saw before it stopped the group: not its own SIGTERMs.)
+        line, code = failure_line(job.failures or e.failures, errdir, job.stopped, note)
         print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as e:
@@ -376,7 +504,35 @@ def init_rank_group(device: str, timeout_s: float, keep_heap: bool = True) -> st
     backend = process_group_backend(device)
     if backend == "nccl":
         torch.cuda.set_device(rank_device(device))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    # Every group this rank creates later (dist.new_group without a timeout: the embedding
+    # group, the host groups) waits as long as the default one, not torch's 30 minutes.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart.isdigit():
+        # The elastic agent's store outlives a restart of the group (torch >= 2.13 no longer
+        # prefixes it per attempt): without a prefix of our own, a restarted group's gloo would
+        # read the dead group's addresses ("Connection refused").
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]),
+            is_master=False,
+            timeout=timeout,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"/neorec/attempt_{restart}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+        return backend
+    dist.init_process_group(backend, timeout=timeout)
     return backend
 
 
