@@ -1,16 +1,20 @@
-"""``neorec bench dmt``: flat sharding vs DMT towers (SPTT), side by side in one run.
+"""``neorec bench dmt``: flat sharding vs DMT towers (SPTT), every inter-host byte counted.
 
-Speed and bytes: ``--nproc`` gloo ranks on this machine, taken as ``nproc / ranks_per_host``
-hosts, train the same config twice on the same batches: the flat model (``DistributedModel``,
-tables placed table-wise over all ranks) and the towered one (``DistributedTowerModel``, tower t's
-tables table-wise over host t's ranks, a compressing tower module). Every all-to-all counts the
-bytes it sends to ranks of another host; the table gives inter-host bytes per step (summed over
-ranks) and ms per step (the slowest rank's median), after warm-up steps.
+Bytes and speed: ``--nproc`` gloo ranks on this machine, taken as ``nproc / ranks_per_host``
+hosts, train the same config on the same batches three ways, step by step in a rotated order:
+``flat`` (``DistributedModel``, tables table-wise over all ranks), ``towers_world``
+(``DistributedTowerModel``, tower modules' gradients in the world-wide DDP) and ``towers_host``
+(tower t's module synchronised only inside host t). Every all-to-all counts the bytes it sends to
+ranks of another host; the dense gradients of every world-wide DDP go through one comm hook, the
+hierarchical all-reduce of ``neorec.distributed.grad_sync`` (reduce in the host, all-reduce among
+one rank per host, broadcast in the host), which counts the bytes it sends between hosts exactly:
+``2 H (H - 1) ceil(n / H) * 4`` per bucket of n floats. The table gives bytes per step summed
+over ranks, split into all-to-all and all-reduce, and ms per step (the slowest rank's).
 
-Quality: the grouped-teacher task (``data.teacher_groups``), unsharded (the distributed forms
-compute the unsharded models' functions, tested): eval NE of the flat model, of the towered model
-with the learned partition and with a random one, over ``--seeds`` seeds
-(``neorec.bench.towers_quality``).
+Quality (``neorec.bench.towers_quality``, unsharded forms: the distributed ones compute the same
+functions, tested): eval NE of flat, learned and random partitions on the same seeds
+(``--seed-base``), on the ungrouped teacher and on the grouped one (``data.teacher_groups`` =
+towers), as paired differences per seed with 95% intervals.
 """
 
 from __future__ import annotations
@@ -45,9 +49,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-vectors", type=int, default=1, help="k: vectors per tower output")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seeds", type=int, default=3, help="quality: seeds (0 = skip quality)")
+    p.add_argument("--seeds", type=int, default=5, help="quality: seeds (0 = skip quality)")
+    p.add_argument(
+        "--seed-base", type=int, default=100,
+        help="quality: first seed (settings were chosen on seeds 0-2)",
+    )  # fmt: skip
     p.add_argument("--quality-steps", type=int, default=1500, help="quality: train steps")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--teachers", default="ungrouped,grouped",
+        help="quality: teachers, comma-separated (ungrouped, grouped)",
+    )  # fmt: skip
+    a = p.parse_args(argv)
+    teachers = [t for t in a.teachers.split(",") if t]
+    bad = [t for t in teachers if t not in ("ungrouped", "grouped")]
+    if bad or not teachers:
+        p.error(f"--teachers: {a.teachers!r}: each must be 'ungrouped' or 'grouped'")
+    a.teachers = teachers
+    if a.seeds < 0 or a.quality_steps < 1 or a.steps < 1 or a.warmup < 0:
+        p.error("--seeds, --steps, --warmup must be >= 0 and --quality-steps >= 1")
+    return a
 
 
 def _cfg(a: argparse.Namespace, towers: int) -> Any:
@@ -81,7 +101,13 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -> 
         dist.destroy_process_group()
 
 
+MODELS = ("flat", "towers_world", "towers_host")
+
+
 def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from neorec.bench.stats import paired_ratio, rotated
     from neorec.build import (
         dense_optimizer,
         distributed_model,
@@ -90,8 +116,7 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
         towered_model,
     )
     from neorec.data.synthetic import SyntheticClickData
-    from neorec.distributed.towers import tower_features
-    from neorec.modules.towers import build_tower_dense
+    from neorec.distributed.grad_sync import HostLayout, hierarchical_hook
     from neorec.train.steps import train_step
 
     rph = a.ranks_per_host
@@ -102,40 +127,59 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
     batches = [data.batch("train", i, a.batch).slice(rank * b, (rank + 1) * b) for i in range(8)]
     groups = tower_groups(cfg)
     assert groups is not None
-    feats = tower_features(cfg.embedding.tables, groups)
-
-    def build_dense() -> Any:
-        return build_tower_dense(
-            cfg.model, [len(f) for f in feats], a.dim, cfg.towers.module, cfg.towers.out_vectors
-        )
+    layout = HostLayout(rph)
 
     flat = distributed_model(cfg, resolve_plan(cfg, world, rph))
-    flat.comm_stats.ranks_per_host = rph
-    models: dict[str, Any] = {"flat": flat, "dmt": towered_model(cfg, groups, build_dense)}
-    result: dict[str, Any] = {}
-    for name, model in models.items():
-        opt = dense_optimizer(cfg.train, model.dense_parameters())
-        times = []
-        for i in range(a.warmup + a.steps):
-            if i == a.warmup:
-                model.comm_stats.reset()
-                model.comm_stats.ranks_per_host = rph
+    assert isinstance(flat.dense_arch, DistributedDataParallel)
+    flat.dense_arch.register_comm_hook(None, hierarchical_hook(layout, flat.comm_stats))
+    flat._ring_bytes = 0  # the hook counts the dense all-reduce (no ring estimate on top)
+    models: dict[str, Any] = {"flat": flat}
+    for sync in ("world", "host"):
+        m = towered_model(cfg, groups, tower_sync=sync)
+        m.world_ddp.register_comm_hook(None, hierarchical_hook(layout, m.comm_stats))
+        models[f"towers_{sync}"] = m
+    opts = {k: dense_optimizer(cfg.train, m.dense_parameters()) for k, m in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            for m in models.values():
+                m.comm_stats.reset()
+                m.comm_stats.ranks_per_host = rph
+        for k in rotated(list(models), i):
             dist.barrier()
             t0 = time.perf_counter()
-            train_step(model, opt, batches[i % len(batches)], i + 1)
+            train_step(models[k], opts[k], batches[i % len(batches)], i + 1)
             if i >= a.warmup:
-                times.append(time.perf_counter() - t0)
-        inter = sum(model.comm_stats.inter_host.values()) / a.steps
-        total = sum(model.comm_stats.bytes_sent.values()) / a.steps
-        mine = torch.tensor([inter, total, statistics.median(times)], dtype=torch.float64)
+                times[k].append(time.perf_counter() - t0)
+    result: dict[str, Any] = {}
+    slowest: dict[str, list[float]] = {}
+    for name, model in models.items():
+        st = model.comm_stats
+        inter_ar = sum(v for k, v in st.inter_host.items() if k.startswith("allreduce"))
+        inter = sum(st.inter_host.values())
+        sent = sum(st.bytes_sent.values())
+        mine = torch.tensor(
+            [inter - inter_ar, inter_ar, sent, *times[name]], dtype=torch.float64
+        ) / torch.tensor([a.steps] * 3 + [1e-3] * a.steps, dtype=torch.float64)
         parts = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine)
+        tot = torch.stack(parts)
+        slowest[name] = tot[:, 3:].max(0).values.tolist()  # per step: the slowest rank's ms
         result[name] = {
-            "inter_host_bytes": float(sum(p[0] for p in parts)),
-            "embedding_bytes": float(sum(p[1] for p in parts)),
-            "ms_per_step": 1000 * float(max(p[2] for p in parts)),
-            "by_collective": dict(model.comm_stats.inter_host),
+            "inter_host_a2a": float(tot[:, 0].sum()),
+            "inter_host_allreduce": float(tot[:, 1].sum()),
+            "inter_host_bytes": float(tot[:, :2].sum()),
+            "bytes_sent": float(tot[:, 2].sum()),
+            "ms_per_step": statistics.median(slowest[name]),
+            "inter_host_by_collective": dict(st.inter_host),  # rank 0's
         }
+    for name in MODELS[1:]:
+        result[name]["ms_ratio_to_flat"] = paired_ratio(slowest[name], slowest["flat"]).to_dict()
+    dense = models["towers_host"].dense_part
+    result["params"] = {
+        "dense_arch": sum(p.numel() for p in dense.dense_arch.parameters()),
+        "towers": sum(p.numel() for p in dense.towers.parameters()),
+    }
     result["groups"] = groups
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -157,8 +201,9 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _quality(a: argparse.Namespace, towers: int) -> dict[str, Any]:
-    """Eval NE of flat / learned / random towers on the grouped task (its lines go to stderr)."""
+def _quality(a: argparse.Namespace, towers: int, teacher: str) -> dict[str, Any]:
+    """Eval NE of flat / learned / random towers on one teacher, paired by seed (its per-seed
+    lines go to stderr)."""
     import contextlib
     import sys
 
@@ -166,12 +211,21 @@ def _quality(a: argparse.Namespace, towers: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     with contextlib.redirect_stdout(sys.stderr):
-        q = tq.run(seeds=a.seeds, steps=a.quality_steps, groups=towers, module=a.module)
+        q = tq.run(
+            seeds=a.seeds, steps=a.quality_steps, towers=towers, module=a.module,
+            seed_base=a.seed_base, teacher_groups=towers if teacher == "grouped" else 0,
+        )  # fmt: skip
     return dict(q)
+
+
+def _pct(iv: dict[str, Any]) -> str:
+    return f"{100 * iv['value']:+.2f}% [{100 * iv['lo']:+.2f}, {100 * iv['hi']:+.2f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and a JSON line."""
+    from neorec.machine import cpu_model_and_flags
+
     a = parse(argv)
     if (
         a.nproc < 2
@@ -185,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if a.batch % a.nproc:
         raise SystemExit(f"neorec bench dmt: --batch {a.batch} must divide by --nproc {a.nproc}")
+    if a.tables < a.nproc // a.ranks_per_host:
+        raise SystemExit(f"neorec bench dmt: --tables {a.tables} is fewer than the towers")
     hosts = a.nproc // a.ranks_per_host
     sp = _speed(a)
-    flat, dmt = sp["flat"], sp["dmt"]
+    flat = sp["flat"]
     result: dict[str, Any] = {
         "bench": "dmt",
+        "cpu": cpu_model_and_flags()[0],
         "nproc": a.nproc,
         "ranks_per_host": a.ranks_per_host,
         "hosts": hosts,
@@ -199,42 +256,66 @@ def main(argv: list[str] | None = None) -> int:
         "batch": a.batch,
         "tower_module": a.module,
         "out_vectors": a.out_vectors,
-        "inter_host_bytes_flat": round(flat["inter_host_bytes"]),
-        "inter_host_bytes_dmt": round(dmt["inter_host_bytes"]),
-        "inter_host_bytes_reduction": round(
-            flat["inter_host_bytes"] / max(dmt["inter_host_bytes"], 1.0), 2
-        ),
-        "ms_per_step_flat": round(flat["ms_per_step"], 2),
-        "ms_per_step_dmt": round(dmt["ms_per_step"], 2),
-        "inter_host_by_collective": {"flat": flat["by_collective"], "dmt": dmt["by_collective"]},
+        "steps": a.steps,
+        "allreduce": "hierarchical (reduce in host, all-reduce of leaders, broadcast in host)",
+        "params": sp["params"],
         "groups": sp["groups"],
     }
-    print(f"{'':<8}{'inter-host B/step':>20}{'all emb B/step':>18}{'ms/step':>10}")
-    for name, r in (("flat", flat), ("dmt", dmt)):
-        print(
-            f"{name:<8}{r['inter_host_bytes']:>20,.0f}{r['embedding_bytes']:>18,.0f}"
-            f"{r['ms_per_step']:>10.2f}"
-        )
-    print(f"inter-host bytes reduction: {result['inter_host_bytes_reduction']:.2f}x")
-    if a.seeds:
-        q = _quality(a, hosts)
-        result["quality"] = q
-        print(
-            f"\neval NE on the grouped-teacher task ({a.seeds} seeds, {a.quality_steps} steps, "
-            f"{hosts} towers, module {a.module}; unsharded forms of the same models):"
-        )
-        print(f"{'model':<16}{'NE mean':>10}{'NE std':>10}")
-        for k in ("flat", "learned", "random", "balanced", "planted", "teacher"):
-            m, sd = q.get(f"ne_{k}_mean"), q.get(f"ne_{k}_std")
-            if m is not None:
-                result[f"ne_{k}"] = m
-                print(f"{k:<16}{m:>10.4f}{sd:>10.4f}")
-        if "ne_flat" in result and "ne_learned" in result:
-            result["ne_learned_vs_flat_rel"] = result["ne_learned"] / result["ne_flat"] - 1
-            result["ne_random_vs_learned_rel"] = q.get("random_vs_learned_rel_mean")
-            print(
-                f"learned vs flat: {100 * result['ne_learned_vs_flat_rel']:+.2f}%; "
-                f"random vs learned: {100 * (q.get('random_vs_learned_rel_mean') or 0):+.2f}%"
+    print(
+        f"{'':<14}{'a2a inter B':>14}{'allreduce inter B':>19}{'inter-host B':>14}"
+        f"{'all sent B':>13}{'ms/step':>9}   (per step, summed over ranks)"
+    )
+    for name in MODELS:
+        r = sp[name]
+        for k in ("inter_host_a2a", "inter_host_allreduce", "inter_host_bytes", "bytes_sent"):
+            result[f"{k}_{name}"] = round(r[k])
+        result[f"ms_per_step_{name}"] = round(r["ms_per_step"], 2)
+        if name != "flat":
+            result[f"ms_ratio_{name}_to_flat"] = r["ms_ratio_to_flat"]
+            result[f"inter_host_reduction_{name}"] = round(
+                flat["inter_host_bytes"] / max(r["inter_host_bytes"], 1.0), 3
             )
+            result[f"a2a_inter_host_reduction_{name}"] = round(
+                flat["inter_host_a2a"] / max(r["inter_host_a2a"], 1.0), 3
+            )
+        print(
+            f"{name:<14}{r['inter_host_a2a']:>14,.0f}{r['inter_host_allreduce']:>19,.0f}"
+            f"{r['inter_host_bytes']:>14,.0f}{r['bytes_sent']:>13,.0f}{r['ms_per_step']:>9.2f}"
+        )
+    result["inter_host_by_collective"] = {k: sp[k]["inter_host_by_collective"] for k in MODELS}
+    for name in MODELS[1:]:
+        print(
+            f"inter-host bytes, flat / {name}: {result[f'inter_host_reduction_{name}']:.2f}x "
+            f"(all-to-alls only: {result[f'a2a_inter_host_reduction_{name}']:.2f}x)"
+        )
+    if a.seeds:
+        result["seeds"] = list(range(a.seed_base, a.seed_base + a.seeds))
+        result["quality_steps"] = a.quality_steps
+        for teacher in a.teachers:
+            q = _quality(a, hosts, teacher)
+            result[f"quality_{teacher}"] = q
+            print(
+                f"\neval NE, {teacher} teacher (seeds {a.seed_base}..{a.seed_base + a.seeds - 1}, "
+                f"{a.quality_steps} steps, {hosts} towers, module {a.module}; unsharded forms):"
+            )
+            print(f"{'model':<10}{'NE mean':>10}")
+            for k in ("flat", "learned", "random", "balanced", "planted", "teacher"):
+                if f"ne_{k}_mean" in q:
+                    print(f"{k:<10}{q[f'ne_{k}_mean']['value']:>10.4f}")
+            print("paired, NE relative to the second (95% interval):")
+            for x, y in tq_pairs():
+                rel = q[f"rel_ne_{x}_vs_{y}"]
+                result[f"rel_ne_{x}_vs_{y}_{teacher}"] = rel
+                print(f"  {x} vs {y}: {_pct(rel)}")
+            if "ari_learned" in q:
+                print(f"  learned partition's adjusted Rand index to the planted groups: "
+                      f"{q['ari_learned']}")  # fmt: skip
     print(json.dumps(result))
     return 0
+
+
+def tq_pairs() -> tuple[tuple[str, str], ...]:
+    """The paired differences of the quality part (``towers_quality.PAIRS``)."""
+    from neorec.bench.towers_quality import PAIRS
+
+    return PAIRS

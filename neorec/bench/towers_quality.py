@@ -1,12 +1,14 @@
-"""Tower partitions and model quality on the grouped-teacher task (DMT), in one process.
+"""Tower partitions and model quality (DMT), in one process, paired by seed.
 
-Synthetic data whose teacher's sparse x sparse interactions occur only within ``groups`` planted
-groups of tables (``SyntheticClickData(teacher_groups=...)``). For each seed: the learned
-partitioner (warm-up of the flat model, then clustering) and its agreement with the planted groups
-(adjusted Rand index over tables), then eval NE of the flat model and of towered models (a
-compressing tower module) with the learned, the random and the balanced partition.
-Not wired into the CLI: ``python -m neorec.bench.towers_quality [--seeds 3] [--steps 400]``.
-Prints a table and a JSON line.
+Synthetic data from the ungrouped teacher (``teacher_groups`` 0: sparse x sparse interactions
+between any tables) or the grouped one (``SyntheticClickData(teacher_groups=N)``: interactions
+only inside N planted groups of tables). For each seed: the learned partitioner (warm-up of the
+flat model, then clustering), then eval NE of the flat model and of towered models (a
+compressing tower module) with the learned and a random partition (grouped: also the balanced
+partition, the planted groups, and the learned partition's adjusted Rand index to them). Every
+setting trains on the same seeds, data and steps; the record carries the paired differences
+with 95% intervals (``neorec.bench.stats``). ``neorec bench dmt`` runs it; alone:
+``python -m neorec.bench.towers_quality [--seeds 5] [--seed-base 100] [--teacher-groups 2]``.
 """
 
 from __future__ import annotations
@@ -128,73 +130,103 @@ def train_eval(
     return float(binary_metrics(torch.cat(ps), torch.cat(ys))["ne"])
 
 
+def _seed_row(
+    s: int, steps: int, towers: int, teacher_groups: int, module: str, tables: int, dim: int
+) -> dict[str, Any]:
+    """One seed's partitions and eval NE: flat, learned, random (and balanced, planted on the
+    grouped teacher); the same data and model seed for every setting."""
+    t0 = time.perf_counter()
+    cfg = grouped_config(s, tables, towers, dim, module)
+    data = grouped_data(cfg, teacher_groups)
+    bs = cfg.data.batch_size
+    warm = (data.batch("train", i, bs) for i in range(cfg.towers.warmup_steps))
+    learned = learned_groups(cfg, warm)
+    rnd = tower_groups(grouped_config(s, tables, towers, dim, module,
+                                      extra=["towers.partitioner='random'"]))  # fmt: skip
+    assert rnd is not None
+    row: dict[str, Any] = {"seed": s, "learned_groups": learned, "random_groups": rnd}
+    row["ne_flat"] = train_eval(cfg, data, steps, None)
+    row["ne_learned"] = train_eval(cfg, data, steps, learned)
+    row["ne_random"] = train_eval(cfg, data, steps, rnd)
+    if teacher_groups:
+        planted = data.group_tables()
+        bal = tower_groups(cfg)
+        assert bal is not None
+        row.update(
+            ari_learned=adjusted_rand(learned, planted),
+            ari_random=adjusted_rand(rnd, planted),
+            captured_learned=captured(learned, data),
+            captured_random=captured(rnd, data),
+            ne_balanced=train_eval(cfg, data, steps, bal),
+            ne_planted=train_eval(cfg, data, steps, planted),
+        )
+    row["ne_teacher"] = data.teacher_metrics("eval", bs)["ne"]
+    row["s"] = time.perf_counter() - t0
+    return row
+
+
+PAIRS = (("learned", "flat"), ("random", "flat"), ("learned", "random"))
+"""The paired differences reported: (a, b) -> NE of a minus NE of b, per seed."""
+
+
 def run(
-    seeds: int = 3,
-    steps: int = 400,
-    groups: int = 3,
+    seeds: int = 5,
+    steps: int = 1500,
+    towers: int = 2,
     module: str = "dot",
     tables: int = 12,
     dim: int = 16,
+    seed_base: int = 100,
+    teacher_groups: int = 0,
 ) -> dict[str, Any]:
-    """The comparison over ``seeds`` seeds; returns the JSON record."""
+    """Seeds ``seed_base .. seed_base + seeds - 1`` (each: model, data, random partition and
+    learned warm-up seed), every setting on every seed; ``teacher_groups`` 0 = the ungrouped
+    teacher, N = N planted groups. Returns the JSON record: per-seed NE, and for each pair of
+    ``PAIRS`` the mean paired difference of NE (``d_ne_A_vs_B``) and of NE relative to B
+    (``rel_ne_A_vs_B``), each a 95% interval ``{value, lo, hi, n}``."""
+    from neorec.bench.stats import mean_interval, paired_difference
+
     rows = []
-    for s in range(seeds):
-        t0 = time.perf_counter()
-        cfg = grouped_config(s, tables, groups, dim, module)
-        data = grouped_data(cfg, groups)
-        planted = data.group_tables()
-        bs = cfg.data.batch_size
-        warm = (data.batch("train", i, bs) for i in range(cfg.towers.warmup_steps))
-        learned = learned_groups(cfg, warm)
-        rnd = tower_groups(grouped_config(s, tables, groups, dim, module,
-                                          extra=["towers.partitioner='random'"]))  # fmt: skip
-        bal = tower_groups(cfg)
-        assert rnd is not None and bal is not None
-        row = {
-            "seed": s,
-            "ari_learned": adjusted_rand(learned, planted),
-            "ari_random": adjusted_rand(rnd, planted),
-            "captured_learned": captured(learned, data),
-            "captured_random": captured(rnd, data),
-            "captured_balanced": captured(bal, data),
-            "ne_flat": train_eval(cfg, data, steps, None),
-            "ne_planted": train_eval(cfg, data, steps, planted),
-            "ne_learned": train_eval(cfg, data, steps, learned),
-            "ne_random": train_eval(cfg, data, steps, rnd),
-            "ne_balanced": train_eval(cfg, data, steps, bal),
-            "ne_teacher": data.teacher_metrics("eval", bs)["ne"],
-            "s": time.perf_counter() - t0,
-        }
+    for s in range(seed_base, seed_base + seeds):
+        row = _seed_row(s, steps, towers, teacher_groups, module, tables, dim)
         rows.append(row)
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in row.items()), flush=True)  # fmt: skip
-    keys = [k for k in rows[0] if k not in ("seed", "s")]
+                       for k, v in row.items() if not k.endswith("_groups")),
+              flush=True)  # fmt: skip
     out: dict[str, Any] = {
         "bench": "towers_quality", "module": module, "steps": steps, "tables": tables,
-        "groups": groups, "dim": dim, "seeds": seeds,
+        "towers": towers, "teacher_groups": teacher_groups, "dim": dim,
+        "warmup_steps": grouped_config().towers.warmup_steps,
+        "seeds": [r["seed"] for r in rows],
     }  # fmt: skip
+    keys = [k for k in rows[0] if k.startswith(("ne_", "ari_", "captured_"))]
     for k in keys:
-        v = [r[k] for r in rows]
-        out[k + "_mean"] = float(np.mean(v))
-        out[k + "_std"] = float(np.std(v))
-    gap = [(r["ne_random"] - r["ne_learned"]) / r["ne_learned"] for r in rows]
-    out["random_vs_learned_rel_mean"] = float(np.mean(gap))
+        out[k] = [float(r[k]) for r in rows]
+        out[k + "_mean"] = mean_interval(out[k]).to_dict()
+    for a, b in PAIRS:
+        xa, xb = out[f"ne_{a}"], out[f"ne_{b}"]
+        out[f"d_ne_{a}_vs_{b}"] = paired_difference(xa, xb).to_dict()
+        out[f"rel_ne_{a}_vs_{b}"] = mean_interval([x / y - 1 for x, y in zip(xa, xb)]).to_dict()
+    out["learned_groups"] = [r["learned_groups"] for r in rows]
     print(json.dumps(out, sort_keys=True))
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: ``--seeds``, ``--steps``, ``--groups``, ``--module``."""
+    """Command line: ``--seeds``, ``--seed-base``, ``--steps``, ``--towers``,
+    ``--teacher-groups``, ``--module``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seed-base", type=int, default=100)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--towers", type=int, default=2)
+    p.add_argument("--teacher-groups", type=int, default=0, help="0 = the ungrouped teacher")
     p.add_argument("--module", default="dot", choices=("mlp", "dot", "dcn", "identity"))
     p.add_argument("--tables", type=int, default=12)
     p.add_argument("--dim", type=int, default=16)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    run(a.seeds, a.steps, a.groups, a.module, a.tables, a.dim)
+    run(a.seeds, a.steps, a.towers, a.module, a.tables, a.dim, a.seed_base, a.teacher_groups)
 
 
 if __name__ == "__main__":

@@ -121,9 +121,12 @@ def towered_model(
     cfg: Config,
     groups: Sequence[Sequence[str]],
     build_dense: Callable[[], tuple[nn.ModuleList, DenseArch]] | None = None,
+    tower_sync: str = "world",
 ) -> DistributedTowerModel:
     """SPTT: tower t's tables on host t (``world / towers`` consecutive ranks). ``build_dense``:
-    the tower modules and dense arch (default: the config's, as ``TowerDLRM`` builds them)."""
+    the tower modules and dense arch (default: the config's, as ``TowerDLRM`` builds them);
+    ``tower_sync``: where the tower modules' gradients are averaged (``"world"`` | ``"host"``,
+    ``DistributedTowerModel``)."""
     feats = tower_features(cfg.embedding.tables, groups)
     dim = cfg.embedding.tables[0].dim
 
@@ -147,4 +150,5 @@ def towered_model(
         build_dense or config_dense,
         seed=cfg.train.seed,
         host_staging=cfg.train.device != "cpu",
+        tower_sync=tower_sync,
     )

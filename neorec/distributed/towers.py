@@ -17,11 +17,23 @@ l)`` has a local batch of ``b`` samples. A step:
 
 Backward runs the same exchanges in reverse. Gradients keep global-batch semantics: the pooled
 gradients reaching the tower's collection are scaled by ``1 / H`` (the collection divides by its
-own ``rph`` ranks), and every tower module is replicated on every rank inside one DDP module with
-the dense arch (``find_unused_parameters``: a rank computes only its host's tower), so DDP's
-average over the world gives each tower module the gradient of the global mean loss, and all
-replicas stay identical (a checkpoint's dense state is the same on every rank). With identity
-tower modules the model is the flat DLRM over the features in tower order (tested).
+own ``rph`` ranks). Tower modules' gradients (``tower_sync``):
+
+- ``"world"`` (the default): every tower module is replicated on every rank inside one DDP module
+  with the dense arch (``find_unused_parameters``: a rank computes only its host's tower), so
+  DDP's average over the world gives each tower module the gradient of the global mean loss and
+  all replicas stay identical (a checkpoint's dense state is the same on every rank). Tower t's
+  gradients cross every host, though only host t computes them.
+- ``"host"`` (the DMT paper's step): the dense arch alone is under a world-wide DDP; tower ``h``'s
+  module is under a DDP over host ``h``'s ranks whose hook sums inside the host and divides by the
+  world (``grad_sync.host_mean_hook``): the same global-mean gradient, and no tower gradient
+  leaves its host. A rank's copies of the other hosts' tower modules are not used and not
+  updated (their gradients stay None, so the dense optimizer skips them); ``sync_replicas``
+  (collective) copies every tower module, and its optimizer state, from its host to every rank,
+  which a checkpoint or a saved model of rank 0 needs first.
+
+With identity tower modules the model is the flat DLRM over the features in tower order; with
+parametrised ones it is the unsharded ``TowerDLRM`` (both tested, both syncs).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from neorec.config import ConfigError, TableConfig
 from neorec.distributed.comm import CommStats, ScaleGrad, all_to_all, source_major_to_unit_major
+from neorec.distributed.grad_sync import host_mean_hook
 from neorec.modules.dlrm import DenseArch, check_dense_input
 from neorec.sparse import SparseFeatures
 
@@ -90,12 +103,13 @@ class _TowerDense(nn.Module):
     def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
         """Logits [b] from this rank's dense features and its host's tower batch [H*b, F_h*D]."""
         m = self._owner[0]
-        out = self.towers[m.host](pooled)  # [H*b, k_h*D]
+        run_tower, run_arch = m._runners or (self.towers[m.host], self.dense_arch)
+        out = run_tower(pooled)  # [H*b, k_h*D]
         got = PeerExchange.apply(out, m.out_send, m.out_recv, m.xgroup, m.comm_stats)
         b = dense.shape[0]
         parts = torch.split(got, [n for n in m.out_recv if n])  # tower order = host order
         cat = torch.cat([p.view(b, -1) for p in parts], dim=1)
-        return self.dense_arch(dense, cat)  # type: ignore[no-any-return]
+        return run_arch(dense, cat)  # type: ignore[no-any-return]
 
 
 class DistributedTowerModel(nn.Module):
@@ -109,7 +123,8 @@ class DistributedTowerModel(nn.Module):
     nn.ModuleList, dense_arch)`` exactly as the unsharded ``TowerDLRM`` builds them. Both are
     called after ``torch.manual_seed(seed)``, collection first, so that the distributed and the
     unsharded model start from the same weights. ``host_staging``: the ids exchange staged on
-    the host goes over a gloo group of its own (the tables live on a GPU).
+    the host goes over a gloo group of its own (the tables live on a GPU). ``tower_sync``:
+    ``"world"`` or ``"host"``, where the tower modules' gradients are averaged (module doc).
     """
 
     def __init__(
@@ -120,8 +135,12 @@ class DistributedTowerModel(nn.Module):
         build_dense: Callable[[], tuple[Any, DenseArch]],
         seed: int = 0,
         host_staging: bool = False,
+        tower_sync: str = "world",
     ) -> None:
         super().__init__()
+        if tower_sync not in ("world", "host"):
+            raise ConfigError(f"tower_sync must be 'world' or 'host', got {tower_sync!r}")
+        self.tower_sync = tower_sync
         world, rank = dist.get_world_size(), dist.get_rank()
         towers = len(groups)
         if towers < 1 or world % towers:
@@ -168,9 +187,47 @@ class DistributedTowerModel(nn.Module):
         self.out_send: list[int] = []  # set per batch size in forward
         self.out_recv: list[int] = []
         self._peers = peers
-        self.dense_arch: nn.Module = DistributedDataParallel(
-            _TowerDense(tower_mods, dense_arch, self), find_unused_parameters=True
-        )
+        part = _TowerDense(tower_mods, dense_arch, self)
+        # DDP wrappers kept out of the module tree (in lists), so that the state-dict keys stay
+        # TowerDLRM's; under "host", (tower h's runner, the dense arch's runner)
+        self._runners: tuple[nn.Module, nn.Module] | None = None
+        self._ddps: list[DistributedDataParallel | None]
+        if tower_sync == "world":
+            self.dense_arch: nn.Module = DistributedDataParallel(part, find_unused_parameters=True)
+            self._ddps = [self.dense_arch, None]
+        else:
+            self.dense_arch = part
+            # every rank builds every host's sync group, in the same order
+            sync_groups = [
+                dist.new_group(ranks=list(range(h * self.rph, (h + 1) * self.rph)))
+                for h in range(towers)
+            ]
+            arch_ddp = DistributedDataParallel(dense_arch)
+            mine_mod = tower_mods[self.host]
+            run_tower: nn.Module = mine_mod
+            tower_ddp = None
+            if any(p.requires_grad for p in mine_mod.parameters()):
+                tower_ddp = DistributedDataParallel(mine_mod, process_group=sync_groups[self.host])
+                tower_ddp.register_comm_hook(
+                    None, host_mean_hook(sync_groups[self.host], world, self.comm_stats)
+                )
+                run_tower = tower_ddp
+            self._ddps = [arch_ddp, tower_ddp]
+            self._runners = (run_tower, arch_ddp)
+
+    @property
+    def world_ddp(self) -> DistributedDataParallel:
+        """The DDP whose all-reduce spans the world (``"world"``: every tower module and the
+        dense arch; ``"host"``: the dense arch): a comm hook may be registered on it."""
+        ddp = self._ddps[0]
+        assert ddp is not None
+        return ddp
+
+    @property
+    def tower_ddp(self) -> DistributedDataParallel | None:
+        """``"host"``: the DDP of this host's tower module over the host's ranks (None under
+        ``"world"`` or for a tower module without parameters)."""
+        return self._ddps[1]
 
     # ---- forward ---------------------------------------------------------------------------
     def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
@@ -246,6 +303,33 @@ class DistributedTowerModel(nn.Module):
 
     @property
     def dense_part(self) -> nn.Module:
-        """Tower modules and dense arch (checkpoints: the keys of ``TowerDLRM.dense_part``)."""
-        part: nn.Module = self.dense_arch.module  # type: ignore[assignment]
+        """Tower modules and dense arch (checkpoints: the keys of ``TowerDLRM.dense_part``).
+        Under ``tower_sync="host"`` the other hosts' tower modules are current only after
+        ``sync_replicas``."""
+        part: nn.Module = getattr(self.dense_arch, "module", self.dense_arch)
         return part
+
+    @torch.no_grad()
+    def sync_replicas(self, opt: torch.optim.Optimizer | None = None) -> None:
+        """Collective (every rank): copy tower t's module, and its state in the dense optimizer
+        ``opt``, from host t's first rank to every rank. Nothing to do under ``"world"``."""
+        if self.tower_sync == "world":
+            return
+        towers: Any = self.dense_part.towers
+        for t, mod in enumerate(towers):
+            src = t * self.rph
+            for p in [*mod.parameters(), *mod.buffers()]:
+                dist.broadcast(p.data, src=src)
+            if opt is None:
+                continue
+            for p in mod.parameters():
+                box: list[Any] = [
+                    {k: v.cpu() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+                    if self.host == t and p in opt.state
+                    else None
+                ]
+                dist.broadcast_object_list(box, src=src)
+                if box[0] is not None and self.host != t:
+                    opt.state[p] = {
+                        k: v.to(p.device) if torch.is_tensor(v) else v for k, v in box[0].items()
+                    }
