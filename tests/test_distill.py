@@ -275,29 +275,57 @@ def test_trainer_trains_an_exfm_student_on_das_logits(tmp_path):
 
 
 def test_bench_distill_smoke(capsys):
-    """``neorec bench distill`` on a tiny stream: a table, one JSON line, and on the windows
-    before the FM exists (w < k) every setup is the student alone, bitwise."""
+    """``neorec bench distill`` on a tiny stream: a table, one JSON line with intervals; the lr of
+    every setup (``alone`` too) chosen from the same grid on the dev seeds; on the windows before
+    the FM exists (w < k) every setup is the student alone, bitwise (at the same lr)."""
     import json
 
     from neorec.bench.distill import SETUPS, main
 
-    small = ["data.window_samples=1024", "data.eval_samples=512"]
-    argv = ["--windows", "3", "--seeds", "1", "--staleness", "1,2"]
+    small = ["data.window_samples=512", "data.eval_samples=256"]
+    argv = ["--windows", "2", "--seeds", "2", "--seed-base", "7", "--dev-seeds", "1"]
+    argv += ["--staleness", "1", "--lrs", "0.003,0.01", "--biases", "0,0.3"]
+    argv += ["--rounds", "2", "--steps", "2"]
     argv += [x for s in small for x in ("--set", s)]
     argv += [
-        x for s in ["data.window_samples=2048", "data.eval_samples=512"] for x in ("--fm-set", s)
+        x for s in ["data.window_samples=1024", "data.eval_samples=256"] for x in ("--fm-set", s)
     ]
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     r = json.loads(lines[-1])
-    assert r["bench"] == "distill" and r["windows"] == 3 and len(r["fm_ne"]) == 3
-    for k in ("1", "2"):
-        row = r["per_k"][k]
-        alone = row["alone"]["ne_per_window"]
-        for setup in SETUPS:
-            assert row[setup]["ne_per_window"][: int(k)] == alone[: int(k)], (k, setup)
-        assert row["aux+adapter"]["ne_per_window"][int(k) :] != alone[int(k) :]
-        assert "gap_closed" in row and "throughput_vs_alone" in row["plain"]
+    assert r["bench"] == "distill" and r["windows"] == 2
+    assert r["seeds"] == [7, 8] and r["dev_seeds"] == [0] and r["lr_grid"] == [0.003, 0.01]
+    assert r["vertical_biases"] == [0.0, 0.3] and isinstance(r["cpu"], str)
+    iv = {"value", "lo", "hi", "n"}
+    for b in ("0", "0.3"):
+        per_bias = r["per_bias"][b]
+        assert len(per_bias["fm_fresh_ne_per_window"]) == 2
+        for k in ("1",):
+            row = per_bias["per_k"][k]
+            assert set(row["lr"]) == set(SETUPS) and set(row["dev_ne"]["alone"]) == {
+                "0.003",
+                "0.01",
+            }
+            for s in SETUPS:  # the chosen lr is the dev seeds' best of the grid
+                dev = row["dev_ne"][s]
+                assert dev[f"{row['lr'][s]:g}"] == min(dev.values())
+            pw = row["ne_per_window"]
+            for s in SETUPS:
+                assert len(pw[s]) == 2 and set(row["ne"][s]) == iv and row["ne"][s]["n"] == 2
+                if row["lr"][s] == row["lr"]["alone"]:
+                    assert pw[s][: int(k)] == pw["alone"][: int(k)], (b, k, s)
+            for key in ("vs_stale_fm", "vs_fresh_fm", "vs_fresh_fm_recalibrated"):
+                assert set(row["gap_closed"][key]) == iv and set(row["fm_ne"][key]) == iv
+            for s in SETUPS[1:]:
+                assert set(row["ne_minus_alone"][s]) == iv
+            d = row["ne_minus_alone"]["aux+adapter"]
+            assert (
+                abs(d["value"] - (row["ne"]["aux+adapter"]["value"] - row["ne"]["alone"]["value"]))
+                < 1e-5
+            )
+    for k in ("1",):
+        assert set(r["throughput_vs_alone"][k]) == set(SETUPS[1:])
+        assert r["throughput_vs_alone"][k]["plain"]["n"] == 2
 
 
 def test_bench_flag_errors(tmp_path):
@@ -314,6 +342,11 @@ def test_bench_flag_errors(tmp_path):
         "another stream": (["--fm-set", "data.seed=7"], "different streams"),
         "eval samples differ": (["--fm-set", "data.eval_samples=4096"], "eval_samples differ"),
         "seeds": (["--seeds", "0"], "--seeds"),
+        "seed base overlaps dev seeds": (["--seed-base", "1"], "overlaps the development"),
+        "lrs not numbers": (["--lrs", "0.1,x"], "--lrs takes numbers"),
+        "lrs not positive": (["--lrs", "0,0.1"], "--lrs must be > 0"),
+        "biases repeated": (["--biases", "0,0"], "--biases needs distinct"),
+        "one timing round": (["--rounds", "1"], "--rounds"),
     }
     for name, (extra, match) in cases.items():
         C.expect_error(f"bench: {name}", lambda e=extra: main([*base, *e]), match)
@@ -322,3 +355,28 @@ def test_bench_flag_errors(tmp_path):
         "bench: --work not empty", lambda: main([*base, "--work", str(tmp_path / "w")]), "not empty"
     )
     C.check()
+
+
+def test_bench_alone_takes_the_fused_kernel(fast_paths):
+    """``bench distill``'s ``alone`` student computes every step's BCE and gradient by the ExFM C
+    kernel the distilled setups use (not torch's per-block BCE): one forward and one backward
+    call per train step."""
+    from pathlib import Path
+
+    from neorec.bench.distill import _student_setup
+    from neorec.ops.exfm_losses import native_lib
+    from neorec.train.exfm import train_student
+
+    if native_lib() is None:
+        import pytest
+
+        pytest.skip("no C compiler")
+    root = Path(__file__).resolve().parents[1] / "configs"
+    small = ["data.window_samples=512", "data.eval_samples=256", "data.batch_size=128"]
+    cfg = _student_setup(load_config(root / "exfm_stream.toml", small), "alone", 0.5)
+    assert not cfg.distill.enabled
+    _, nes, _ = train_student(cfg, 2, 1, None)
+    ran = fast_paths()
+    steps = 2 * 512 // 128
+    assert ran["exfm_losses.forward"] == ran["exfm_losses.backward"] == steps
+    assert len(nes) == 2 and all(0 < x < 2 for x in nes)

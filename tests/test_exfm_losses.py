@@ -151,3 +151,56 @@ def test_torch_path_where_the_kernel_does_not_apply():
     assert exfm_losses(out, labels, fm, (1, 0, 1, 0), 1.0, (w, b)) is None  # float64
     assert exfm_losses(out.float(), labels, fm, (1, 0, 1, 0), 1.0) is None  # [B, 1 + H], no head
     assert exfm_losses(out.float(), labels, fm, (1, 0, 1, 0), 1.0, (torch.zeros(1, 5), b)) is None
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_alone_step_takes_the_kernel_and_equals_torch_bce(blocks, fast_paths):
+    """A step without distillation with ``fused_bce`` (``bench distill``'s ``alone``) computes its
+    BCE and gradient by the same C kernel as the distilled setups: the kernel ran once forward and
+    once backward per step, and losses and parameters equal torch's per-block BCE (the default)."""
+    cfg = cfg_of(f"train.dense_blocks={blocks}")
+    batches = _batches(cfg)
+
+    def run(fused: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        m = model_of(cfg)
+        opt = dense_optimizer(cfg.train, m.dense_parameters())
+        losses = [
+            float(train_step(m, opt, b, i, fused_bce=fused)) for i, b in enumerate(batches, 1)
+        ]
+        state = {k: v.clone() for k, v in m.dense_arch.state_dict().items()}
+        return losses, {**state, "ebc": m.ebc.weights.detach().clone()}
+
+    la, sa = run(False)
+    assert fast_paths()["exfm_losses.forward"] == 0, "torch's BCE is the specification"
+    lb, sb = run(True)
+    ran = fast_paths()
+    assert ran["exfm_losses.forward"] == ran["exfm_losses.backward"] == len(batches)
+    assert all(abs(x - y) <= 2e-7 for x, y in zip(la, lb)), (la, lb)
+    assert la[0] != la[-1]  # the steps trained
+    for k in sa:
+        scale = max(1.0, float(sa[k].abs().max()))
+        assert torch.allclose(sa[k], sb[k], rtol=0, atol=2e-6 * scale), k
+    # with the fast losses off, fused_bce falls back to torch's numbers exactly
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill, "FAST_LOSSES", False)
+        before = fast_paths()["exfm_losses.forward"]
+        lc, sc = run(True)
+        assert fast_paths()["exfm_losses.forward"] == before
+    assert lc == la and all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_serving_bce_is_torch_bce_with_its_gradient():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(2)
+    z = (torch.randn(40, generator=g) * 3).requires_grad_()
+    y = (torch.rand(40, generator=g) < 0.4).float()
+    got = distill.serving_bce(z, y)
+    assert got is not None
+    (gz,) = torch.autograd.grad(got, z)
+    want = F.binary_cross_entropy_with_logits(z, y)
+    (wz,) = torch.autograd.grad(want, z)
+    assert abs(float(got.detach()) - float(want.detach())) <= 1e-6
+    assert torch.allclose(gz, wz, atol=1e-7)
+    assert distill.serving_bce(z.double(), y.double()) is None  # not float32: torch's path

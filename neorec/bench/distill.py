@@ -1,28 +1,31 @@
 """``neorec bench distill``: ExFM on a drifting stream, a stale FM teaching a small student.
 
 The recipe is two configs (``configs/exfm_stream.toml``: the stream and the student;
-``configs/exfm_fm.toml``: the FM on the same stream). Per seed:
+``configs/exfm_fm.toml``: the FM on the same stream). Per seed and vertical (``vertical_bias``,
+the student's click logit above the stream's; 0 = no FM / VM gap):
 
 1. **FM.** A larger DLRM (wider tables, DCN, more samples per window) trains on windows 0, 1, ...
-   in order, incrementally (one model and optimizer carried from window to window). After window
-   w it is saved (``serve.save_model``) and DAS writes its logits for the train and eval splits of
-   window w + k (``neorec.serve.das.write_fm_logits``), for each staleness k.
+   in order, incrementally. After window w it is saved and DAS writes its logits for the train and
+   eval splits of window w + k, for each staleness k (``neorec.train.exfm.train_fm``).
 2. **Students.** The small DLRM trains on the same windows, incrementally, reading the FM logits
-   through the stream source (``data.fm_logits``, ``data.fm_staleness = k``), in four setups:
-   ``alone``; ``plain`` (distillation into the serving head, ``distill.weight``); ``aux`` (the
-   auxiliary head, ``distill.aux_weight``); ``aux+adapter`` (the full ExFM student). Windows
-   w < k have no FM yet: every setup trains alone there (so ``alone`` is one run for every k).
-   After each window the serving head is evaluated on the window's eval split (NE).
+   of window w - k, in four setups: ``alone``; ``plain`` (distillation into the serving head,
+   ``distill.weight``); ``aux`` (the auxiliary head); ``aux+adapter`` (the full ExFM student).
+   Windows w < k have no FM yet and train alone. Every setup's loss runs the same fused C kernel
+   (``alone`` too: ``train_step(fused_bce=True)``). After each window the serving head's NE on
+   the window's eval split.
 
-Reported: per-window eval NE (mean over seeds), the mean over the distilled windows (w >= k) with
-its spread over seeds, the fresh FM's NE (the FM of window w on window w's eval split of the
-student's vertical), the same after the best constant shift of its logit (``recalibrated``: the FM
-at its best on a vertical that clicks differently from the traffic it learned from) and the stale
-FM logits' own NE, ``gap_closed = (NE_alone - NE_full) / (NE_alone - NE_FM)`` with the
-recalibrated fresh FM (``gap_closed_vs_raw_fm``: the raw one; larger when the vertical's gap
-makes the raw FM worse, so not the headline), and the
-student's training throughput with distillation relative to ``alone`` (``time_students``: the
-setups' train steps interleaved round by round on the last window's batches, data excluded).
+Tuning (the same budget for every setup): ``train.dense_lr`` over ``--lrs`` for each setup
+(``alone`` included), per vertical and k, on the development seeds ``0 .. --dev-seeds - 1``; the
+lr with the lowest mean NE over the distilled windows (w >= k) is the one run on the reported
+seeds ``--seed-base .. --seed-base + --seeds - 1``.
+
+Reported per vertical and k, paired by seed with 95% t intervals (``neorec.bench.stats``): each
+setup's NE and its difference to ``alone``; ``gap_closed = (NE_alone - NE_full) / (NE_alone -
+NE_ref)`` of the full student against the stale FM logits it learns from, the fresh FM, and the
+fresh FM recalibrated on the eval labels (its best constant shift); the stale FM's NE minus
+alone's. Throughput of each setup relative to ``alone``: their train steps on the last window's
+batches (data excluded) interleaved round by round in a rotated order, the ratio's geometric mean
+over rounds with its interval (``stats.paired_ratio``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any
 
 import torch
 
+from neorec.bench.distill_stats import SETUPS, print_table, summarize
+from neorec.bench.stats import rotated
 from neorec.config import Config, ConfigError
 from neorec.train.exfm import (
     check_pair,
@@ -50,9 +55,6 @@ from neorec.train.exfm import (
 
 __all__ = ["main", "SETUPS"]
 
-SETUPS = ("alone", "plain", "aux", "aux+adapter")
-"""Student setups, in table order."""
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Flags."""
@@ -64,9 +66,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/exfm_stream.toml", help="stream + student")
     p.add_argument("--fm-config", default="configs/exfm_fm.toml", help="the FM (same stream)")
     p.add_argument("--windows", type=int, default=0, help="windows (0 = data.windows)")
-    p.add_argument("--seeds", type=int, default=2, help="seeds (model init of FM and students)")
+    p.add_argument("--seeds", type=int, default=5, help="reported seeds (model init)")
+    p.add_argument("--seed-base", type=int, default=100, help="first reported seed")
+    p.add_argument("--dev-seeds", type=int, default=2, help="lr chosen on seeds 0 .. N-1")
+    p.add_argument("--lrs", default="0.001,0.003,0.01", help="train.dense_lr grid, every setup")
+    p.add_argument("--biases", default="0,0.3", help="data.vertical_bias values (verticals)")
     p.add_argument("--staleness", default="1,2", help="k values, comma-separated")
     p.add_argument("--plain-weight", type=float, default=0.5, help="plain: distill.weight")
+    p.add_argument("--rounds", type=int, default=10, help="timing rounds (after one warm-up)")
+    p.add_argument("--steps", type=int, default=16, help="train steps per setup and round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--work", default="", help="keep FM models and DAS files here (default: temp)")
     p.add_argument("--set", action="append", default=[], help="student override section.key=v")
@@ -92,13 +100,13 @@ def _student_setup(cfg: Config, setup: str, plain_weight: float) -> Config:
 
 
 def time_students(
-    cfgs: dict[str, Config], window: int, k: int, das: Path, rounds: int = 7, steps: int = 16
-) -> dict[str, float]:
+    cfgs: dict[str, Config], window: int, k: int, das: Path, rounds: int = 10, steps: int = 16
+) -> dict[str, list[float]]:
     """Training throughput (samples/s) of each setup on window ``window``'s batches (FM logits
-    of staleness ``k``; generated before the clock starts): ``rounds`` rounds, each running
-    ``steps`` steps of every setup in turn (so a slower moment of a shared machine hits them
-    alike); per setup its fastest round's median step (other work on a shared machine only ever
-    slows a round down)."""
+    of staleness ``k``; generated before the clock starts), per round: each of ``rounds`` rounds
+    (after a warm-up round) runs ``steps`` steps of every setup, in an order rotated by the round
+    (``stats.rotated``), so a slower moment of a shared machine hits them alike; a setup's rate in
+    a round is from its median step. Every setup's loss takes the fused C kernel."""
     from neorec.build import data_source
     from neorec.train.steps import train_step
 
@@ -108,26 +116,55 @@ def time_students(
         data = {"fm_logits": str(das), "fm_staleness": k} if on else {}
         batches = list(data_source(window_cfg(cfg, window, **data)).train_batches())[:steps]
         model, opt = student_model(cfg)
-        state[name] = (model, opt, batches, cfg.distill if on else None, [])
+        state[name] = (model, opt, batches, cfg.distill if on else None)
+    rates: dict[str, list[float]] = {name: [] for name in cfgs}
     for r in range(rounds + 1):  # round 0 warms up (allocations, first-call costs)
-        for model, opt, batches, distill, meds in state.values():
+        for name in rotated(list(cfgs), r):
+            model, opt, batches, distill = state[name]
             times = []
             for i, batch in enumerate(batches):
                 t0 = time.perf_counter()
-                train_step(model, opt, batch, r * len(batches) + i + 1, distill=distill)
+                train_step(
+                    model, opt, batch, r * len(batches) + i + 1, distill=distill, fused_bce=True
+                )
                 times.append(time.perf_counter() - t0)
             if r:
-                meds.append(statistics.median(times))
-    return {name: s[2][0].size / min(s[4]) for name, s in state.items()}
+                rates[name].append(batches[0].size / statistics.median(times))
+    return rates
 
 
-def _stats(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes numbers like 0.001,0.003, got {text!r}") from None
+    if not vals or len(set(vals)) != len(vals):
+        raise ConfigError(f"{flag} needs distinct values, got {text!r}")
+    return vals
 
 
 def _load(a: argparse.Namespace) -> tuple[Config, Config, int, list[int]]:
     from neorec.config import load_config
 
+    for flag, v, lo in (
+        ("--seeds", a.seeds, 1),
+        ("--dev-seeds", a.dev_seeds, 1),
+        ("--rounds", a.rounds, 2),
+        ("--steps", a.steps, 1),
+        ("--threads", a.threads, 0),
+    ):
+        if v < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+    if not 0 < a.plain_weight <= 1:
+        raise ConfigError(f"--plain-weight must be in (0, 1], got {a.plain_weight}")
+    if a.seed_base < a.dev_seeds:
+        raise ConfigError(
+            f"--seed-base {a.seed_base} overlaps the development seeds 0..{a.dev_seeds - 1}: "
+            "report on seeds nobody tuned on"
+        )
+    if any(x <= 0 for x in _floats(a.lrs, "--lrs")):
+        raise ConfigError(f"--lrs must be > 0, got {a.lrs!r}")
+    _floats(a.biases, "--biases")
     student = load_config(a.config, a.set)
     fm = load_config(a.fm_config, a.fm_set)
     check_pair(student, fm, a.config, a.fm_config)
@@ -138,160 +175,148 @@ def _load(a: argparse.Namespace) -> tuple[Config, Config, int, list[int]]:
         raise ConfigError(f"--staleness takes integers like 1,2, got {a.staleness!r}") from None
     if not ks or ks[0] < 1 or ks[-1] >= windows:
         raise ConfigError(f"--staleness values must be in [1, {windows - 1}], got {a.staleness}")
-    if a.seeds < 1 or not 0 < a.plain_weight <= 1 or a.threads < 0:
-        raise ConfigError("--seeds must be >= 1, --plain-weight in (0, 1], --threads >= 0")
     student = replace_section(student, "data", windows=max(student.data.windows, windows))
     fm = replace_section(fm, "data", windows=max(fm.data.windows, windows))
     return student, fm, windows, ks
 
 
-def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The whole chain over the seeds; the result dict."""
-    from neorec.data.stream import teacher_metrics_by_window
+Runs = dict[str, list[list[float]]]
+"""``"{bias}/{k}/{setup}/{lr}"`` (students' eval NE) or the FM's NE (``"{bias}/fresh"``,
+``"{bias}/recal"``, ``"{bias}/{k}/stale"``) -> per seed, per window (numbers as ``{:g}``)."""
 
-    student, fm_cfg, windows, ks = _load(a)
-    ne: dict[str, list[list[float]]] = {}  # "k/setup" -> per seed, per window
-    stale_fm: dict[int, list[list[float]]] = {k: [] for k in ks}
-    fm_ne: list[list[float]] = []
-    fm_recal: list[list[float]] = []
-    fm_own: list[list[float]] = []
-    speed: dict[str, list[float]] = {}
-    fm_s = 0.0
-    for seed in range(a.seeds):
+
+def _one_seed(
+    a: argparse.Namespace,
+    student: Config,
+    fm_cfg: Config,
+    seed: int,
+    windows: int,
+    lrs_of: Any,
+    work: Path,
+    runs: Runs,
+) -> dict[tuple[float, int], Path]:
+    """FM, DAS and students of one seed, for every vertical, k, setup and the lrs ``lrs_of(bias,
+    k, setup)`` gives; appends to ``runs``. Returns the DAS directory of each (bias, k)."""
+    ks = _ks(a)
+    das: dict[tuple[float, int], Path] = {}
+    for bias in _floats(a.biases, "--biases"):
+        b = f"{bias:g}"
+        base = replace_section(
+            replace_section(student, "train", seed=seed), "data", vertical_bias=bias
+        )
+        sdir = work / f"seed{seed}" / f"bias{b}"
         fm_seed = replace_section(fm_cfg, "train", seed=seed)
-        sdir = work / f"seed{seed}"
-        fm_rows = train_fm(fm_seed, replace_section(student, "train", seed=seed), windows, ks, sdir)
-        fm_ne.append([r["ne"] for r in fm_rows])
-        fm_recal.append([r["recal_ne"] for r in fm_rows])
-        fm_own.append([r["own_ne"] for r in fm_rows])
-        fm_s += sum(r["train_s"] for r in fm_rows)
-        base = replace_section(student, "train", seed=seed)
-        alone: tuple[list[float], list[float]] | None = None
+        fm_rows = train_fm(fm_seed, base, windows, ks, sdir)
+        runs.setdefault(f"{b}/fresh", []).append([r["ne"] for r in fm_rows])
+        runs.setdefault(f"{b}/recal", []).append([r["recal_ne"] for r in fm_rows])
+        alone: dict[float, list[float]] = {}  # no FM in the loop: one run per lr for every k
+        for k in ks:
+            das[(bias, k)] = sdir / f"k{k}"
+            for setup in SETUPS:
+                lrs = lrs_of(b, k, setup)
+                for lr in lrs:
+                    cfg = replace_section(
+                        _student_setup(base, setup, a.plain_weight), "train", dense_lr=lr
+                    )
+                    if setup == "alone" and lr in alone:
+                        nes = alone[lr]
+                    else:
+                        _, nes, fms = train_student(cfg, windows, k, das[(bias, k)])
+                        if setup == "alone":
+                            alone[lr] = nes
+                        if setup == "plain" and lr == lrs[0]:  # the FM logits every setup reads
+                            runs.setdefault(f"{b}/{k}/stale", []).append(fms)
+                    runs.setdefault(f"{b}/{k}/{setup}/{lr:g}", []).append(nes)
+    return das
+
+
+def _ks(a: argparse.Namespace) -> list[int]:
+    return sorted({int(x) for x in a.staleness.split(",") if x.strip()})
+
+
+def _choose(runs: Runs, biases: list[str], ks: list[int], lrs: list[float]) -> dict[str, float]:
+    """Per ``"{bias}/{k}/{setup}"`` the lr of the lowest mean NE over the distilled windows
+    (w >= k) and the development seeds."""
+    out = {}
+    for bias in biases:
         for k in ks:
             for setup in SETUPS:
-                cfg = _student_setup(base, setup, a.plain_weight)
-                if setup == "alone" and alone is not None:
-                    res = alone  # no FM in the loop: the same run for every k
-                else:
-                    res = train_student(cfg, windows, k, sdir / f"k{k}")[1:]
-                    if setup == "alone":
-                        alone = res
-                nes, fms = res
-                ne.setdefault(f"{k}/{setup}", []).append(nes)
-                if setup == "plain":
-                    stale_fm[k].append(fms)
-            cfgs = {s: _student_setup(base, s, a.plain_weight) for s in SETUPS}
-            for s, rate in time_students(cfgs, windows - 1, k, sdir / f"k{k}").items():
-                speed.setdefault(f"{k}/{s}", []).append(rate)
-    teacher = [
-        m["ne"]
-        for m in teacher_metrics_by_window(
-            student.data, student.embedding.tables, student.model.num_dense, windows
+
+                def score(lr: float, bias: str = bias, k: int = k, setup: str = setup) -> float:
+                    seeds = runs[f"{bias}/{k}/{setup}/{lr:g}"]
+                    return statistics.fmean(statistics.fmean(s[k:]) for s in seeds)
+
+                out[f"{bias}/{k}/{setup}"] = min(lrs, key=score)
+    return out
+
+
+def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Tuning on the development seeds, the chosen lrs on the reported seeds; the result dict."""
+    from neorec.data.stream import teacher_metrics_by_window
+    from neorec.machine import cpu_model_and_flags
+
+    student, fm_cfg, windows, ks = _load(a)
+    lrs = _floats(a.lrs, "--lrs")
+    biases = [f"{b:g}" for b in _floats(a.biases, "--biases")]
+    t0 = time.perf_counter()
+    dev: Runs = {}
+    for seed in range(a.dev_seeds):
+        _one_seed(a, student, fm_cfg, seed, windows, lambda b, k, s: lrs, work / "dev", dev)
+    chosen = _choose(dev, biases, ks, lrs)
+    tune_s = time.perf_counter() - t0
+    rep: Runs = {}
+    seeds = list(range(a.seed_base, a.seed_base + a.seeds))
+    speed: dict[str, dict[str, list[float]]] = {}
+    for i, seed in enumerate(seeds):
+        das = _one_seed(
+            a,
+            student,
+            fm_cfg,
+            seed,
+            windows,
+            lambda b, k, s: [chosen[f"{b}/{k}/{s}"]],
+            work / "rep",
+            rep,
         )
-    ]
-    out = _summarize(a, windows, ks, ne, stale_fm, fm_ne, speed, teacher, fm_s, fm_recal)
-    out["fm_own_traffic_ne"] = [
-        round(statistics.fmean(s[w] for s in fm_own), 5) for w in range(windows)
-    ]
-    return out
-
-
-def _summarize(
-    a: argparse.Namespace,
-    windows: int,
-    ks: list[int],
-    ne: dict[str, list[list[float]]],
-    stale_fm: dict[int, list[list[float]]],
-    fm_ne: list[list[float]],
-    speed: dict[str, list[float]],
-    teacher: list[float],
-    fm_s: float,
-    fm_recal: list[list[float]] | None = None,
-) -> dict[str, Any]:
-    per_window_fm = [statistics.fmean(s[w] for s in fm_ne) for w in range(windows)]
-    out: dict[str, Any] = {
-        "bench": "distill",
-        "windows": windows,
-        "seeds": a.seeds,
-        "staleness": ks,
-        "teacher_ne": [round(x, 5) for x in teacher],
-        "fm_ne": [round(x, 5) for x in per_window_fm],
-        "fm_train_s": round(fm_s, 2),
-        "per_k": {},
-    }
-    for k in ks:
-        ws = list(range(k, windows))  # the distilled windows
-        fm_mean = [statistics.fmean(s[w] for w in ws) for s in fm_ne]
-        row: dict[str, Any] = {
-            "windows": ws,
-            "fm_fresh_ne": _round(_stats(fm_mean)),
-            "fm_stale_ne": _round(
-                _stats([statistics.fmean(s[w] for w in ws) for s in stale_fm[k]])
-            ),
-        }
-        means: dict[str, list[float]] = {}
-        for setup in SETUPS:
-            runs = ne[f"{k}/{setup}"]
-            means[setup] = [statistics.fmean(r[w] for w in ws) for r in runs]
-            row[setup] = {
-                "ne_per_window": [
-                    round(statistics.fmean(r[w] for r in runs), 5) for w in range(windows)
-                ],
-                "ne": _round(_stats(means[setup])),
-                "samples_per_s": round(statistics.fmean(speed[f"{k}/{setup}"]), 1),
-            }
-        rc = [statistics.fmean(s[w] for w in ws) for s in fm_recal] if fm_recal else fm_mean
-        row["fm_recalibrated_ne"] = _round(_stats(rc))
-        for key, ref in (("gap_closed", rc), ("gap_closed_vs_raw_fm", fm_mean)):
-            gaps = [
-                (al - full) / (al - f) if al != f else float("nan")
-                for al, full, f in zip(means["alone"], means["aux+adapter"], ref)
-            ]
-            row[key] = _round(_stats(gaps))
-        base_speed = row["alone"]["samples_per_s"]
-        for setup in SETUPS[1:]:
-            row[setup]["throughput_vs_alone"] = round(row[setup]["samples_per_s"] / base_speed, 3)
-        row["full_better_than_plain"] = row["aux+adapter"]["ne"][0] < row["plain"]["ne"][0]
-        out["per_k"][str(k)] = row
-    return out
-
-
-def _round(ms: tuple[float, float]) -> list[float]:
-    return [round(ms[0], 5), round(ms[1], 5)]
-
-
-def _print(r: dict[str, Any]) -> None:
-    w = r["windows"]
-    print(f"ExFM on a drifting stream: {w} windows, {r['seeds']} seed(s); eval NE of the serving")
-    print("head per window (mean over seeds); mean over the distilled windows w >= k +- spread")
-    head = "".join(f"{'w' + str(i):>8}" for i in range(w))
-    print(f"{'':<18}{head}{'mean':>10}{'+-':>8}{'samples/s':>11}{'vs alone':>9}")
-    print(f"{'teacher (Bayes)':<18}" + "".join(f"{x:8.4f}" for x in r["teacher_ne"]))
-    print(f"{'FM (fresh)':<18}" + "".join(f"{x:8.4f}" for x in r["fm_ne"]))
-    for k, row in r["per_k"].items():
-        print(f"-- staleness k = {k}")
-        print(f"{'FM logits (stale)':<18}{'':>{8 * int(k)}}" + " " * 8 * (w - int(k)), end="")
-        print(f"{row['fm_stale_ne'][0]:10.4f}{row['fm_stale_ne'][1]:8.4f}")
-        for setup in SETUPS:
-            s = row[setup]
-            vs = s.get("throughput_vs_alone", 1.0)
-            print(
-                f"{setup:<18}"
-                + "".join(f"{x:8.4f}" for x in s["ne_per_window"])
-                + f"{s['ne'][0]:10.4f}{s['ne'][1]:8.4f}{s['samples_per_s']:11,.0f}{vs:9.2f}"
+        if i == 0:  # throughput: the setups side by side on the first reported seed's DAS files
+            bias = _floats(a.biases, "--biases")[-1]
+            base = replace_section(student, "train", seed=seed)
+            base = replace_section(base, "data", vertical_bias=bias)
+            for k in ks:
+                cfgs = {s: _student_setup(base, s, a.plain_weight) for s in SETUPS}
+                speed[str(k)] = time_students(
+                    cfgs, windows - 1, k, das[(bias, k)], a.rounds, a.steps
+                )
+    teacher = {
+        f"{b:g}": [
+            m["ne"]
+            for m in teacher_metrics_by_window(
+                replace_section(student, "data", vertical_bias=b).data,
+                student.embedding.tables,
+                student.model.num_dense,
+                windows,
             )
-        g, gr = row["gap_closed"], row["gap_closed_vs_raw_fm"]
-        print(
-            f"gap_closed (aux+adapter vs alone, of the gap to the fresh FM recalibrated to this "
-            f"vertical, {row['fm_recalibrated_ne'][0]:.4f}): {g[0]:.3f} +- {g[1]:.3f}; to the raw "
-            f"FM ({row['fm_fresh_ne'][0]:.4f}): {gr[0]:.3f} +- {gr[1]:.3f}"
-        )
-        print(f"aux+adapter better than plain: {row['full_better_than_plain']}")
+        ]
+        for b in _floats(a.biases, "--biases")
+    }
+    out = summarize(rep, dev, chosen, speed, teacher, biases, ks, lrs, windows)
+    out.update(
+        seeds=seeds,
+        dev_seeds=list(range(a.dev_seeds)),
+        cpu=cpu_model_and_flags()[0],
+        window_samples=student.data.window_samples,
+        fm_window_samples=fm_cfg.data.window_samples,
+        plain_weight=a.plain_weight,
+        timing={"rounds": a.rounds, "steps": a.steps, "window": windows - 1, "seed": seeds[0]},
+        tune_s=round(tune_s, 1),
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and a JSON line."""
     a = parse(argv)
+    _load(a)  # every flag and config checked before any training
     if a.threads:
         torch.set_num_threads(a.threads)
     keep = bool(a.work)
@@ -305,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    _print(result)
+    print_table(result)
     print(json.dumps(result, sort_keys=True))
     return 0
 

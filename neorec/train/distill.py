@@ -46,6 +46,7 @@ __all__ = [
     "distill_loss",
     "soft_bce",
     "aux_predictions",
+    "serving_bce",
 ]
 
 
@@ -153,6 +154,25 @@ def _fast_losses(
     return DistillLoss(
         total, parts[0], aux=parts[2], adapter=parts[3] if adapter is not None else None
     )
+
+
+_NO_FM: dict[int, Tensor] = {}  # zeros [b] (read-only, so shared across steps)
+
+
+def serving_bce(logits: Tensor, labels: Tensor) -> Tensor | None:
+    """``BCE(logits, labels)`` (batch mean) of a step without distillation by the C kernel of a
+    distilled step (``neorec.ops.exfm_losses``, weights (1, 0, 0, 0): the serving loss alone,
+    the FM input zeros and weighted 0), with its gradient; None where the kernel does not apply
+    (``FAST_LOSSES`` off, not float32 on the CPU, no C compiler): the caller takes torch's BCE.
+    The batch mean equals the mean of equal dense blocks' means up to rounding."""
+    if not FAST_LOSSES or logits.dim() != 1:
+        return None
+    b = logits.shape[0]
+    fm = _NO_FM.get(b)
+    if fm is None:
+        fm = _NO_FM[b] = torch.zeros(b)
+    res = exfm_losses(logits, labels, fm, (1.0, 0.0, 0.0, 0.0), 1.0)
+    return None if res is None else res[0]
 
 
 def distill_loss(

@@ -141,10 +141,12 @@ def recalibrated_ne(model: Any, batches: Any) -> float:
 
 
 def train_student(
-    cfg: Config, windows: int, k: int, das: Path | None, log: Any = None
+    cfg: Config, windows: int, k: int, das: Path | None, log: Any = None, fused_bce: bool = True
 ) -> tuple[Any, list[float], list[float]]:
     """One student over the windows: ``(model, per-window eval NE of the serving head, per-window
-    NE of the stale FM logits it read (NaN where none))``; ``log(line)`` per window if given."""
+    NE of the stale FM logits it read (NaN where none))``; ``log(line)`` per window if given.
+    Steps without distillation (``alone``, windows w < k) compute their BCE by the distilled
+    steps' C kernel (``fused_bce``, ``train_step``), so every setup has the same loss path."""
     from neorec.build import data_source
     from neorec.data.stream import read_fm_logits
     from neorec.metrics import binary_metrics
@@ -164,7 +166,7 @@ def train_student(
         distill = cfg.distill if distilled else None
         for batch in batches:
             step += 1
-            train_step(model, opt, batch, step, distill=distill)
+            train_step(model, opt, batch, step, distill=distill, fused_bce=fused_bce)
         nes.append(evaluate(model, src.eval_batches())["ne"])
         fm_ne = float("nan")
         if distilled:

@@ -20,7 +20,7 @@ from neorec.errors import NeorecError
 from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.dlrm import emit_hidden
 from neorec.sparse import SparseFeatures
-from neorec.train.distill import distill_arch, distill_loss
+from neorec.train.distill import distill_arch, distill_loss, serving_bce
 from neorec.train.metrics import MetricState
 
 __all__ = [
@@ -114,13 +114,17 @@ def train_step(
     bf16: bool = False,
     distill: DistillConfig | None = None,
     guard: LossGuard | None = None,
+    fused_bce: bool = False,
 ) -> Tensor:
     """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step.
 
     With ``distill`` enabled (an ExFM student, ``neorec.train.distill``) the loss also learns
     from the batch's FM logits; the returned loss is still the serving head's true-label BCE.
     A non-finite loss is refused before backward (one host read per step), or with ``guard``
-    recorded on the device for a later ``guard.check()`` (no host read: the trainer's path)."""
+    recorded on the device for a later ``guard.check()`` (no host read: the trainer's path).
+    ``fused_bce``: without distillation, the BCE by the ExFM loss kernel where it applies
+    (``neorec.train.distill.serving_bce``: a distilled step's kernel, so an ExFM student
+    trained alone is timed and trained on the same loss engineering)."""
     ctx = _autocast(batch.dense.device) if bf16 else nullcontext()
     on = distill is not None and distill.enabled
     hidden: Tensor | None = None
@@ -139,6 +143,9 @@ def train_step(
     if on and distill is not None:
         losses = distill_loss(model, batch, logits.float(), hidden, distill, out=out)
         loss, value = losses.total, losses.serving
+    elif fused_bce and (fused := serving_bce(logits.float(), batch.labels)) is not None:
+        loss = fused
+        value = loss.detach()
     else:
         # The mean over the batch, as the mean of the dense blocks' means (the same number:
         # blocks are equal): each sample's loss gradient then comes from a tensor of the block's
