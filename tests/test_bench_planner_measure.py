@@ -339,3 +339,77 @@ def test_measure_copies_report_the_noise_floor(
     assert "copies of one plan differ by 9.5%" in out
     with pytest.raises(ValueError, match="--measure-copies must be >= 1"):
         measure_tasks(1, copies=0)
+
+
+def _seed_result(seed: int, pairs: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
+    """A ``measure_result`` with one task per (planner ms, baseline ms) per held-out round."""
+    tasks = [
+        {"held_out": {"planner_rounds_ms": p, "baseline_rounds_ms": b}, "batch": 4096}
+        for p, b in pairs
+    ]
+    return {"seed": seed, "tasks": tasks, "held_out_wins": 0, "held_out_ties": 0}
+
+
+def test_summarize_seeds_paired_ratio_per_seed_and_pooled() -> None:
+    """Per seed and pooled: the geometric mean of planner / baseline over the held-out
+    task-rounds with its t interval (bench.stats.paired_ratio), and over the tasks."""
+    from neorec.bench.planner_seeds import summarize_seeds
+    from neorec.bench.stats import t975
+
+    a = _seed_result(7, [([9.0, 9.5], [10.0, 10.0]), ([10.0, 10.4], [10.0, 10.0])])
+    b = _seed_result(8, [([8.0, 8.0], [10.0, 10.0])])
+    s = summarize_seeds([a, b])
+    logs = [math.log(x) for x in (0.9, 0.95, 1.0, 1.04)]
+    one = s["per_seed"][0]["paired_ratio"]
+    m = sum(logs) / 4
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 3)
+    assert one["value"] == pytest.approx(math.exp(m))
+    assert one["hi"] == pytest.approx(math.exp(m + t975(3) * sd / 2))
+    assert one["n"] == 4 and one["lo"] < 1 < one["hi"]
+    by_task = s["per_seed"][0]["paired_ratio_by_task"]
+    assert by_task["n"] == 2
+    assert by_task["value"] == pytest.approx(math.exp(sum(logs) / 4))
+    assert s["paired_ratio"]["n"] == 6 and s["paired_ratio_by_task"]["n"] == 3
+    pooled = [*logs, math.log(0.8), math.log(0.8)]
+    assert s["paired_ratio"]["value"] == pytest.approx(math.exp(sum(pooled) / 6))
+    assert s["excludes_1"] == (not s["paired_ratio"]["lo"] <= 1 <= s["paired_ratio"]["hi"])
+    # seed 8 alone: every round 0.8, no spread: an interval of one point, excluding 1
+    only = s["per_seed"][1]["paired_ratio"]
+    assert only["value"] == pytest.approx(0.8) and only["hi"] == pytest.approx(0.8)
+
+
+def test_seed_base_measures_each_seed_and_reports_intervals(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench planner --measure --seed-base S --seeds N: N seeds' tasks, one JSON line with the
+    seeds, the per-seed and pooled intervals and the CPU; bad flags are argparse errors."""
+    from neorec.bench.planner import main
+
+    def fake_run_jobs(jobs: list[dict], nproc: int, deadline: float, *a: Any, **k: Any) -> list:
+        return [
+            {
+                "job": i,
+                "ms_per_step": 10.0 + (i % 7) * 0.1,
+                "fwd_ms": 5.0,
+                "bwd_ms": 5.0,
+                "comm_wait_ms": 0.0,
+            }  # fmt: skip
+            for i in range(len(jobs))
+        ]
+
+    monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
+    argv = ["--measure", "--measure-tasks", "2", "--repeats", "2", "--cost-model", "analytical"]
+    assert main([*argv, "--seed-base", "40", "--seeds", "2"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["bench"] == "planner_measure_seeds" and data["seeds"] == [40, 41]
+    assert [r["seed"] for r in data["results"]] == [40, 41]
+    assert [s["seed"] for s in data["per_seed"]] == [40, 41]
+    assert set(data["paired_ratio"]) == {"value", "lo", "hi", "n"}
+    assert data["paired_ratio"]["n"] == 2 * 2  # 2 seeds x 2 tasks x 1 odd round
+    assert data["paired_ratio_by_task"]["n"] == 4
+    assert isinstance(data["excludes_1"], bool) and "cpu" in data
+    for bad in (["--seeds", "0"], ["--repeats", "1"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--seed-base", "40", *bad])
+    with pytest.raises(SystemExit):
+        main(["--seed-base", "40"])  # without --measure

@@ -107,3 +107,86 @@ def test_summarize_range_holds_its_rounded_median() -> None:
     m = summarize([row, dict(row)], [("a", None)])["a"]  # type: ignore[list-item]
     assert m["min_ms"] <= m["ms_per_step"] <= m["max_ms"]
     assert m["ms_per_step"] == 4.07
+
+
+def test_error_summary_reports_anchored_and_unanchored_for_both_models() -> None:
+    """Each (model, anchoring, plan set): mean |error| with its interval over the plans, and the
+    max; without references to anchor to, anchored is the unanchored error."""
+    from neorec.bench.costcheck import error_summary
+
+    def row(meas: float, learned: float, raw: float, ana: float, ana_anch: float) -> dict:
+        return {
+            "measured_ms": meas,
+            "predicted_ms": learned,
+            "unanchored_ms": raw,
+            "analytical_ms": ana,
+            "analytical_anchored_ms": ana_anch,
+        }
+
+    fixed = [row(10.0, 11.0, 8.0, 5.0, 6.0), row(20.0, 19.0, 26.0, 30.0, 24.0)]
+    rand = [row(4.0, 4.0, 3.0, 2.0, 2.5)]
+    e = error_summary(fixed, rand)
+    learned_a, learned_u = e["learned"]["anchored"], e["learned"]["unanchored"]
+    assert learned_a["fixed"]["mean"] == pytest.approx((0.1 + 0.05) / 2)
+    assert learned_a["fixed"]["max"] == pytest.approx(0.1)
+    assert learned_a["random"]["mean"] == pytest.approx(0.0)
+    assert learned_a["all"]["n"] == 3 and learned_a["all"]["mean"] == pytest.approx(0.05)
+    assert learned_u["all"]["mean"] == pytest.approx((0.2 + 0.3 + 0.25) / 3)
+    assert learned_u["all"]["max"] == pytest.approx(0.3)
+    iv = learned_u["all"]["mean_interval"]
+    assert iv["lo"] < iv["value"] < iv["hi"] and iv["n"] == 3
+    assert e["analytical"]["unanchored"]["all"]["max"] == pytest.approx(0.5)
+    assert e["analytical"]["anchored"]["fixed"]["mean"] == pytest.approx((0.4 + 0.2) / 2)
+    plain = error_summary(fixed, [], anchored=False)
+    assert plain["learned"]["anchored"] == plain["learned"]["unanchored"]
+    assert "random" not in plain["learned"]["anchored"]
+
+
+def test_costcheck_held_out_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--world-size 4 --random-batch B: the random plans are placed on 4 ranks at batch B, every
+    plan is measured (faked here) and the errors are reported both ways; bad values are one line
+    before any measurement."""
+    from neorec.measure import jobs as measure_jobs
+
+    seen: list[list[dict]] = []
+
+    def fake_run_passes(jobs, nproc, passes, iters, warmup=3, block=0):  # noqa: ANN001, ANN202
+        assert nproc == 4
+        seen.append(jobs)
+        return [
+            {"ms_per_step": 5.0 + i, "fwd_ms": 2.0, "bwd_ms": 3.0, "comm_wait_ms": 0.0}
+            for i in range(len(jobs))
+        ]
+
+    monkeypatch.setattr(measure_jobs, "run_passes", fake_run_passes)
+    topo = tmp_path / "topo.json"
+    Topology.local_cpu(2).save(topo)
+    out = tmp_path / "out.json"
+    small = ["--tables", "4", "--rows", "500", "--dim", "8", "--batch", "64", "--pooling", "2"]
+    args = ["--topology", str(topo), "--plans", "table_wise", "--json-out", str(out)]
+    held = ["--world-size", "4", "--random-batch", "3072", "--random-plans", "3"]
+    steps = ["--random-seed", "4242", "--iters", "2", "--passes", "2", "--repeats", "2"]
+    assert main([*args, *small, *held, *steps]) == 0
+    data = json.loads(out.read_text())
+    assert len(seen) == 2  # one block per round
+    randoms = seen[0][1:4]
+    assert all(j["batch"] == 3072 and j["plan"]["world_size"] == 4 for j in randoms)
+    assert data["world_size"] == 4 and data["random_batch"] == 3072 and data["seeds"] == [4242]
+    assert [r["batch"] for r in data["random_results"]] == [3072] * 3
+    assert set(data["errors"]) == {"learned", "analytical"}
+    for how in ("anchored", "unanchored"):
+        assert data["errors"]["learned"][how]["random"]["n"] == 3
+    assert "cpu" in data
+    # one fixed plan: a mean without an interval (None: the JSON line stays strict JSON)
+    assert data["errors"]["learned"]["anchored"]["fixed"]["mean_interval"]["lo"] is None
+    assert "Infinity" not in out.read_text()
+    # one line, before any measurement
+    seen.clear()
+    for bad, what in (("3071", "--random-batch"), ("-4", "--random-batch")):
+        with pytest.raises(SystemExit, match=what):
+            main([*args, *small, "--world-size", "4", "--random-batch", bad, "--random-plans", "1"])
+    with pytest.raises(SystemExit, match="--world-size"):
+        main([*args, *small, "--world-size", "1"])
+    assert not seen

@@ -26,18 +26,29 @@ passes): on this kind of 2-core VM one 10-step window of the same plan varies by
 is measured across the round's time, not in one window. The round also measures the speed
 references (``learned_placements.reference_jobs``, fixed small placements, not the checked plans);
 a learned model fitted with them predicts at its calibration's speed and is multiplied by the
-speed the round's references show (``anchored``; the unanchored errors are reported next to it).
+speed the round's references show (``anchored``). The errors are reported both ways, for the
+learned and the analytical model: anchored (x the round's speed) and unanchored (the raw
+prediction against the raw measured ms), with the mean's 95% interval over the plans.
+
+A check on plans the calibration never saw: ``--world-size 4`` (calibrations fit 2 ranks),
+``--random-batch B`` (every random plan at global batch B; calibration draws 512, 1024, 2048 and
+4096) and a ``--random-seed`` no calibration used (``designed_jobs`` draws with the calibration's
+``--seed``, default 0); a model fitted on 2 ranks needs ``--cost-model learned`` there (``auto``
+keeps it to its world size).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from typing import Any
 
 from neorec.bench import dist as bench_dist
+from neorec.bench.stats import mean_interval
+from neorec.machine import cpu_model_and_flags
 from neorec.measure import jobs as measure_jobs
 from neorec.measure.calibrate import calibrate
 from neorec.sharding.cost_model import CostModel, tables_from_config
@@ -87,6 +98,20 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "shard geometries than a calibration fits, seed --random-seed)",
     )
     p.add_argument("--random-seed", type=int, default=1000, help="seed of the random plans")
+    p.add_argument(
+        "--random-batch",
+        type=int,
+        default=0,
+        help="global batch of every random plan (0: drawn per mix, 512-2048, as calibration "
+        "draws; another, e.g. 3072, is a batch no calibration measured)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=0,
+        help="ranks (bench dist's --nproc; 0: its default). Calibrations fit 2 ranks, so 4 is "
+        "held out (with --cost-model learned)",
+    )
     p.add_argument(
         "--cost-model",
         choices=COST_MODEL_MODES,
@@ -145,6 +170,7 @@ def predictions(
             "predicted_ms": unanchored * speed,
             "unanchored_ms": unanchored,
             "analytical_ms": step,
+            "analytical_anchored_ms": step * speed,
             "fwd_comm_ms": fwd_comm,
             "fwd_compute_ms": fwd,
             "bwd_comm_ms": bwd_comm,
@@ -177,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     # More steps than bench dist's default: single steps vary by 10-20% on a shared CPU host.
     # 15 interleaved passes of 10 steps per round: with 5, a plan's round still moved by ~10%
     # (one 10-step window varies by +-20% here) and the max error over 17 plans with it.
+    if args.world_size:
+        rest = [*rest, "--nproc", str(args.world_size)]
     a = bench_dist.parse(["--iters", "150", "--warmup", "3", *rest, "--embedding-only"])
     world = a.nproc
     rph = a.ranks_per_host or world
+    _validate(args, a)
     cfg = bench_dist._config(a)
     topo = _topology(args, world, rph, cfg.embedding.optimizer)
     try:
@@ -189,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     for w in scoring.warnings:
         print(w, file=sys.stderr)
     model = scoring.model
-    if args.random_plans < 0:
-        raise SystemExit(f"neorec: error: --random-plans must be >= 0, got {args.random_plans}")
     jobs = random_jobs(args.random_plans, world, rph, args.random_seed, per_mix=1)
+    if args.random_batch:
+        jobs = [{**j, "batch": args.random_batch} for j in jobs]
     plans: list[tuple[str, ShardingPlan]] = []
-    for label in args.plans.split(","):
+    for label in [x for x in args.plans.split(",") if x]:
         if label == "planner":
             specs = tables_from_config(cfg.embedding.tables, zipf_alpha=a.alpha)
             plan = plan_tables(
@@ -206,8 +235,6 @@ def main(argv: list[str] | None = None) -> int:
         plans.append((label, plan))
     rounds = max(1, args.repeats)
     passes = max(1, args.passes)
-    if a.iters < passes:
-        raise SystemExit(f"neorec: error: --iters {a.iters} must be >= --passes {passes}")
     fixed_jobs = [_plan_job(cfg, a, label, plan) for label, plan in plans]
     refs = reference_jobs(world, rph)
     anchor = model.reference.get("ms", {}) if model is not None else {}
@@ -218,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     random_preds: list[list[dict[str, float]]] = []
     random_ana: list[list[dict[str, float]]] = []
     random_unanch: list[list[dict[str, float]]] = []
+    random_ana_anch: list[list[dict[str, float]]] = []
     speeds: list[float] = []
     for rnd in range(rounds):
         if rnd and not args.topology:
@@ -237,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             unanchored = [predict_job(topo, j, model) for j in jobs]  # analytical when no model
             random_unanch.append(unanchored)
             random_preds.append([{k: v * speed for k, v in p.items()} for p in unanchored])
-            random_ana.append([predict_job(topo, j, None) for j in jobs])
+            ana = [predict_job(topo, j, None) for j in jobs]
+            random_ana.append(ana)
+            random_ana_anch.append([{k: v * speed for k, v in p.items()} for p in ana])
             random_rows.extend({**per[len(fixed_jobs) + n], "job": n} for n in range(len(jobs)))
     pred = {
         label: {k: statistics.median(p[label][k] for p in preds) for k in preds[0][label]}
@@ -262,17 +292,18 @@ def main(argv: list[str] | None = None) -> int:
                 "error": round(err, 4),
             }
         )
-    rand = _random_results(jobs, random_rows, random_preds, random_ana, random_unanch)
+    rand = _random_results(
+        jobs, random_rows, random_preds, random_ana, random_unanch, random_ana_anch
+    )
     fixed_errs = [abs(r["error"]) for r in rows]
     rand_errs = [abs(r["error"]) for r in rand]
     errs = fixed_errs + rand_errs
     mean_err, max_err = sum(errs) / len(errs), max(errs)
-    # The analytical model's errors on the same measurements (the baseline of a learned model).
-    ana_errs = [abs(r["analytical_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows + rand]
-    ana_mean, ana_max = sum(ana_errs) / len(ana_errs), max(ana_errs)
-    # The learned model at the calibration's speed (not anchored to this run's references).
-    un_errs = [abs(r["unanchored_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows + rand]
-    un_mean, un_max = sum(un_errs) / len(un_errs), max(un_errs)
+    errors = error_summary(rows, rand, bool(anchor))
+    # The analytical model's errors on the same measurements (the baseline of a learned model),
+    # and the learned model at the calibration's speed (not anchored to this run's references).
+    ana_mean, ana_max = (errors["analytical"]["unanchored"]["all"][k] for k in ("mean", "max"))
+    un_mean, un_max = (errors["learned"]["unanchored"]["all"][k] for k in ("mean", "max"))
     print(
         f"bench costcheck: {world} gloo ranks, {a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
         f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}, {cfg.embedding.optimizer}"
@@ -327,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             + f" x the calibration's; not anchored (x 1): mean |error| {100 * un_mean:.1f}%, "
             f"max {100 * un_max:.1f}%"
         )
+    print_errors(errors)
     print(
         f"mean |error| {100 * mean_err:.1f}%, max {100 * max_err:.1f}% over all "
         f"(targets: mean {100 * TARGET_MEAN_ERROR:.0f}%, max {100 * TARGET_MAX_ERROR:.0f}%; "
@@ -355,8 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         "unanchored_mean_abs_error": round(un_mean, 4),
         "unanchored_max_abs_error": round(un_max, 4),
         "passes": passes,
-        "fixed_mean_abs_error": round(sum(fixed_errs) / len(fixed_errs), 4),
-        "fixed_max_abs_error": round(max(fixed_errs), 4),
+        **(
+            {
+                "fixed_mean_abs_error": round(sum(fixed_errs) / len(fixed_errs), 4),
+                "fixed_max_abs_error": round(max(fixed_errs), 4),
+            }
+            if fixed_errs
+            else {}
+        ),
         **(
             {
                 "random_mean_abs_error": round(sum(rand_errs) / len(rand_errs), 4),
@@ -369,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         "target_mean": TARGET_MEAN_ERROR,
         "target_max": TARGET_MAX_ERROR,
         "cost_model": scoring.to_dict(),
+        "errors": errors,
+        "world_size": world,
+        "random_seed": args.random_seed,
+        "seeds": [args.random_seed],
+        "random_batch": args.random_batch or None,
+        "cpu": cpu_model_and_flags()[0],
         "results": rows,
         "random_results": rand,
     }
@@ -378,6 +422,88 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json_out, "w") as f:
             f.write(line + "\n")
     return 0
+
+
+ERROR_SETS = ("all", "fixed", "random")
+PREDICTORS = {
+    ("learned", "anchored"): "predicted_ms",
+    ("learned", "unanchored"): "unanchored_ms",
+    ("analytical", "anchored"): "analytical_anchored_ms",
+    ("analytical", "unanchored"): "analytical_ms",
+}
+"""The errors reported, (model, anchoring) -> the row's predicted ms. Anchored: x the speed the
+round's references show against the calibration's; unanchored: the raw prediction. Without a
+learned model, "learned" is the analytical model (the one that predicted)."""
+
+
+def error_summary(
+    fixed: list[dict[str, Any]], rand: list[dict[str, Any]], anchored: bool = True
+) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """|predicted - measured| / measured per (model, anchoring, plan set): the mean with its 95%
+    interval over the plans (``{"value", "lo", "hi", "n"}``) and the max. Without ``anchored``
+    (no references to anchor to) the anchored errors are the unanchored ones."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for (model, how), key in PREDICTORS.items():
+        if not anchored:
+            key = PREDICTORS[(model, "unanchored")]
+        sets = {"all": fixed + rand, "fixed": fixed, "random": rand}
+        got = {}
+        for name in ERROR_SETS:
+            errs = [abs(r[key] - r["measured_ms"]) / r["measured_ms"] for r in sets[name]]
+            if errs:
+                iv = mean_interval(errs)
+                got[name] = {
+                    "mean": round(iv.value, 4),
+                    # one plan: no interval (None, not an unbounded float JSON cannot carry)
+                    "mean_interval": {k: _json_num(v) for k, v in iv.to_dict().items()},
+                    "max": round(max(errs), 4),
+                    "n": len(errs),
+                }
+        out.setdefault(model, {})[how] = got
+    return out
+
+
+def _json_num(v: float | int) -> float | int | None:
+    """A number for the JSON line: floats rounded, non-finite ones None."""
+    if isinstance(v, float):
+        return round(v, 4) if math.isfinite(v) else None
+    return v
+
+
+def print_errors(errors: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> None:
+    """The error table: mean [95% interval] / max |error| per model, anchoring and plan set."""
+    print(f"{'|error| %: mean [95%] / max':<28}" + "".join(f"{s:>30}" for s in ERROR_SETS))
+    for model, hows in errors.items():
+        for how, sets in hows.items():
+            cells = []
+            for name in ERROR_SETS:
+                e = sets.get(name)
+                if e is None:
+                    cells.append(f"{'-':>30}")
+                    continue
+                iv = e["mean_interval"]
+                span = "" if iv["lo"] is None else f" [{100 * iv['lo']:.1f}, {100 * iv['hi']:.1f}]"
+                cells.append(f"{100 * e['mean']:.1f}{span} / {100 * e['max']:.1f}".rjust(30))
+            print(f"{model + ', ' + how:<28}" + "".join(cells))
+
+
+def _validate(args: argparse.Namespace, a: argparse.Namespace) -> None:
+    """Bad flags, one line each, before any calibration or measurement."""
+    if args.random_plans < 0:
+        raise SystemExit(f"neorec: error: --random-plans must be >= 0, got {args.random_plans}")
+    if a.nproc < 2:
+        raise SystemExit(f"neorec: error: --world-size must be >= 2, got {a.nproc}")
+    if args.random_batch < 0 or (args.random_batch and args.random_batch % a.nproc):
+        raise SystemExit(
+            f"neorec: error: --random-batch must be a positive multiple of the {a.nproc} ranks "
+            f"(or 0: drawn per mix), got {args.random_batch}"
+        )
+    if args.random_batch and not args.random_plans:
+        raise SystemExit("neorec: error: --random-batch needs --random-plans > 0")
+    if not [x for x in args.plans.split(",") if x] and not args.random_plans:
+        raise SystemExit("neorec: error: no plans to check (--plans is empty, --random-plans 0)")
+    if a.iters < max(1, args.passes):
+        raise SystemExit(f"neorec: error: --iters {a.iters} must be >= --passes {args.passes}")
 
 
 def _plan_job(cfg, a: argparse.Namespace, label: str, plan: ShardingPlan) -> dict[str, Any]:
@@ -392,6 +518,7 @@ def _random_results(
     preds: list[list[dict[str, float]]],
     ana: list[list[dict[str, float]]] | None = None,
     unanchored: list[list[dict[str, float]]] | None = None,
+    ana_anchored: list[list[dict[str, float]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per random plan: median over rounds of the predicted (and analytical) and measured ms,
     and the error."""
@@ -404,6 +531,7 @@ def _random_results(
         p = statistics.median(pr[i]["step"] for pr in preds)
         pa = statistics.median(pr[i]["step"] for pr in (ana or preds))
         pu = statistics.median(pr[i]["step"] for pr in (unanchored or preds))
+        paa = statistics.median(pr[i]["step"] for pr in (ana_anchored or ana or preds))
         types: dict[str, int] = {}
         for t in job["plan"]["tables"]:
             types[t["type"]] = types.get(t["type"], 0) + 1
@@ -419,6 +547,7 @@ def _random_results(
                 "predicted_ms": round(p, 3),
                 "analytical_ms": round(pa, 3),
                 "unanchored_ms": round(pu, 3),
+                "analytical_anchored_ms": round(paa, 3),
                 "measured_ms": m,
                 "measured_min_ms": min(meas),
                 "measured_max_ms": max(meas),

@@ -11,7 +11,9 @@ slowest rank's predicted time. A benchmark, not a test: it prints a table and a 
 ``--measure`` instead measures (not predicts) a few small tasks on 2 gloo ranks here
 (``neorec.bench.planner_measure``): the planner's plan and every greedy baseline's plan, each run
 for real with the sharded runtime; ``--measure-ceiling K`` also the K best table-wise plans by
-each cost model, and how much faster than the best baseline the fastest plan measured was.
+each cost model, and how much faster than the best baseline the fastest plan measured was;
+``--seed-base S --seeds N`` measures the tasks of N seeds and reports the planner / best baseline
+paired ratio with its 95% interval per seed and pooled (``neorec.bench.planner_seeds``).
 """
 
 from __future__ import annotations
@@ -273,6 +275,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=3, help="--measure: rounds (median)")
     ap.add_argument(
+        "--seed-base",
+        type=int,
+        default=None,
+        metavar="S",
+        help="--measure: measure the tasks of seeds S .. S+N-1 (--seeds N; seeds 0-2 were used "
+        "in development) and report the planner / best baseline paired ratio with its 95%% "
+        "interval per seed and pooled (neorec.bench.planner_seeds)",
+    )
+    ap.add_argument("--seeds", type=int, default=3, help="--seed-base: how many seeds")
+    ap.add_argument(
         "--cost-model",
         choices=("auto", "learned", "analytical"),
         default="auto",
@@ -298,6 +310,28 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--planner-tune needs K >= 2 (or 0) and --planner-tune-rounds >= 1")
     if args.measure_copies < 1 or (args.measure_copies > 1 and not args.measure):
         ap.error("--measure-copies needs --measure and N >= 1")
+    if args.seed_base is not None and not args.measure:
+        ap.error("--seed-base applies to --measure")
+    if args.seeds < 1:
+        ap.error(f"--seeds must be >= 1, not {args.seeds}")
+    if args.seed_base is not None and args.repeats < 2:
+        ap.error("--seed-base needs --repeats >= 2 (the pick and the comparison use other rounds)")
+    if args.measure and args.seed_base is not None:
+        from neorec.bench.planner_seeds import measure_seeds
+
+        return measure_seeds(
+            range(args.seed_base, args.seed_base + args.seeds),
+            args.measure_tasks,
+            topology=args.topology,
+            repeats=args.repeats,
+            cost_model=args.cost_model,
+            kind=args.measure_kind,
+            pool_batch=args.measure_batch,
+            ceiling=args.measure_ceiling,
+            tune=args.planner_tune,
+            tune_rounds=args.planner_tune_rounds,
+            copies=args.measure_copies,
+        )
     if args.measure:
         return measure_tasks(
             args.measure_tasks,

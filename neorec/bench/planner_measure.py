@@ -115,7 +115,13 @@ def _pool_task(
     return tables, dataclasses.replace(topo, device_memory_gb=limit + topo.device_reserve_gb)
 
 
-def measure_tasks(
+def measure_tasks(*args: Any, **kwargs: Any) -> int:
+    """``measure_result``, its table and its JSON line (the last line of stdout)."""
+    print(json.dumps(measure_result(*args, **kwargs)))
+    return 0
+
+
+def measure_result(
     n_tasks: int,
     topology: str = "",
     repeats: int = 3,
@@ -127,14 +133,14 @@ def measure_tasks(
     tune: int = 0,
     tune_rounds: int = TUNE_ROUNDS,
     copies: int = 1,
-) -> int:
+) -> dict[str, Any]:
     """``--measure``: ``n_tasks`` small tasks on 2 gloo ranks here (``kind``: see
     ``MEASURE_KINDS``; ``pool_batch``: the pool tasks' global batch, default 1024; a mix draws its
     own); the planner's plan (scored by the topology's learned model when it has one
     fitted here; its candidates include the baselines' plans) and every greedy baseline's plan,
     each distinct plan measured for real (``bench dist --embedding-only``'s sharded step, medians
     over ``repeats`` rounds; plans that differ only by which rank is which are one plan); prints
-    ms/step and one JSON line. A planner plan identical to the best baseline's is a tie (the same
+    ms/step and returns the JSON result. A planner plan identical to the best baseline's is a tie (the same
     measurement), not a win.
 
     ``ceiling`` > 0 (``--measure-ceiling``): also each task's ``top_table_wise`` plans; the
@@ -282,6 +288,8 @@ def measure_tasks(
         # a round's drift (the host's load, the processes' luck) cancels in their ratio.
         p_r, b_r = by_round(t, "planner", 1), by_round(t, pick, 1)
         ratios = [p_r[k] / b_r[k] for k in sorted(p_r)]
+        # per odd round, for bench.stats.paired_ratio (planner_seeds)
+        p_rounds, b_rounds = [p_r[k] for k in sorted(p_r)], [b_r[k] for k in sorted(p_r)]
         return {
             "baseline": pick,
             "planner_ms": p_ms,
@@ -291,6 +299,8 @@ def measure_tasks(
             "paired_ratio": statistics.median(ratios),
             "rounds_faster": sum(x < 1 for x in ratios),
             "rounds_slower": sum(x > 1 for x in ratios),
+            "planner_rounds_ms": p_rounds,
+            "baseline_rounds_ms": b_rounds,
         }
 
     def fastest_of_all(t: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
@@ -428,26 +438,22 @@ def measure_tasks(
             f"baseline on the odd rounds, geometric mean {ceil_ratio:.3f}; it was a greedy "
             f"baseline's plan on {sum(c['is_baseline'] for c in ceils)}/{len(ceils)} tasks"
         )
-    print(
-        json.dumps(
-            {
-                "bench": "planner_measure",
-                "kind": kind,
-                "world": world,
-                "repeats": repeats,
-                "wins": wins,
-                "ties": ties,
-                "held_out_wins": h_wins if held_all else None,
-                "ceiling_k": ceiling,
-                "ceiling_over_best_geomean": ceil_ratio,
-                "held_out_ties": h_ties if held_all else None,
-                "held_out_paired_geomean": paired,
-                "planner_over_best_geomean": ratio,
-                "planner_tune": tune,
-                "copies": copies,
-                "model_pick_over_best_geomean": model_ratio,
-                "tasks": out,
-            }
-        )
-    )
-    return 0
+    return {
+        "bench": "planner_measure",
+        "seed": seed,
+        "kind": kind,
+        "world": world,
+        "repeats": repeats,
+        "wins": wins,
+        "ties": ties,
+        "held_out_wins": h_wins if held_all else None,
+        "ceiling_k": ceiling,
+        "ceiling_over_best_geomean": ceil_ratio,
+        "held_out_ties": h_ties if held_all else None,
+        "held_out_paired_geomean": paired,
+        "planner_over_best_geomean": ratio,
+        "planner_tune": tune,
+        "copies": copies,
+        "model_pick_over_best_geomean": model_ratio,
+        "tasks": out,
+    }
