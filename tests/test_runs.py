@@ -100,7 +100,7 @@ def test_runs_command_lists_both(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines[1:] if line.strip()]
     assert [r.split()[0] for r in rows] == ["first", "*"]  # newest last, * marks latest
-    assert rows[1].split()[1] == "second" and "done" in rows[1]
+    assert rows[1].split()[1] == "second" and "finished" in rows[1]
     assert "%" in rows[0]  # the teacher gap of a synthetic run
     assert main(["runs", "--root", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err

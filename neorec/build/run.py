@@ -4,7 +4,8 @@ optimizer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +21,17 @@ from neorec.distributed.dense_blocks import block_dense
 from neorec.distributed.dynamic_reshard import without_dynamic
 from neorec.distributed.model_parallel import check_same_everywhere
 from neorec.modules.embedding import check_tables_memory
+from neorec.modules.phases import Phase, watch_init
 from neorec.ops import settings
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.types import ShardingPlan
+from neorec.storage.cache_table import CacheCapacityError, cache_capacity
 
 __all__ = [
     "apply_system",
     "check_run",
+    "check_cache_capacity",
+    "init_progress",
     "data_source",
     "dense_optimizer",
     "BuiltModel",
@@ -90,6 +95,49 @@ def check_run(cfg: Config, world: int = 1, one_host: bool = True) -> None:
         ShardingPlan.load(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
 
 
+def check_cache_capacity(cfg: Config, source: DataSource) -> None:
+    """Tables on dram / ssd: the first train batch's distinct rows of each fit its row cache
+    (``CacheCapacityError`` naming the table), checked before any row store is written."""
+    cached = [t for t in cfg.embedding.tables if t.storage != "memory" and t.kind != "dynamic"]
+    if not cached:
+        return
+    batches = source.train_batches(0)
+    try:
+        batch = next(iter(batches), None)
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+    if batch is None:
+        return  # (no batches: the trainer says so)
+    sparse = batch.sparse
+    for t in cached:
+        ids = [sparse.feature(f)[0] for f in t.features if f in sparse.keys]
+        need = int(torch.unique(torch.cat(ids)).numel()) if ids else 0
+        if need > cache_capacity(t):
+            raise CacheCapacityError(
+                f"table '{t.name}': the first batch needs {need} distinct rows but its cache "
+                f"holds {cache_capacity(t)} (of {t.rows:,} rows on {t.storage}); raise "
+                "cache_rows / cache_fraction or lower the batch size (checked before the row "
+                "store is written)"
+            )
+
+
+@contextmanager
+def init_progress(cfg: Config, rank: int = 0, world: int = 1) -> Iterator[Phase]:
+    """A ``Phase`` over the rows the tables' initializer generates inside the block (rank 0
+    shows it when ``train.progress``; the total is known in one process)."""
+    fixed = sum(int(t.rows) for t in cfg.embedding.tables if t.kind != "dynamic")
+    phase = Phase(
+        f"initializing the tables ({fixed:,} rows)" if world == 1 else "initializing the tables",
+        fixed if world == 1 else None,
+        "rows",
+        enabled=rank == 0 and cfg.train.progress,
+    )
+    with phase, watch_init(phase.advance):
+        yield phase
+
+
 @dataclass
 class BuiltModel:
     """The model of a run on this rank, with what decided its shape."""
@@ -113,7 +161,21 @@ def build_model(
     """The model ``cfg`` describes on this rank of ``world``: flat or towered (towers decided
     here: the learned partition warms up on ``source``), one process or sharded (the plan
     resolved here, the same on every rank or an error naming the difference)."""
+    if world == 1:
+        check_cache_capacity(cfg, source)
     groups = resolve_tower_groups(cfg, source, rank, world)
+    with init_progress(cfg, rank, world):
+        return _build(cfg, device, groups, rank, world, ranks_per_host)
+
+
+def _build(
+    cfg: Config,
+    device: torch.device,
+    groups: list[list[str]] | None,
+    rank: int,
+    world: int,
+    ranks_per_host: int | None,
+) -> BuiltModel:
     if world == 1:
         model = build_dlrm(cfg, device, groups=groups) if groups else build_dlrm(cfg, device)
         if cfg.train.dense_blocks > 1:

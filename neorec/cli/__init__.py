@@ -17,7 +17,7 @@ from types import ModuleType
 
 from neorec.errors import NeorecError
 
-__all__ = ["COMMANDS", "main", "build_parser", "command"]
+__all__ = ["COMMANDS", "main", "build_parser", "command", "line_buffered"]
 
 COMMANDS = (
     "train",
@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def line_buffered(stream: object = None) -> None:
+    """stdout (``stream``) flushed at every line when it is not a terminal (a pipe, a file, CI):
+    a long command's lines arrive as they are printed, not in one block at its end."""
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    reconfigure = getattr(stream, "reconfigure", None)
+    if reconfigure is not None and not (isatty is not None and isatty()):
+        try:
+            reconfigure(line_buffering=True)
+        except (ValueError, OSError):  # a closed or detached stream: nothing to buffer
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``neorec`` command.
 
@@ -62,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet: its launcher prints); anything else is a defect and keeps its traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    line_buffered()
     try:
         if argv[:1] and argv[0] in COMMANDS:
             passthrough = getattr(command(argv[0]), "passthrough", None)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from neorec.launch import (
@@ -84,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train: one process, ``--nproc`` local ranks, or one rank of a torchrun job."""
     from neorec.config import ConfigError, load_config
+    from neorec.train.resume import finished_line, locating_overrides
 
     if is_worker():  # one rank of a --nproc / torchrun job
         return run_worker(lambda: _train_worker(args))
@@ -100,17 +104,34 @@ def run(args: argparse.Namespace) -> int:
     sets = list(args.set)
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
-    cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
+    if args.nnodes > 1:  # rank 0 chooses the run folder and tells the others (as under torchrun)
+        cfg = load_config(args.config, args.set)
+        if args.resume:
+            print(_NNODES_RESUME, flush=True)
+        return _launch(args, cfg, resume_command(args.config, sets, args.nproc), {})
     from neorec.train.runs import resolve_run
 
-    if args.nnodes > 1:  # rank 0 chooses the run folder and tells the others (as under torchrun)
-        return _launch(args, cfg, resume_command(args.config, sets, args.nproc), {})
+    if args.resume:  # the run to resume is found first: its own config is the base
+        cfg = load_config(args.config, locating_overrides(args.set))
+    else:
+        cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
     run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)
+    try:
+        cfg, restored = _run_config(args, run, cfg.checkpoint.dir)
+        done = finished_line(run, cfg) if args.resume and not run.created else None
+    except BaseException:
+        run.discard_if_empty()
+        raise
+    if done is not None:  # nothing to train: nothing is written
+        run.discard_if_empty()
+        print(done, flush=True)
+        return 0
     resume = resume_command(args.config, sets, args.nproc, run.name if run.root else None)
     if args.nproc > 1 or args.nnodes > 1:
         code = 1
         try:
-            code = _launch(args, run.apply(cfg), resume, run.env())
+            with _config_file(cfg if restored else None) as config_file:
+                code = _launch(args, run.apply(cfg), resume, run.env(), config_file)
         finally:
             if code:
                 run.discard_if_empty()  # no rank got as far as writing into it
@@ -123,6 +144,58 @@ def run(args: argparse.Namespace) -> int:
         print(interrupted_line(run.apply(cfg), resume, step_of(e)), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
+
+
+_NNODES_RESUME = (
+    "resume: under --nnodes the ranks take the config given now (flags and --config), not the "
+    "run's config.toml: pass --config RUNS/NAME/config.toml to resume with the run's own"
+)
+
+
+def _run_config(args: argparse.Namespace, run: Any, ckpt_dir: str) -> tuple[Any, bool]:
+    """The config of this run and whether it is a resumed run's own (restored from its folder,
+    with what is given now applied: ``neorec.train.resume``); prints where it came from."""
+    from neorec.config import load_config
+    from neorec.train.resume import restore_config
+
+    if args.resume:
+        which = args.resume.strip()
+        restored = restore_config(run, which, args.config, args.set, ckpt_dir)
+        if restored is not None:
+            print("\n".join(restored.lines), flush=True)
+            return restored.cfg, True
+    cfg = load_config(args.config, args.set)
+    if not args.resume:
+        return cfg, False
+    if not run.created and not (run.path / "config.toml").is_file():
+        print(
+            f"resume: {run.path} keeps no config.toml: the config is the one given now",
+            flush=True,
+        )
+    elif run.created and args.resume.strip() != "auto":
+        print(
+            f"resume: {args.resume}: a new run folder {run.path}, with the config given now (no "
+            f"run's config.toml to start from; its model is checked against the checkpoint's)",
+            flush=True,
+        )
+    return cfg, False
+
+
+@contextlib.contextmanager
+def _config_file(cfg: Any) -> Iterator[str | None]:
+    """A resumed run's config as a TOML file the launched ranks read (removed at the end)."""
+    if cfg is None:
+        yield None
+        return
+    from neorec.train.runs import dump_toml
+
+    fd, path = tempfile.mkstemp(prefix="neorec-resume-", suffix=".toml")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(dump_toml(cfg.to_dict(), "neorec train --resume: the run's config"))
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def _check_nodes(args: argparse.Namespace) -> None:
@@ -165,16 +238,25 @@ def _train_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, cfg: Any, resume: str, env: dict[str, str]) -> int:
+def _launch(
+    args: argparse.Namespace,
+    cfg: Any,
+    resume: str,
+    env: dict[str, str],
+    config_file: str | None = None,
+) -> int:
     """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs);
-    ``env`` hands them the run folder."""
+    ``env`` hands them the run folder; ``config_file``: the whole config (a resumed run's)."""
     from neorec.train.checkpoints import checkpoint_root
 
     rest = ["train"]
-    if args.config:
-        rest += ["--config", args.config]
-    for s in args.set:
-        rest += ["--set", s]
+    if config_file is not None:
+        rest += ["--config", config_file]
+    else:
+        if args.config:
+            rest += ["--config", args.config]
+        for s in args.set:
+            rest += ["--set", s]
 
     def on_signal(sig: signal.Signals) -> str:
         what = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"

@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["load_config", "apply_overrides", "read_toml"]
+__all__ = ["load_config", "config_from_data", "apply_overrides", "read_toml"]
 
 
 def _build(cls: Any, data: dict[str, Any], where: str, source: str) -> Any:
@@ -161,6 +161,14 @@ def _from_file(e: ConfigError, path: str | Path | None, overrides: list[str]) ->
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Config from a TOML file (or the defaults) plus ``--set`` overrides, every field checked."""
     data: dict[str, Any] = read_toml(path) if path is not None else {}
+    return config_from_data(data, overrides, path)
+
+
+def config_from_data(
+    data: dict[str, Any], overrides: list[str] | None = None, path: str | Path | None = None
+) -> Config:
+    """Config from a raw dict (as a TOML file reads) plus ``--set`` overrides, every field
+    checked; ``path`` names where the dict came from in messages. ``data`` is changed."""
     apply_overrides(data, list(overrides or []))
     source = str(path) if path is not None else "config"
     try:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from neorec.config import ConfigError, TableConfig
 from neorec.modules.collection import EmbeddingCollection, UpdateHook, optimizer_state_of
+from neorec.modules.phases import rows_initialized, table_init_skipped
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, bytes_per_row, table_key
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes, zeros_state
@@ -71,6 +72,7 @@ def init_rows(
         vals = torch.rand(hi - lo, spec.dim, generator=gen).mul_(2 * bound).sub_(bound)
         a, b = max(lo, row_start), min(hi, row_end)
         out[a - row_start : b - row_start].copy_(vals[a - lo : b - lo])
+        rows_initialized(b - a)
     return out
 
 
@@ -152,7 +154,7 @@ class EmbeddingBagCollection(EmbeddingCollection):
     def reset_parameters(self, init_scale: float = 0.0, seed: int = 0) -> None:
         """Uniform init per table: +-init_scale, or +-sqrt(1/rows) as in the reference DLRM."""
         fmt = self.row_format
-        for t, spec in enumerate(self.tables):
+        for t, spec in enumerate(self.tables if not table_init_skipped() else []):
             if fmt.precision == "fp32":
                 init_rows(
                     spec, seed, 0, spec.rows, init_scale, out=self.layout.table(self.weights, t)

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from neorec.config import ConfigError
+from neorec.errors import NeorecError
 
 __all__ = ["run_eval", "run_predict", "run_export"]
 
@@ -82,7 +83,9 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
     dest = check_out_path(args.out, "--out")
     src, cfg, data = _prepare(args)
     model, _ = load_model(src)
-    probs, _labels = predict_batches(model, data.batches(), cfg.train.bf16_dense)
+    probs, _labels = predict_batches(
+        model, data.batches(), cfg.train.bf16_dense, "predict", data.total
+    )
     arr = probs.numpy().astype(np.float32, copy=False)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     try:
@@ -123,12 +126,32 @@ def _write_das(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _export_phase(model: str) -> Any:
+    """The export's progress: announced (and timed when done) for a model of at least
+    ``ANNOUNCE_ROWS`` rows; quiet for a small one."""
+    from neorec.modules.phases import Phase
+    from neorec.serve.model import ANNOUNCE_ROWS, MODEL_FILE, find_model_dir, read_model_info
+
+    try:
+        src = find_model_dir(model)
+        tables = read_model_info(src)["config"].get("embedding", {}).get("tables", [])
+    except NeorecError:  # export_model says what is wrong, in its order
+        return Phase("export", enabled=False)
+    rows = sum(int(t.get("rows", 0)) for t in tables if isinstance(t, dict))
+    phase = Phase(f"exporting {src / MODEL_FILE} ({rows:,} rows)")
+    if rows >= ANNOUNCE_ROWS:
+        phase.announce()
+    phase.done = rows
+    return phase
+
+
 def run_export(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``neorec export``: the serving artifact of a saved model."""
     from neorec.serve.export import export_model
 
     out = out or sys.stdout
-    dest = export_model(args.model, args.out, args.quantize)
+    with _export_phase(args.model):
+        dest = export_model(args.model, args.out, args.quantize)
     manifest = json.loads((dest / "manifest.json").read_text())
     table_bytes = sum(t["bytes"] for t in manifest["tables"])
     dense = manifest["dense"]

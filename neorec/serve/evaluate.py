@@ -20,6 +20,7 @@ from neorec.config import Config, ConfigError, apply_overrides
 from neorec.data.batch import Batch
 from neorec.errors import DataError
 from neorec.metrics import binary_metrics
+from neorec.modules.phases import Phase
 from neorec.serve.model import config_from_dict
 
 __all__ = [
@@ -52,10 +53,12 @@ def override_config(cfg: Config, sets: list[str]) -> Config:
 class EvalData:
     """Eval batches of one data source, in order (and the teacher's metrics when known)."""
 
-    def __init__(self, batches: Any, teacher: Any, describe: str) -> None:
+    def __init__(self, batches: Any, teacher: Any, describe: str, total: int | None = None) -> None:
         self._batches = batches
         self._teacher = teacher
         self.describe = describe
+        self.total = total
+        """Batches in one pass, when known (the progress line's ETA)."""
 
     def batches(self) -> Iterator[Batch]:
         """The batches (one pass)."""
@@ -87,9 +90,11 @@ def eval_data(cfg: Config, data: str | None = None, split: str = "eval") -> Eval
             "synthetic": f"synthetic {split} split",
             "stream": f"stream window {cfg.data.window} {split} split",
         }.get(src, "the config's eval data")
+        counter = getattr(getattr(source, "data", None), "num_batches", None)
+        total = int(counter(split, cfg.data.batch_size)) if callable(counter) else None
         if split == "train":
-            return EvalData(source.train_batches, None, where)
-        return EvalData(source.eval_batches, source.reference_metrics, where)
+            return EvalData(source.train_batches, None, where, total)
+        return EvalData(source.eval_batches, source.reference_metrics, where, total)
     return EvalData(_path_batches(cfg, Path(data)), None, str(data))
 
 
@@ -144,10 +149,15 @@ def _check_finite(dense: Tensor, index: int, first: int) -> None:
 
 
 def predict_batches(
-    model: Any, batches: Iterator[Batch], bf16: bool = False
+    model: Any,
+    batches: Iterator[Batch],
+    bf16: bool = False,
+    what: str = "predict",
+    total: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(probabilities, labels) float32 over ``batches``, in order: the trainer's eval loop (the
-    same per-block sigmoid), so the same model and batches give bitwise its predictions."""
+    same per-block sigmoid), so the same model and batches give bitwise its predictions. A
+    progress line (``what``; ``total`` batches when known) when it takes a while."""
     from neorec.distributed.dense_blocks import blocks_of, per_block
 
     model.train(False)
@@ -156,14 +166,16 @@ def predict_batches(
     probs: list[Tensor] = []
     labels: list[Tensor] = []
     seen = 0
-    for i, batch in enumerate(batches):
-        _check_finite(batch.dense, i, seen)
-        seen += batch.size
-        with ctx:
-            logits = model(batch.dense, batch.sparse)
-        p = torch.cat(per_block(torch.sigmoid, blocks, logits.float()))
-        probs.append(p.detach().float().cpu())
-        labels.append(batch.labels.detach().float().cpu())
+    with Phase(what, total, "batches") as phase:
+        for i, batch in enumerate(batches):
+            _check_finite(batch.dense, i, seen)
+            seen += batch.size
+            with ctx:
+                logits = model(batch.dense, batch.sparse)
+            p = torch.cat(per_block(torch.sigmoid, blocks, logits.float()))
+            probs.append(p.detach().float().cpu())
+            labels.append(batch.labels.detach().float().cpu())
+            phase.advance(1)
     if not probs:
         raise DataError("the data holds no samples to predict; check --data or the eval split")
     return torch.cat(probs), torch.cat(labels)
@@ -171,5 +183,5 @@ def predict_batches(
 
 def evaluate_model(model: Any, cfg: Config, data: EvalData) -> dict[str, float]:
     """AUC, log loss, NE, calibration of ``model`` on ``data`` (the trainer's metrics)."""
-    probs, labels = predict_batches(model, data.batches(), cfg.train.bf16_dense)
+    probs, labels = predict_batches(model, data.batches(), cfg.train.bf16_dense, "eval", data.total)
     return binary_metrics(probs, labels)

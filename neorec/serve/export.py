@@ -11,6 +11,12 @@
                         (float32 per row) for --quantize int8 / int4 (<i>: the table's index)
       serving.py        the loader (``neorec/serve/standalone.py``): load(DIR) -> predict
 
+A model trained on Criteo data also carries its feature transforms (``transforms``: the dense
+``log(max(x, 0) + 1)``, each category's hex parse and its map into rows: ``v % rows``, a raw id of
+a dynamic table, a bounded index, plus the multi-hot draws' seed of preprocessed data), so that
+``predict.raw(rows)`` serves raw Criteo fields exactly as training read them
+(:func:`feature_transforms`).
+
 The manifest is sealed like a checkpoint's (``neorec.checkpoint.format.seal_manifest``: a SHA-256
 of its canonical JSON) and lists every other file with its size and CRC-32 (``files``); the loader
 checks both before it reads anything (``neorec.serve.artifact.load_artifact`` in neorec).
@@ -40,7 +46,7 @@ from neorec.errors import DataError
 from neorec.ops.quant import int_rowwise_quantize
 from neorec.serve import standalone
 
-__all__ = ["QUANTIZE", "export_model", "dense_program"]
+__all__ = ["QUANTIZE", "export_model", "dense_program", "feature_transforms"]
 
 QUANTIZE = {"none": 32, "int8": 8, "int4": 4}
 """``--quantize`` choices and their bits."""
@@ -163,6 +169,65 @@ def _file_table(root: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
     }
 
 
+def feature_transforms(cfg: Config) -> dict[str, Any]:
+    """What turns a raw Criteo row into the model's inputs, as the training data read it
+    (``neorec.data.criteo`` for TSV, the preprocessed directory's options otherwise); for other
+    data, or a mapping the loader cannot repeat, ``{"kind": None, "why": ...}``."""
+    from neorec.data.criteo import EMPTY_CATEGORY_ROW, MAX_HEX_DIGITS, NUM_DENSE, NUM_SPARSE
+    from neorec.data.loader import is_preprocessed
+    from neorec.data.loader import read_manifest as read_data_manifest
+
+    d, tables = cfg.data, cfg.embedding.tables
+    if d.source != "criteo":
+        return {"kind": None, "why": f"trained on {d.source} data: its inputs are ids already"}
+    raw = [t.kind == "dynamic" for t in tables]
+    hashed, multi_hot, seed = d.hash_categories, [1] * NUM_SPARSE, 0
+    source = "Criteo TSV"
+    if d.path and is_preprocessed(d.path):
+        opts = read_data_manifest(d.path).get("options", {})
+        if opts.get("mode", "hash") != "hash":
+            return {
+                "kind": None,
+                "why": f"trained on {d.path}, preprocessed in {opts.get('mode')} mode: its "
+                "vocabulary is not in the artifact",
+            }
+        hashed, source = True, f"preprocessed ({d.path}, hash mode)"
+        multi_hot, seed = list(opts.get("multi_hot", multi_hot)), int(opts.get("multi_hot_seed", 0))
+        multi_hot = multi_hot * NUM_SPARSE if len(multi_hot) == 1 else multi_hot
+    elif d.path and not Path(d.path).exists():
+        return {
+            "kind": None,
+            "why": f"data.path {d.path!r} is not found from here: cannot tell whether (and how) "
+            "it was preprocessed; export from where the model was trained",
+        }
+    categorical = []
+    for j, t in enumerate(tables):
+        if raw[j]:
+            how = "raw"  # the hex value is the dynamic table's id
+        elif hashed:
+            how = "modulo"
+        else:
+            how = "index"  # the hex value must be < rows
+        categorical.append(
+            {"field": f"C{j + 1}", "feature": t.features[0], "map": how, "rows": int(t.rows)}
+            | ({"multi_hot": multi_hot[j]} if multi_hot[j] > 1 else {})
+        )
+    return {
+        "kind": "criteo",
+        "source": source,
+        "fields": "[label] I1..I13 C1..C26 (tab-separated text, or a sequence of fields)",
+        "dense": {
+            "fields": NUM_DENSE,
+            "function": "log1p(max(x, 0))",
+            "parse": "decimal integer (64-bit); empty = 0",
+        },
+        "categorical": categorical,
+        "category_parse": f"hex (<= {MAX_HEX_DIGITS} digits); empty = {EMPTY_CATEGORY_ROW}",
+        "hash": "int(hex, 16) % rows (no seed)",
+        "multi_hot": {"hash": "splitmix64", "seed": seed},
+    }
+
+
 def _target(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out}: exists and is not an empty directory; export into a new directory")
@@ -199,6 +264,7 @@ def export_model(model_path: str | Path, out_dir: str | Path, quantize: str = "n
             "tables": tables,
             "quantization": quantize,
             "dense": dense,
+            "transforms": feature_transforms(cfg),
             "output": "probabilities = sigmoid(logits); serving.load(DIR) returns them",
             "source": {"model": str(src.resolve()), "step": step},
             "torch": torch.__version__,

@@ -60,6 +60,8 @@ MODEL_FILE = "model.json"
 MODEL_FORMAT = "neorec.model"
 MODEL_FORMAT_VERSION = 1
 """Bumped on an incompatible change of the model directory; readers refuse other versions."""
+ANNOUNCE_ROWS = 10_000_000
+"""Loading a model of at least this many rows says so when it starts (and when it is done)."""
 
 
 # ---- config <-> JSON ---------------------------------------------------------------------------
@@ -251,6 +253,7 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     """
     from neorec.build import build_dlrm
     from neorec.modules.embedding import check_tables_memory
+    from neorec.modules.phases import Phase, no_table_init
 
     model_dir = find_model_dir(path)
     info = read_model_info(model_dir)
@@ -263,15 +266,21 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     dense = load_dense(storage, name, chain[-1]["dense"])
     build = _serving_config(cfg)
     check_tables_memory(build.embedding.tables, build.embedding.optimizer)
-    model = build_dlrm(build)
+    with no_table_init():  # every row is read from the model below: no random init first
+        model = build_dlrm(build)
     current = describe_model(model, torch.optim.SGD(model.dense_parameters(), lr=0.0))
     current["dense_optimizer"] = saved.get("dense_optimizer")
     check_model(storage.path(name), saved, current)
-    dynamic = restore_dynamic(storage, chain, model.ebc)  # the id maps, by raw id
-    fixed = fixed_part(model.ebc)
-    restore_embeddings(storage, chain, local_blocks(fixed) if fixed is not None else [])
-    for apply in dynamic:
-        apply()
+    rows = sum(int(t.rows) for t in cfg.embedding.tables)
+    with Phase(f"loading the model's tables ({rows:,} rows)") as phase:
+        if rows >= ANNOUNCE_ROWS:
+            phase.announce()
+        dynamic = restore_dynamic(storage, chain, model.ebc)  # the id maps, by raw id
+        fixed = fixed_part(model.ebc)
+        restore_embeddings(storage, chain, local_blocks(fixed) if fixed is not None else [])
+        for apply in dynamic:
+            apply()
+        phase.done = rows
     try:
         dense_module(model).load_state_dict(dense["dense"])
     except (RuntimeError, KeyError, ValueError, TypeError) as e:

@@ -24,6 +24,16 @@ file raises ``ArtifactError`` (a ``ValueError``) whose one-line message names th
 checksums are neorec's checkpoint checksums (``neorec.checkpoint.format``), computed here again
 with the standard library.
 
+Raw Criteo rows (a model trained on Criteo data): ``predict.predict_raw(rows)`` takes each row as
+its tab-separated text or a sequence of its fields, ``I1..I13 C1..C26`` (39 fields) or a log line
+``label I1..I13 C1..C26`` (40; the label is not read), and applies the training-side transforms the
+manifest records (``transforms``): dense ``log(max(x, 0) + 1)`` (empty = 0), each category's hex
+value mapped as training mapped it (``v % rows``; a dynamic table's raw id; a bounded index; the
+multi-hot draws of preprocessed data), empty = 0. ``predict.inputs_from_raw(rows)`` gives the
+``(dense, sparse)`` it feeds to ``predict``. A malformed row raises ``ValueError`` naming its row
+and field; a model whose manifest has no transforms (synthetic data, vocabulary preprocessing)
+raises one naming why.
+
 The artifact: ``manifest.json`` (features -> tables, dims, pooling, quantization, files), the
 dense part (bottom MLP, interaction, top MLP) as a ``torch.export`` program ``dense.pt2`` (or
 TorchScript ``dense.ts``), and the tables as ``.npy``: fp32 rows, or row-wise integer codes
@@ -52,6 +62,8 @@ __all__ = [
     "Table",
     "Predictor",
     "load",
+    "criteo_fields",
+    "multi_hot_rows",
 ]
 
 FORMAT = "neorec.serving"
@@ -180,6 +192,86 @@ def _npy(path: str, mmap_mode: Any) -> np.ndarray:
         raise ArtifactError(
             f"{path}: unreadable .npy ({_first_line(e)}); export it again"
         ) from None
+
+
+_DEC = frozenset("0123456789")
+_HEXD = frozenset("0123456789abcdefABCDEF")
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def multi_hot_rows(
+    rows_ids: np.ndarray, feature: int, size: int, rows: int, seed: int
+) -> np.ndarray:
+    """[n, size] bags of feature ``feature`` (0-based): the row itself, then ``size - 1`` rows of
+    [0, rows) fixed per (seed, feature, row) by splitmix64 (``neorec data preprocess --multi-hot``,
+    ``neorec.data.shards.multi_hot_extra``)."""
+    out = np.empty((len(rows_ids), size), dtype=np.int64)
+    out[:, 0] = rows_ids
+    if size > 1:
+        with np.errstate(over="ignore"):
+            base = rows_ids.astype(np.uint64) * np.uint64(size) + np.uint64(
+                ((seed * 26 + feature) << 40) & _M64
+            )
+            k = np.arange(1, size, dtype=np.uint64)
+            out[:, 1:] = (_splitmix64(base[:, None] + k[None, :]) % np.uint64(rows)).astype(
+                np.int64
+            )
+    return out
+
+
+def criteo_fields(row: Any, index: int) -> list[str]:
+    """The 39 fields ``I1..I13 C1..C26`` of a raw row: its tab-separated text (one trailing
+    newline dropped) or a sequence of its fields; a leading label (40 fields) is dropped."""
+    if isinstance(row, bytes):
+        try:
+            row = row.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"row {index}: not UTF-8 text") from None
+    if isinstance(row, str):
+        fields = row.rstrip("\n").rstrip("\r").split("\t")
+    elif isinstance(row, (list, tuple)):
+        fields = ["" if f is None else str(f) for f in row]
+    else:
+        raise ValueError(f"row {index}: a str or a sequence of fields, got {type(row).__name__}")
+    if len(fields) == 40:
+        fields = fields[1:]
+    if len(fields) != 39:
+        raise ValueError(
+            f"row {index}: {len(fields)} fields, want 39 (I1..I13 C1..C26) or 40 (a label first)"
+        )
+    return fields
+
+
+def _dense_int(s: str, index: int, col: int) -> int:
+    body = s[1:] if s.startswith("-") else s
+    if not body or not set(body) <= _DEC or len(s) > 20 or not -(1 << 63) <= int(s) < 1 << 63:
+        raise ValueError(f"row {index}: field I{col + 1}: {s[:40]!r} is not a 64-bit integer")
+    return int(s)
+
+
+def _category(s: str, index: int, j: int, spec: dict[str, Any]) -> int:
+    if not s:
+        return 0
+    if not set(s) <= _HEXD or len(s) > 15:
+        raise ValueError(f"row {index}: field C{j + 1}: {s[:40]!r} is not hex (<= 15 digits)")
+    v = int(s, 16)
+    how, rows = spec["map"], int(spec["rows"])
+    if how == "modulo":
+        return v % rows
+    if how == "index" and v >= rows:
+        raise ValueError(
+            f"row {index}: field C{j + 1}: id {v} >= table rows {rows} (the model was trained "
+            "on unhashed ids)"
+        )
+    return v
 
 
 class Table:
@@ -372,6 +464,36 @@ class Predictor:
     def __call__(self, dense: Any, sparse: dict[str, Any]) -> np.ndarray:
         """Click probabilities float32 [B]."""
         return torch.sigmoid(self.logits(dense, sparse)).numpy()
+
+    def inputs_from_raw(self, rows: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        """``(dense, sparse)`` of raw Criteo rows, through the manifest's ``transforms``."""
+        tf = self.manifest.get("transforms")
+        if not isinstance(tf, dict) or tf.get("kind") != "criteo":
+            why = tf.get("why") if isinstance(tf, dict) else "exported without transforms"
+            raise ValueError(
+                f"this artifact cannot read raw rows ({why}); use predict(dense, sparse)"
+            )
+        cats = tf["categorical"]
+        fields = [criteo_fields(r, i) for i, r in enumerate(rows)]
+        n = len(fields)
+        ints = np.zeros((n, 13), dtype=np.int64)
+        ids = np.zeros((n, len(cats)), dtype=np.int64)
+        for i, f in enumerate(fields):
+            ints[i] = [_dense_int(s, i, c) if s else 0 for c, s in enumerate(f[:13])]
+            ids[i] = [_category(s, i, j, cats[j]) for j, s in enumerate(f[13:])]
+        # the public DLRM transform, in float64 then float32 (as neorec.data.criteo)
+        dense = np.log1p(np.maximum(ints, 0).astype(np.float64)).astype(np.float32)
+        seed = int(tf.get("multi_hot", {}).get("seed", 0))
+        sparse: dict[str, Any] = {}
+        for j, spec in enumerate(cats):
+            size = int(spec.get("multi_hot", 1))
+            bags = multi_hot_rows(ids[:, j], j, size, int(spec["rows"]), seed)
+            sparse[str(spec["feature"])] = (np.full(n, size, dtype=np.int64), bags.reshape(-1))
+        return dense, sparse
+
+    def predict_raw(self, rows: Any) -> np.ndarray:
+        """Click probabilities float32 [B] of raw Criteo rows (see the module docstring)."""
+        return self(*self.inputs_from_raw(rows))
 
 
 def load(path: str, verify: bool = True) -> Predictor:

@@ -262,7 +262,14 @@ def run_exfm(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: not an empty folder; give a new or empty one")
     out.mkdir(parents=True, exist_ok=True)
-    r = run_chain(student, fm, windows, out)
+    from neorec.train.runstatus import mark_ended
+
+    try:
+        r = run_chain(student, fm, windows, out)
+    except BaseException as e:  # `neorec runs` says how it ended: failed / interrupted
+        mark_ended(out, e)
+        raise
+    mark_ended(out, None)
     print(f"{'window':>8}{'FM NE':>10}{'FM logits NE':>14}{'student NE':>12}")
     for w in range(windows):
         fl = r["fm_logits_ne"][w]

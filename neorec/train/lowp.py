@@ -20,6 +20,7 @@ from torch import Tensor
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.lowp.dispatch import Dispatcher
 from neorec.lowp.report import format_table, report_json
+from neorec.train.progress import lowp_decision
 
 __all__ = ["TrainerLowp"]
 
@@ -110,7 +111,10 @@ class TrainerLowp:
 
     def after_step(self) -> None:
         """After a step's backward and optimizer step."""
+        first = not self.disp.decisions
         self.disp.after_step(self._index)
+        if first and self.disp.decisions and self.rank == 0:  # the first decision, and why
+            print(lowp_decision(self.disp, self._index + 1), file=self.out, flush=True)
         self._index += 1
 
     def summary(self) -> dict[str, Any]:

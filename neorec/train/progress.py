@@ -21,19 +21,11 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor
 
-__all__ = ["Progress", "banner", "eval_line", "fmt_duration"]
+from neorec.modules.phases import fmt_duration
+
+__all__ = ["Progress", "banner", "eval_line", "fmt_duration", "lowp_decision"]
 
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-
-
-def fmt_duration(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h04m``."""
-    s = int(round(max(0.0, seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _tqdm() -> Any:
@@ -173,6 +165,13 @@ def _mlp(n_in: int | str, widths: list[int]) -> str:
     return "-".join(str(w) for w in [n_in, *widths])
 
 
+def _capacity(t: Any) -> int:
+    """Rows a table holds: a dynamic table's capacity slots (0 = its id space), else its rows."""
+    if getattr(t, "kind", "fixed") == "dynamic":
+        return int(getattr(t, "capacity", 0) or t.rows)
+    return int(t.rows)
+
+
 def banner(
     cfg: Any,
     *,
@@ -183,8 +182,11 @@ def banner(
     total_steps: int | None,
     eval_every: int,
     plan: Any = None,
+    towers: list[list[str]] | None = None,
 ) -> str:
-    """The lines printed when a run starts: what is trained, on what, where it is written."""
+    """The lines printed when a run starts: what is trained, on what, where it is written; the
+    towers (``towers``: their tables), dynamic tables' capacities, the low-precision mode and the
+    plan's summary when the run has them."""
     m, e, t, d = cfg.model, cfg.embedding, cfg.train, cfg.data
     tables = list(e.tables)
     if m.interaction == "dot":
@@ -196,10 +198,10 @@ def banner(
     dims = sorted({x.dim for x in tables})
     precisions = Counter(getattr(x, "precision", "") or "fp32" for x in tables)
     storages = Counter(x.storage for x in tables if x.storage != "memory")
-    rows = sum(int(x.rows) for x in tables)
-    emb_params = sum(int(x.rows) * int(x.dim) for x in tables)
+    rows = sum(_capacity(x) for x in tables)
+    emb_params = sum(_capacity(x) * int(x.dim) for x in tables)
     emb_bytes = sum(
-        int(x.rows) * int(x.dim) * _BYTES.get(getattr(x, "precision", "") or "fp32", 4)
+        _capacity(x) * int(x.dim) * _BYTES.get(getattr(x, "precision", "") or "fp32", 4)
         for x in tables
     )
     prec = ", ".join(f"{k} x{n}" if len(precisions) > 1 else k for k, n in precisions.items())
@@ -214,6 +216,33 @@ def banner(
         f"params   dense {dense_params:,} | embedding {emb_params:,} "
         f"({emb_bytes / 2**20:,.1f} MiB of weights)",
     ]
+    dyn = [x for x in tables if getattr(x, "kind", "fixed") == "dynamic"]
+    if dyn:
+        lines.append(
+            "dynamic  "
+            + "; ".join(
+                f"{x.name}: capacity {_capacity(x):,} slots, id space {int(x.rows):,}" for x in dyn
+            )
+        )
+    if towers:
+        tw = cfg.towers
+        how = "given groups" if tw.groups else f"{tw.partitioner or 'balanced'} partition"
+        lines.append(
+            f"towers   {len(towers)} towers ({how}), tables per tower "
+            f"{'/'.join(str(len(g)) for g in towers)}, module {tw.module}"
+            + (f" ({tw.out_vectors} vectors out)" if tw.out_vectors > 1 else "")
+        )
+    lp = getattr(cfg, "lowp", None)
+    if lp is not None and lp.mode != "off":
+        if lp.mode == "auto":
+            what = (
+                f"auto: the first {lp.probe_steps} steps in fp32 are probed, then each dense "
+                f"site runs the fastest precision within tolerance {lp.tolerance:g}"
+            )
+        else:
+            what = f"{lp.mode} on every dense site"
+        ends = " (first and last layer kept fp32)" if lp.keep_ends else ""
+        lines.append(f"lowp     {what}{ends}")
     steps = f"{total_steps:,} steps" if total_steps else "length unknown"
     if t.eval_every or eval_every:
         part = f" on the first {t.eval_batches} batches" if t.eval_batches else ""
@@ -228,14 +257,14 @@ def banner(
         f"lr {t.dense_lr:g}; {evals}"
     )
     ranks = f"world    {world} rank{'s' if world > 1 else ''}"
-    dynamic = sum(1 for x in tables if getattr(x, "kind", "fixed") == "dynamic")
-    if world > 1 and ((plan is not None and plan.tables) or dynamic):
+    if world > 1 and ((plan is not None and plan.tables) or dyn or towers):
         kinds = Counter(
             str(getattr(p.sharding_type, "value", p.sharding_type))
             for p in (plan.tables if plan is not None else [])
         )
         parts = [f"{k} x{n}" for k, n in sorted(kinds.items())]
-        parts += [f"dynamic (id hash) x{dynamic}"] if dynamic else []
+        parts += [f"dynamic (id hash) x{len(dyn)}"] if dyn else []
+        parts += [f"towers x{len(towers)} (tower-local sharding)"] if towers else []
         ranks += " | plan " + ", ".join(parts)
     lines.append(ranks)
     return "\n".join(lines)
@@ -249,3 +278,44 @@ def every_of(eval_every: int, fraction: float, total: int | None) -> int:
     if not fraction or not total:
         return 0
     return max(1, math.ceil(total * fraction))
+
+
+def _fp32_reason(disp: Any, name: str, times: dict[str, dict[str, float]]) -> str:
+    """Why dispatch keeps site ``name`` in fp32."""
+    from neorec.lowp.dispatch import MIN_GAIN
+
+    if name in disp.keep_fp32:
+        return "first / last layer, lowp.keep_ends"
+    if disp.mode != "auto":
+        return f"lowp.mode {disp.mode}"
+    r = disp.probe.results.get(name)
+    t = times.get(name, {})
+    base = t.get("fp32", math.inf)
+    cands = [c for c in (r.errors if r is not None else {}) if c != "fp32"]
+    if not any(math.isfinite(t.get(c, math.inf)) for c in cands):
+        return "no low-precision kernel on this device"
+    safe = [c for c in cands if math.isfinite(r.bound(c)) and r.bound(c) <= disp.tolerance]
+    if not safe:
+        return f"error above lowp.tolerance {disp.tolerance:g} in every precision"
+    if not any(t.get(c, math.inf) <= MIN_GAIN * base for c in safe):
+        return f"no precision within tolerance is {100 * (1 - MIN_GAIN):.0f}% faster here"
+    return "other"
+
+
+def lowp_decision(disp: Any, step: int) -> str:
+    """One line: the low-precision plan a dispatcher (``neorec.lowp.dispatch.Dispatcher``) chose
+    at ``step`` and why the sites it keeps in fp32 stay there."""
+    plan = {k: v for k, v in disp.plan.items() if not k.startswith("pooled.")}
+    times = disp.decisions[-1].times if disp.decisions else {}
+    low = Counter(v for v in plan.values() if v != "fp32")
+    why = Counter(_fp32_reason(disp, k, times) for k, v in plan.items() if v == "fp32")
+    n, kept = len(plan), sum(why.values())
+    if not low:
+        head = f"all {n} dense sites fp32"
+    else:
+        head = f"{n - kept} of {n} dense sites " + ", ".join(f"{k} x{c}" for k, c in low.items())
+        head += f", {kept} fp32" if kept else ""
+    reasons = "; ".join(f"{c} site{'s' if c > 1 else ''}: {k}" for k, c in why.items())
+    wire = {k: v for k, v in disp.plan.items() if k.startswith("pooled.")}
+    tail = (" | pooled wire " + ", ".join(f"{k[7:]} {v}" for k, v in wire.items())) if wire else ""
+    return f"lowp {disp.mode} at step {step}: {head}" + (f" ({reasons})" if reasons else "") + tail

@@ -10,7 +10,8 @@ from typing import Any
 
 from neorec.errors import DataError
 from neorec.train.runlock import locked_by
-from neorec.train.runs import LATEST
+from neorec.train.runs import LATEST, started
+from neorec.train.runstatus import run_status
 
 __all__ = ["describe_run", "list_runs", "format_runs", "run_runs_command"]
 
@@ -47,7 +48,11 @@ def describe_run(folder: Path) -> dict[str, Any]:
     metrics_path = folder / "metrics.json"
     m = _read_json(metrics_path) if metrics_path.exists() else None
     run = m.get("run", {}) if m else {}
-    start = run.get("start_utc") if isinstance(run, dict) else None
+    # The first start (a resume keeps it; config.toml's first line says when it resumed last).
+    known = started(folder)
+    start = known[0] if known else run.get("start_utc") if isinstance(run, dict) else None
+    if known and known[1]:
+        row["resumed_utc"] = known[1]
     if not start:
         stamp = folder / "config.toml" if (folder / "config.toml").exists() else folder
         start = datetime.fromtimestamp(stamp.stat().st_mtime, timezone.utc).strftime(
@@ -61,10 +66,10 @@ def describe_run(folder: Path) -> dict[str, Any]:
         elif metrics_path.exists():
             row["status"] = "unreadable metrics.json"
         else:
-            row["status"] = "stopped"
+            row["status"] = run_status(folder) or "stopped"
         row["steps"] = _last_step(folder / "events.jsonl")
         return row
-    row["status"] = "done"
+    row["status"] = "finished"
     row["steps"] = m.get("train", {}).get("steps")
     row["world_size"] = run.get("world_size") if isinstance(run, dict) else None
     ev, te = m.get("eval") or {}, m.get("teacher") or {}
@@ -100,19 +105,22 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def format_runs(rows: list[dict[str, Any]]) -> str:
-    """The table ``neorec runs`` prints (newest last; ``*`` marks ``latest``)."""
+    """The table ``neorec runs`` prints (newest last; ``*`` marks ``latest``; a resumed run's
+    start is its first one, and its status says when it was last resumed)."""
     head = f"  {'name':<28}{'started (UTC)':<18}{'steps':>8}{'ranks':>6}{'eval NE':>9}"
     head += f"{'AUC':>8}{'teacher NE':>11}{'gap':>9}  status"
     lines = [head]
     for x in rows:
         gap = x.get("ne_gap_vs_teacher")
         start = str(x["start_utc"]).replace("T", " ").rstrip("Z")[:16]
+        last = x.get("resumed_utc")
+        resumed = f", resumed {str(last).replace('T', ' ').rstrip('Z')[:16]}" if last else ""
         lines.append(
             f"{'*' if x.get('latest') else ' '} {x['name']:<28}{start:<18}"
             f"{_num(x.get('steps'), ',d'):>8}{_num(x.get('world_size'), 'd'):>6}"
             f"{_num(x.get('ne'), '.4f'):>9}{_num(x.get('auc'), '.4f'):>8}"
             f"{_num(x.get('teacher_ne'), '.4f'):>11}"
-            f"{'-' if gap is None else f'{100 * gap:+.2f}%':>9}  {x['status']}"
+            f"{'-' if gap is None else f'{100 * gap:+.2f}%':>9}  {x['status']}{resumed}"
         )
     if len(rows) == 0:
         lines.append("  (no runs)")

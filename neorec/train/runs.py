@@ -44,11 +44,13 @@ __all__ = [
     "RunFolder",
     "RunFolderError",
     "resolve_run",
+    "has_checkpoint",
     "update_latest",
     "run_info",
     "dump_toml",
     "utc_now",
     "RunLog",
+    "started",
     "Tee",
 ]
 
@@ -164,7 +166,7 @@ def reserve(root: Path, base: str) -> RunFolder:
     raise RunFolderError(f"run folder {root / base}: every suffix up to -99999 is taken")
 
 
-def _has_checkpoint(folder: Path) -> bool:
+def has_checkpoint(folder: Path) -> bool:
     """Whether ``folder/checkpoints`` holds a checkpoint with a manifest (readable or not)."""
     from neorec.checkpoint.format import MANIFEST
 
@@ -216,7 +218,7 @@ def _resumed(cfg: Any, root: Path) -> RunFolder | None:
                 )
         else:
             folder = _latest_folder(root, mode)
-        if folder is None or (mode == "auto" and not _has_checkpoint(folder)):
+        if folder is None or (mode == "auto" and not has_checkpoint(folder)):
             return None
         return RunFolder(folder, root)
     if "://" in which:
@@ -464,23 +466,60 @@ def _keep_events(path: Path, step: int) -> int:
     return dropped
 
 
+_STARTED = re.compile(r"^# neorec train, run .*, started (\S+?)(?:, resumed (\S+))?$")
+
+
+def started(folder: Path) -> tuple[str, str | None] | None:
+    """When the run of ``folder`` first started and when it was last resumed (None: not
+    resumed), from its config.toml's first line; None when that line does not say."""
+    try:
+        with open(folder / "config.toml") as fh:
+            m = _STARTED.match(fh.readline().rstrip("\n"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None if m is None else (m.group(1), m.group(2))
+
+
+def _first_start(folder: Path) -> str | None:
+    """The first start of the run in ``folder`` (config.toml, else metrics.json), if known."""
+    known = started(folder)
+    if known is not None:
+        return known[0]
+    try:
+        run = json.loads((folder / "metrics.json").read_text())["run"]
+        return str(run["start_utc"]) or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class RunLog:
-    """Rank 0's files of a run: config.toml, events.jsonl, train.log and the ``latest`` link."""
+    """Rank 0's files of a run: config.toml, events.jsonl, train.log and the ``latest`` link.
+
+    ``start`` is when the run first started (a resumed run keeps its first session's, as
+    config.toml's first line and metrics.json record it); ``resumed`` when this session began,
+    for a resumed run."""
 
     def __init__(self, folder: RunFolder, tee: Tee) -> None:
         self.folder = folder
         self.tee = tee
         self.events: TextIO | None = None
         self.start = utc_now()
+        self.resumed: str | None = None
 
     def open(self, config: dict[str, Any], resumed_step: int | None) -> None:
         """Create the folder's files: a new run starts them afresh, a resumed one appends (its
         events after the checkpoint's step are dropped: the resumed run trains those again)."""
         path = self.folder.path
+        head = f"neorec train, run {self.folder.name}, started {self.start}"
+        if resumed_step is not None:
+            self.resumed, self.start = self.start, _first_start(path) or self.start
+            head = f"neorec train, run {self.folder.name}, started {self.start}, resumed "
+            head += str(self.resumed)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            text = dump_toml(config, f"neorec train, run {self.folder.name}, {self.start}")
-            (path / "config.toml").write_text(text)
+            tmp = path / f".config.toml.{os.getpid()}.tmp"
+            tmp.write_text(dump_toml(config, head))
+            os.replace(tmp, path / "config.toml")
             mode = "a" if resumed_step is not None else "w"
             dropped = (
                 0 if resumed_step is None else _keep_events(path / "events.jsonl", resumed_step)
@@ -490,7 +529,7 @@ class RunLog:
         except OSError as e:
             raise RunFolderError(f"run folder {path}: cannot write: {e.strerror or e}") from None
         if resumed_step is not None:
-            log.write(f"---- resumed at step {resumed_step}, {self.start} ----\n")
+            log.write(f"---- resumed at step {resumed_step}, {self.resumed} ----\n")
         self.tee.attach(log)
         if dropped:
             print(

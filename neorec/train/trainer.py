@@ -116,6 +116,13 @@ class Trainer(RunSummary):
         # So does the checkpoint to resume: found, its chain read, its model compared with cfg.
         resume = preflight_resume(cfg, self.out, self.rank)
         self._resumed_step = None if resume is None else int(resume.manifest["step"])
+        total, at = self.total_steps(), self._resumed_step
+        if resume is not None and at is not None and total is not None and at > total:
+            raise ConfigError(
+                f"the checkpoint to resume ({resume.path}) is at step {at}, past this run's "
+                f"{total} steps (train.steps / train.epochs); a resumed run trains on from its "
+                f"checkpoint: set train.steps above {at}"
+            )
         self.plan: Any = None
         self.tower_groups: list[list[str]] | None = None
         self.model = model if model is not None else self._build_model()
@@ -204,9 +211,11 @@ class Trainer(RunSummary):
             yield self._local(batch)
 
     def _config_record(self) -> dict[str, Any]:
-        """The config as config.toml keeps it: as given, with the run's name when it has one
-        (``--config runs/NAME/config.toml`` trains it again, in a new folder NAME-2)."""
+        """The config as config.toml keeps it: as given (a resume starts from it), with the run's
+        name when it has one and no checkpoint.resume (``--config runs/NAME/config.toml`` trains
+        it again, in a new folder NAME-2)."""
         d = self.given_cfg.to_dict()
+        d["checkpoint"]["resume"] = ""  # it trains again from the start (resume: --resume)
         if self.run.root is not None:
             d["train"]["name"], d["train"]["run_dir"] = self.run.name, ""
         return d
@@ -231,6 +240,7 @@ class Trainer(RunSummary):
                 total_steps=total,
                 eval_every=self.eval_every,
                 plan=self.plan,
+                towers=self.tower_groups,
             )
             print(text, file=self.out, flush=True)
 
