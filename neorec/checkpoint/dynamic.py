@@ -11,17 +11,23 @@ format of ``neorec.checkpoint.format`` (magic, JSON header, arrays; no pickle):
 - every piece also holds the map's step, the threshold admission's sketch, the running counts
   and the shared default row (small).
 
-Restore replays baseline + increments by id into a ``DynamicTableState`` per table and imports
-it (``DynamicEmbeddingBagCollection.import_table``), so the slots may differ but rows, state and
-every later admission / eviction decision are those of the saved run. The state is keyed by raw
-id and merges the pieces of every rank that wrote one, so it restores under any world size.
+Restore replays baseline + increments by id (the pieces of every rank that wrote one) and cuts
+the result into the last save's ranks' ``TableShard`` s, each with its rank's map scalars (step,
+threshold sketch, running totals); a sharded collection imports them (each rank its own ids and,
+on the saved world size, its own sketch), an unsharded one their merge (every rank's sketch
+summed). The slots may differ but rows, state and every later admission / eviction decision are
+those of the saved run on the saved world size; on another one the threshold sketch cannot be
+split by owner (``dynamic_reshard.rank_sketch``) and the resume says so in one line.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,13 +47,14 @@ from neorec.checkpoint.format import (
     row_bytes,
 )
 from neorec.config import CheckpointConfig
+from neorec.distributed.dynamic_reshard import TableShard, merge_table_shards, owner_of
 from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.errors import NeorecError
 from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection
-from neorec.storage.dynamic_state import map_items
+from neorec.storage.dynamic_state import DynamicTableState, map_items, select_ids
 from neorec.storage.mixed import MixedEmbeddingBagCollection
 
 __all__ = [
@@ -56,7 +63,7 @@ __all__ = [
     "DynamicCheckpoints",
     "encode_dynamic_piece",
     "decode_dynamic_piece",
-    "load_dynamic_states",
+    "load_dynamic_shards",
     "restore_dynamic",
     "set_steps",
 ]
@@ -252,8 +259,6 @@ class DynamicCheckpoints:
     def snapshot(self, full: bool) -> list[tuple[str, Any, bool, Tensor]]:
         """(table, state, full, deleted) per table: everything, or the ids changed since the
         prefix and the ids gone since (copies; the training pause)."""
-        from neorec.storage.dynamic_state import select_ids
-
         out = []
         for t in self.names:
             st = self.dyn.export_table(t)
@@ -303,11 +308,13 @@ class DynamicCheckpoints:
 
 
 # ---- restoring --------------------------------------------------------------------------------
-def load_dynamic_states(storage: Any, chain: list[dict[str, Any]], tables: list[str]) -> dict:
-    """``{table: DynamicTableState}`` of the checkpoint whose chain is ``chain``: the baseline's
-    ids, then each increment's deletions and changed ids in order (every rank's pieces)."""
+def load_dynamic_shards(
+    storage: Any, chain: list[dict[str, Any]], tables: list[str]
+) -> dict[str, list[TableShard]]:
+    """``{table: [TableShard of each rank of the last save]}`` of the checkpoint whose chain is
+    ``chain``: the baseline's ids, then each increment's deletions and changed ids in order (every
+    rank's pieces), cut by owner among the last save's ranks, each with its own map scalars."""
     from neorec.checkpoint.catalog import read_verified
-    from neorec.storage.dynamic_state import DynamicTableState
 
     acc: dict[str, DynamicTableState] = {}
     scal: dict[str, tuple[int, list[tuple[int, DynamicPiece]]]] = {}  # the last save's pieces
@@ -352,50 +359,33 @@ def load_dynamic_states(storage: Any, chain: list[dict[str, Any]], tables: list[
             )  # fmt: skip
     out = {}
     for t in tables:
-        st, p = acc[t], _scalars(sorted(scal[t][1], key=lambda rp: rp[0]))
+        ci, pieces = scal[t]
+        pieces.sort(key=lambda rp: rp[0])
+        ranks = [r for r, _ in pieces]
+        world = len(pieces)
+        if ranks != list(range(world)):
+            raise CheckpointCorruptError(
+                f"checkpoint {chain[ci]['name']}: table '{t}' has pieces of ranks {ranks}, want "
+                f"0..{world - 1} once each (a piece missing from its manifest)"
+            )
+        st = acc[t]
         order = torch.argsort(st.ids)
-        out[t] = DynamicTableState(
-            ids=st.ids[order],
-            rows=st.rows[order],
-            states={k: v[order] for k, v in st.states.items()},
-            uses=st.uses[order],
-            last_use=st.last_use[order],
-            step=p.step,
-            sketch=p.sketch,
-            sketch_total=p.sketch_total,
-            totals=p.totals,
-            default_row=p.default_row,
-            default_states=p.default_states,
-        )
+        st = DynamicTableState(
+            st.ids[order], st.rows[order], {k: v[order] for k, v in st.states.items()},
+            st.uses[order], st.last_use[order], st.step,
+        )  # fmt: skip
+        own = owner_of(st.ids, world)
+        out[t] = [
+            TableShard(r, world, _with_scalars(select_ids(st, own == r), p)) for r, p in pieces
+        ]
     return out
 
 
-def _scalars(pieces: list[tuple[int, DynamicPiece]]) -> DynamicPiece:
-    """The map scalars of one save's pieces of a table (one per writing rank, by rank): the step
-    and default row of the lowest rank (every rank's are the same); the running totals and the
-    threshold sketches summed over ranks (sketches folded to the narrowest width), as
-    ``merge_table_shards`` does."""
-    first = pieces[0][1]
-    if len(pieces) == 1:
-        return first
-    from dataclasses import replace
-
-    from neorec.ops.id_map_size import SKETCH_DEPTH as depth
-
-    width = min(p.sketch.numel() // depth for _, p in pieces)
-    sketch = torch.zeros(depth, width, dtype=torch.int64)
-    totals: dict[str, int] = {}
-    for _, p in pieces:
-        sk = p.sketch.to(torch.int64).reshape(depth, -1)
-        sketch += sk.reshape(depth, sk.shape[1] // width, width).sum(1)
-        for k, v in p.totals.items():
-            totals[k] = totals.get(k, 0) + int(v)
-    return replace(
-        first,
-        sketch=sketch.clamp(max=2**31 - 1).to(torch.int32),
-        sketch_total=sum(int(p.sketch_total) for _, p in pieces),
-        totals=totals,
-    )
+def _with_scalars(st: DynamicTableState, p: DynamicPiece) -> DynamicTableState:
+    """``st`` (one rank's ids) with the map scalars of that rank's piece ``p``."""
+    st.step, st.sketch, st.sketch_total = p.step, p.sketch, p.sketch_total
+    st.totals, st.default_row, st.default_states = p.totals, p.default_row, p.default_states
+    return st
 
 
 def _fill_states(dyn: Any, i: int, st: Any) -> Any:
@@ -416,18 +406,49 @@ def _fill_states(dyn: Any, i: int, st: Any) -> Any:
 
 def restore_dynamic(storage: Any, chain: list[dict[str, Any]], ebc: Any) -> list[Any]:
     """Read and check the dynamic tables' states of ``chain`` for ``ebc`` (nothing changes yet);
-    returns the callables that import them (call after every other check passed)."""
+    returns the callables that import them (call after every other check passed). A sharded
+    collection imports every saved rank's shard (each rank takes its ids and its sketch), an
+    unsharded one their merge."""
     dyn = dynamic_part(ebc)
     if dyn is None:
         return []
     names = [t.name for t in dyn.tables]
-    states = load_dynamic_states(storage, chain, names)
-    todo = []
+    shards = load_dynamic_shards(storage, chain, names)
+    sharded = isinstance(dyn, ShardedDynamicEmbeddingBagCollection)
+    todo: list[Callable[[], Any]] = []
     for i, t in enumerate(names):
-        st = _fill_states(dyn, i, states[t])
+        for s in shards[t]:
+            _fill_states(dyn, i, s.state)
         try:  # the collection's own check (a sharded one: of the ids its rank owns)
-            dyn.check_import_table(t, st)
+            src: Any = shards[t] if sharded else merge_table_shards(shards[t], f"table '{t}'")
+            dyn.check_import_table(t, src)
         except NeorecError as e:  # capacity / dim / optimizer
             raise CheckpointError(f"checkpoint {chain[-1]['name']}: {one_line(e)}") from None
-        todo.append(lambda t=t, st=st: dyn.import_table(t, st))
+        todo.append(partial(dyn.import_table, t, src))
+    note = resume_note(dyn, shards, chain[-1])
+    if note and (dyn.rank if sharded else 0) == 0:
+        todo.append(partial(print, note, file=sys.stderr, flush=True))
     return todo
+
+
+def resume_note(dyn: Any, shards: dict[str, list[TableShard]], last: dict[str, Any]) -> str:
+    """The line a training resume prints when it is not bitwise for the dynamic tables: threshold
+    admission restored on another world size than the saved one (``""`` otherwise, and for a
+    checkpoint without optimizer state, such as a saved model: no training resumes from it)."""
+    world = int(getattr(dyn, "world", 1))
+    saved = {t: s[0].world for t, s in shards.items()}
+    tables = [t.name for t in dyn.tables if t.admission == "threshold" and saved[t.name] != world]
+    if not tables or not last.get("opt_bits"):
+        return ""
+    was = saved[tables[0]]
+    how = (
+        "every saved sighting counted once"
+        if was % world == 0
+        else "a saved rank's sightings counted on each rank that takes part of its ids"
+    )
+    return (
+        f"note: dynamic tables {tables} (admission = 'threshold') were saved by {was} rank(s) and "
+        f"resume on {world}: each rank's admission sketch is the sum of the saved ranks' sketches "
+        f"over its id-hash range ({how}; none lost, so no id is admitted late), and admissions "
+        f"may differ from an uninterrupted run: the resume is bitwise on {was} rank(s) only"
+    )

@@ -11,6 +11,13 @@ id, scaled to ``[0, W)``, so rank r owns the hash range ``[r * 2^32 / W, (r + 1)
 The id map's own hash table and sketch hash the id with other salts (their bits are
 independent of the owner's).
 
+Threshold admission's count-min sketch is per rank: rank r's counts the sightings of the ids r
+owns. A restore on the saved world size gives each rank its own sketch (bitwise resume). On another
+world size a counter cannot be split by owner, so rank r gets the sum of the sketches of the saved
+ranks whose hash ranges overlap its own (``sketch_sources``): every saved rank's counts once when
+the saved world is a multiple of the new one (a merge), and copies of a saved rank's counts in
+each rank that takes part of its range otherwise (ids may then be admitted early, never late).
+
 Placement in a distributed model: dynamic tables are never placed by a ``ShardingPlan``
 (``without_dynamic``); ``sharded_dynamic_from_config`` builds a config's collection (fixed tables
 by the plan, dynamic tables row-wise by id hash over every rank).
@@ -27,7 +34,7 @@ import torch
 from torch import Tensor
 
 from neorec.errors import ConfigError
-from neorec.ops.id_map import _mix64_np
+from neorec.ops.id_map import SKETCH_DEPTH, _mix64_np
 from neorec.storage.dynamic_state import DynamicTableState, select_ids
 
 if TYPE_CHECKING:
@@ -39,6 +46,9 @@ __all__ = [
     "merge_table_shards",
     "as_global_state",
     "rank_state",
+    "rank_sketch",
+    "saved_shards",
+    "sketch_sources",
     "without_dynamic",
 ]
 
@@ -84,10 +94,62 @@ def _fold_sketch(sk: Tensor, width: int) -> Tensor:
     return sk.to(torch.int64).view(depth, w // width, width).sum(1)
 
 
+def _sum_sketches(states: Sequence[DynamicTableState]) -> tuple[Tensor, int]:
+    """The sketches of ``states`` summed (folded to the narrowest width; int32, saturating) and
+    their sightings counts summed: the sketch of the union of their (disjoint) id streams."""
+    sks = [s.sketch.reshape(SKETCH_DEPTH, -1) for s in states]
+    width = min(int(sk.shape[1]) for sk in sks)
+    out = torch.zeros(SKETCH_DEPTH, width, dtype=torch.int64)
+    for sk in sks:
+        out += _fold_sketch(sk, width)
+    return out.clamp(max=2**31 - 1).to(torch.int32), sum(int(s.sketch_total) for s in states)
+
+
+_SPAN = 1 << 32
+
+
+def _hash_range(rank: int, world: int) -> tuple[int, int]:
+    """The top-32-bit hash values ``[lo, hi)`` that ``rank`` of ``world`` owns."""
+    return -(-rank * _SPAN // world), -(-(rank + 1) * _SPAN // world)
+
+
+def sketch_sources(rank: int, world: int, saved_world: int) -> list[int]:
+    """The ranks of a ``saved_world``-rank checkpoint whose hash ranges overlap the range of
+    ``rank`` of ``world``: whose sketches hold the sightings of ids ``rank`` owns (``[rank]``
+    on the saved world size)."""
+    lo, hi = _hash_range(rank, world)
+    return [
+        q
+        for q in range(saved_world)
+        if _hash_range(q, saved_world)[0] < hi and lo < _hash_range(q, saved_world)[1]
+    ]
+
+
+def rank_sketch(
+    shards: Sequence[TableShard], rank: int, world: int
+) -> tuple[Tensor, int, dict[str, int]]:
+    """(sketch, sightings count, running totals) of ``rank`` of ``world`` restored from every
+    saved rank's ``shards`` (one whole checkpoint, as ``merge_table_shards`` checks): on the saved
+    world size the rank's own; otherwise the sum of the ``sketch_sources`` ranks' sketches, and
+    the totals summed over every saved rank on rank 0 (zeros elsewhere: their sum is kept)."""
+    by_rank = {s.rank: s.state for s in shards}
+    saved = shards[0].world
+    if saved == world:
+        own = by_rank[rank]
+        return own.sketch.reshape(SKETCH_DEPTH, -1), int(own.sketch_total), dict(own.totals)
+    sketch, total = _sum_sketches([by_rank[q] for q in sketch_sources(rank, world, saved)])
+    totals: dict[str, int] = {}
+    for q in range(saved):
+        for k, v in by_rank[q].totals.items():
+            totals[k] = totals.get(k, 0) + int(v)
+    return sketch, total, totals if rank == 0 else {k: 0 for k in totals}
+
+
 def merge_table_shards(shards: Sequence[TableShard], where: str = "table") -> DynamicTableState:
     """The whole table of a sharded checkpoint: every rank's ids (ascending), rows, optimizer
     state and bookkeeping; map step and default row of the (identical) ranks; the running totals
-    and the threshold sketches summed (folded to the narrowest width: counts only grow).
+    and the threshold sketches summed (folded to the narrowest width: counts only grow), which is
+    the sketch one process restores (``rank_sketch`` of rank 0 of world 1).
 
     Refuses (``ConfigError``, one line naming ``where``) a set that is not one whole checkpoint:
     ranks missing or repeated, another world, different steps, dims or optimizer states, an id in
@@ -138,10 +200,7 @@ def merge_table_shards(shards: Sequence[TableShard], where: str = "table") -> Dy
     if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
         dup = int(ids[1:][ids[1:] == ids[:-1]][0])
         raise ConfigError(f"{where}: id {dup} is in two ranks' shards")
-    width = min(int(s.sketch.shape[-1]) for s in sts)
-    sketch = torch.zeros(sts[0].sketch.shape[0], width, dtype=torch.int64)
-    for st in sts:
-        sketch += _fold_sketch(st.sketch.reshape(sketch.shape[0], -1), width)
+    sketch, sketch_total = _sum_sketches(sts)
     totals: dict[str, int] = {}
     for st in sts:
         for k, v in st.totals.items():
@@ -153,8 +212,8 @@ def merge_table_shards(shards: Sequence[TableShard], where: str = "table") -> Dy
         uses=torch.cat([s.uses for s in sts])[order],
         last_use=torch.cat([s.last_use for s in sts])[order],
         step=steps[0],
-        sketch=sketch.clamp(max=2**31 - 1).to(torch.int32),
-        sketch_total=sum(int(s.sketch_total) for s in sts),
+        sketch=sketch,
+        sketch_total=sketch_total,
         totals=totals,
         default_row=sts[0].default_row,
         default_states=dict(sts[0].default_states),
@@ -177,12 +236,28 @@ def as_global_state(
     return merge_table_shards(source, where)
 
 
+def saved_shards(
+    source: DynamicTableState | TableShard | Sequence[TableShard],
+) -> list[TableShard] | None:
+    """The saved ranks' shards of an import's ``source`` (None for an unsharded export)."""
+    if isinstance(source, DynamicTableState):
+        return None
+    return [source] if isinstance(source, TableShard) else list(source)
+
+
 def rank_state(
-    state: DynamicTableState, rank: int, world: int, capacity: int, where: str = "table"
+    state: DynamicTableState,
+    rank: int,
+    world: int,
+    capacity: int,
+    where: str = "table",
+    shards: Sequence[TableShard] | None = None,
 ) -> DynamicTableState:
     """The part of the whole ``state`` that ``rank`` of ``world`` owns (per-rank ``capacity``
-    slots); the running totals go to rank 0 (their sum over ranks is kept). Refuses, on every
-    rank alike, a state of which some rank would own more ids than ``capacity``."""
+    slots). Sketch, sightings count and running totals: ``rank_sketch`` of the saved ranks'
+    ``shards`` (``state`` merged from them); without them (an unsharded export) the whole sketch,
+    and the totals on rank 0 (their sum over ranks is kept). Refuses, on every rank alike, a
+    state of which some rank would own more ids than ``capacity``."""
     own = owner_of(state.ids, world)
     counts = torch.bincount(own, minlength=world)
     worst = int(torch.argmax(counts))
@@ -193,7 +268,10 @@ def rank_state(
             "raise the table's capacity or restore on more ranks"
         )
     part = select_ids(state, own == rank)
-    part.totals = dict(state.totals) if rank == 0 else {k: 0 for k in state.totals}
+    if shards:
+        part.sketch, part.sketch_total, part.totals = rank_sketch(shards, rank, world)
+    else:
+        part.totals = dict(state.totals) if rank == 0 else {k: 0 for k in state.totals}
     return part
 
 

@@ -44,6 +44,7 @@ from neorec.distributed.dynamic_reshard import (
     as_global_state,
     owner_of,
     rank_state,
+    saved_shards,
 )
 from neorec.errors import ConfigError
 from neorec.modules.collection import EmbeddingCollection
@@ -526,8 +527,10 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         self, name: str, source: DynamicTableState | TableShard | Sequence[TableShard]
     ) -> None:
         """Replace table ``name`` by the ids this rank owns of ``source``: an unsharded export,
-        or the ``TableShard`` of every rank of a sharded one (any world size). Refuses, with one
-        ``ConfigError`` line, a source that is not one whole checkpoint of a table that fits."""
+        or the ``TableShard`` of every rank of a sharded one (any world size; the threshold
+        sketch as ``dynamic_reshard.rank_sketch`` gives it: the rank's own on the saved world
+        size). Refuses, with one ``ConfigError`` line, a source that is not one whole checkpoint
+        of a table that fits."""
         part = self.local_part(name)
         ti = next(i for i, t in enumerate(self.tables) if t.name == name)
         whole, mine = self._mine(name, source, "import_table")
@@ -558,13 +561,14 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         where = f"{type(self).__name__}.{what} '{name}'"
         part = self.local_part(name)
         ti = next(i for i, t in enumerate(self.tables) if t.name == name)
-        whole = as_global_state(source, where)
+        whole = as_global_state(source, where)  # checks the shards are one whole checkpoint
         if whole.dim != self.tables[ti].dim:
             raise ConfigError(
                 f"{where}: the saved rows have dim {whole.dim}, the table has dim "
                 f"{self.tables[ti].dim}; restore into a table of the same dim"
             )
-        mine = rank_state(whole, self.rank, self.world, self.capacities[ti], where)
+        shards = saved_shards(source)  # each rank restores its own sketch from them
+        mine = rank_state(whole, self.rank, self.world, self.capacities[ti], where, shards)
         if ti in self.default_tables and whole.default_row is None:
             raise ConfigError(
                 f"{where}: the table has unadmitted = 'default_row' but the checkpoint has no "
