@@ -137,6 +137,10 @@ def _clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+class _RetentionError(CheckpointError):
+    """A checkpoint was committed, but deleting older ones (``keep_last``) failed."""
+
+
 class CheckpointManager:
     """Check-N-Run checkpoints of a (sharded or unsharded) DLRM and its dense optimizer."""
 
@@ -184,6 +188,8 @@ class CheckpointManager:
         """Merged into the manifest's model description (the trainer adds its model config)."""
         self.last_committed: str | None = None
         """Name of the last checkpoint whose manifest this process wrote (rank 0)."""
+        self._newest: tuple[str, int] | None = None  # newest complete (name, step) we know of
+        self._failed: tuple[str, int] | None = None  # the snapshot whose write failed
         self._base_cost = self._all_reduce_sum([self._block_bytes(None)])[0]
 
     # ---- helpers -------------------------------------------------------------------------
@@ -251,7 +257,21 @@ class CheckpointManager:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointError(f"checkpoint write failed: {err}") from err
+            if isinstance(err, _RetentionError):  # the checkpoint itself is complete
+                raise CheckpointError(str(err)) from None
+            self._prefix = []  # the failed checkpoint is no chain's link: the next is a baseline
+            name, step = self._failed or ("?", -1)
+            if self._newest is None:
+                usable = "no complete checkpoint of this run yet"
+            else:
+                usable = (
+                    f"the newest complete checkpoint, {self._newest[0]} (step {self._newest[1]}), "
+                    f"is intact: --resume latest continues from it"
+                )
+            raise CheckpointError(
+                f"checkpoint of step {step} not written to {self.storage.url} ({name}): {err}; "
+                f"{usable}"
+            ) from err
 
     def close(self) -> None:
         """Finish outstanding writes."""
@@ -351,8 +371,13 @@ class CheckpointManager:
     def _write_guarded(self, snap: _Snapshot) -> None:
         try:
             self._write(snap)
-        except BaseException as e:  # surfaced by the next wait()
+        except _RetentionError as e:
             self._error = e
+        except BaseException as e:  # surfaced by the next wait()
+            self._error, self._failed = e, (snap.name, snap.step)
+        else:
+            # rank 0 committed it; another rank: its pieces are written and rank 0 commits
+            self._newest = (snap.name, snap.step)
 
     def _pieces(self, snap: _Snapshot) -> list[dict[str, Any]]:
         cfg, out = self.cfg, []
@@ -416,6 +441,7 @@ class CheckpointManager:
             return
         errors = [e for _, e in parts if e]
         if errors:
+            self._drop(snap.name)
             raise CheckpointError("; ".join(errors))
         all_pieces = [p for ps, _ in parts for p in ps if "full" not in p]
         dyn_pieces = [p for ps, _ in parts for p in ps if "full" in p]
@@ -425,10 +451,31 @@ class CheckpointManager:
         if self.dyn is not None:
             manifest["dynamic"] = dyn_pieces
             manifest["bytes"] += sum(p["bytes"] for p in dyn_pieces)
-        self.storage.write_atomic(f"{snap.name}/{MANIFEST}", seal_manifest(manifest))
+        try:
+            self.storage.write_atomic(f"{snap.name}/{MANIFEST}", seal_manifest(manifest))
+        except BaseException:
+            self._drop(snap.name)
+            raise
         self.history.append(manifest)
         self.last_committed = snap.name
-        self._retain([e.manifest for e in entries if e.manifest] + [manifest])
+        self._newest = (snap.name, snap.step)
+        try:
+            self._retain([e.manifest for e in entries if e.manifest] + [manifest])
+        except OSError as e:
+            raise _RetentionError(
+                f"checkpoint of step {snap.step} written ({snap.name}), but removing older "
+                f"checkpoints of {self.storage.url} failed (keep_last={self.cfg.keep_last}): "
+                f"{type(e).__name__}: {e}"
+            ) from None
+
+    def _drop(self, name: str) -> None:
+        """Rank 0, after a failed write (every rank has finished writing it): remove the
+        unfinished directory, to give a full disk its space back. Best effort: on a read-only
+        root it stays, has no manifest, is never taken as a checkpoint, and is swept later."""
+        try:
+            self.storage.remove(name)
+        except Exception:  # noqa: BLE001 - the write's own error is the one reported
+            pass
 
     def _manifest(
         self, snap: _Snapshot, pieces: list[dict[str, Any]], dense: Any, write_s: float, seq: int
@@ -522,6 +569,8 @@ class CheckpointManager:
         if self.dyn is not None:
             self.dyn.reset()
         self.lineage = str(last["lineage"])
+        if storage.root == self.storage.root:
+            self._newest = (name, int(last["step"]))
         same = (last["bits"], last["opt_bits"]) == (cfg.bits, cfg.opt_bits)
         # an increment must extend a chain stored the same way and in this root
         if same and storage.root == self.storage.root and cfg.policy != "full":

@@ -2,11 +2,13 @@
 
 Writes are atomic per file: the bytes go to a temporary name, then a rename (local files: write,
 fsync, ``os.replace``; object stores: one PUT, which is atomic by itself, then a server-side move).
-A reader never sees a partial file under its final name.
+A reader never sees a partial file under its final name, and a write that fails (a full disk) removes
+its temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import uuid
@@ -69,17 +71,29 @@ class FsspecStorage:
         parent = posixpath.dirname(final)
         if self.local:
             os.makedirs(parent, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    # note: without it a power loss could leave a renamed but empty file
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        # note: without it a power loss could leave a renamed but empty file
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, final)
+            except BaseException:
+                # a full disk gets the partial file's space back (a read-only one: nothing to do)
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
             return
         self.fs.makedirs(parent, exist_ok=True)
-        self.fs.pipe_file(tmp, data)
-        self.fs.mv(tmp, final)
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, final)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if self.fs.exists(tmp):
+                    self.fs.rm(tmp)
+            raise
 
     def read(self, rel: str) -> bytes:
         """All bytes of ``rel``."""
