@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from neorec.bench.stats import paired_ratio
 from neorec.data.ids import zipf_ids
 from neorec.errors import ConfigError
 from neorec.ops.memory import table_empty
@@ -255,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     check_gpu_bench("op", a.device, a.compare)
     impls = [a.backend] + (["fbgemm"] if a.compare == "fbgemm" else [])
     res: dict[str, dict] = {}
+    per_repeat: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(max(a.repeats, 1)):
         for impl in list(impls):  # alternate, so slow spells of a shared machine hit both
             try:
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {impl} skipped: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
                 impls.remove(impl)
                 continue
+            per_repeat[impl].append(r["ms_per_step"])
             best = res.get(impl)
             if best is None or r["ms_per_step"] < best["ms_per_step"]:
                 res[impl] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], (best or r)["peak_rss_mb"])}
@@ -296,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         line["fbgemm_ms_per_step"] = round(fb["ms_per_step"], 3)
         line["fbgemm_peak_rss_mb"] = round(fb["peak_rss_mb"], 1)
         line["speedup_vs_fbgemm"] = round(fb["ms_per_step"] / ours["ms_per_step"], 2)
+        if len(per_repeat["fbgemm"]) == len(per_repeat[a.backend]) > 1:
+            # FBGEMM's time over ours, paired by repeat (each repeat runs both, alternating)
+            iv = paired_ratio(per_repeat["fbgemm"], per_repeat[a.backend])
+            line["speedup_vs_fbgemm_interval"] = iv.to_dict()
+            print(f"speedup vs FBGEMM, paired by repeat: {iv}")
     print(f"budget: peak RSS <= {budget:.0f} MB (1.5 x weights + state + batch)")
     skip = ("worker", "backend", "compare", "device")
     config = {k: v for k, v in vars(a).items() if k not in skip}

@@ -21,6 +21,8 @@ BENCHES = (
     "dmt",
     "dynamic",
     "distill",
+    "report",
+    "soak",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 

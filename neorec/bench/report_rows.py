@@ -1,0 +1,441 @@
+"""The entries of ``neorec bench report``: one command each, and how its JSON line becomes a row of
+the README's results table."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Entry", "ENTRIES", "render_table"]
+
+Json = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One headline command: ``neorec <kind> <argv>`` (kind ``bench`` or ``train``), its small
+    ``--quick`` form, and the row its result renders to."""
+
+    name: str
+    what: str
+    target: str
+    argv: tuple[str, ...]
+    quick: tuple[str, ...]
+    render: Callable[[Json], str]
+    kind: str = "bench"
+    source: str = ""
+    """Another entry whose result this row renders (one run, several rows)."""
+
+    def command(self, quick: bool = False) -> str:
+        """The command as a user types it."""
+        return shlex.join(["neorec", self.kind, *(self.quick if quick else self.argv)])
+
+    @property
+    def key(self) -> str:
+        """The name its result is stored under."""
+        return self.source or self.name
+
+
+def iv(d: Json, fmt: str = ".2f", unit: str = "") -> str:
+    """An interval object {value, lo, hi, n} as ``v [lo, hi]``."""
+    lo, hi = d["lo"], d["hi"]
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{d['value']:{fmt}}{unit} (n = {d['n']}, no interval)"
+    return f"{d['value']:{fmt}}{unit} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
+def pct(d: Json) -> str:
+    """A relative interval object as signed percents."""
+    scaled = {**d, "value": 100 * d["value"], "lo": 100 * d["lo"], "hi": 100 * d["hi"]}
+    return iv(scaled, "+.2f", "%")
+
+
+def _op(j: Json) -> str:
+    ours = f"{j['ms_per_step']:.1f} ms/step"
+    if j.get("speedup_vs_fbgemm") is None:
+        return ours
+    sp = j.get("speedup_vs_fbgemm_interval")
+    ratio = iv(sp, ".2f", "×") if sp else f"{j['speedup_vs_fbgemm']:.2f}×"
+    return f"**{ratio}** FBGEMM's speed ({ours} vs {j['fbgemm_ms_per_step']:.1f})"
+
+
+def _step_lowp(j: Json) -> str:
+    lp = j["lowp"]
+    parts = [f"fp32 {j['ms_per_step']:.1f} ms/step"]
+    for m, label in (("auto", "auto"), ("bf16", "bf16"), ("autocast", "plain autocast")):
+        if m in lp:
+            parts.append(f"{label} {iv(lp[m]['speedup_vs_off'], '.2f', '×')}")
+    return "; ".join(parts)
+
+
+def _lowp_ne(j: Json) -> str:
+    parts = []
+    for m, label in (("auto", "auto"), ("bf16", "bf16"), ("autocast", "autocast")):
+        if m in j["modes"]:
+            r = j["modes"][m]
+            parts.append(f"{label} {pct(r['rel_vs_base'])} ({r['low_precision_sites']} sites)")
+    return f"{'; '.join(parts)}; seeds {_seeds(j['seeds'])}"
+
+
+def _lowp_tables(j: Json) -> str:
+    modes = j["modes"]
+    base = "fp32" if "fp32" in modes else next(iter(modes))
+    return "; ".join(
+        f"{m} {r['table_mb'] / modes[base]['table_mb']:.2f}× memory, NE {pct(r['rel_vs_base'])}"
+        for m, r in modes.items()
+        if m != base
+    )
+
+
+def _train(j: Json) -> str:
+    gap = j.get("eval_ne_gap_vs_teacher")
+    ne = f"eval NE {100 * gap:+.2f}% vs the teacher, " if gap is not None else ""
+    return f"{ne}{j['train']['samples_per_s']:,.0f} samples/s"
+
+
+def _dist(j: Json) -> str:
+    cells = []
+    for key, by in j["results"].items():
+        best = min(by, key=lambda s: by[s]["ms_median"])
+        cells.append(f"{key.split()[0]} {by[best]['ms_median']:.1f} ms ({best})")
+    return "; ".join(cells)
+
+
+def _dist_ratio(setting: str) -> Callable[[Json], str]:
+    def render(j: Json) -> str:
+        ref = "vs_" + j["baseline"].replace("/", "_")
+        return "; ".join(
+            f"{key.split()[0]} {iv(by[setting][ref], '.2f', '×')}"
+            for key, by in j["results"].items()
+            if setting in by
+        )
+
+    return render
+
+
+def _planner_pred(j: Json) -> str:
+    return "; ".join(
+        f"{100 * s['gain_vs_best_baseline_mean']:.1f}% lower max-rank cost ({s['set']})"
+        for s in j["sets"]
+    )
+
+
+def _cache(j: Json) -> str:
+    return (
+        f"**{100 * j['ssd_vs_dram']:.0f}%** of all-in-DRAM throughput ({j['ssd_ms_per_step']:.1f} "
+        f"vs {j['dram_ms_per_step']:.1f} ms/step, hit rate {j['ssd_hit_rate']:.3f})"
+    )
+
+
+def _ckpt(j: Json) -> str:
+    d = j["settings"][j["default"]]
+    return (
+        f"**{d['write_reduction']:.1f}×** fewer bytes written, {d['storage_reduction']:.1f}× less "
+        f"storage, NE {100 * d['ne_change']:+.4f}% after restore"
+    )
+
+
+def _data(j: Json) -> str:
+    return (
+        f"preprocessing {j['preprocess_mb_s_all_cores']:.1f} MB/s on {j['cores']} cores; reader "
+        f"{j['reader_samples_s_per_core']:,} samples/s per core"
+    )
+
+
+def _dmt_bytes(j: Json) -> str:
+    return (
+        f"**{j['inter_host_reduction_towers_host']:.2f}×** fewer inter-host bytes, every byte "
+        f"counted, tower sync inside the host; {j['inter_host_reduction_towers_world']:.2f}× with "
+        f"world-wide tower sync; all-to-alls alone {j['a2a_inter_host_reduction_towers_host']:.2f}×"
+    )
+
+
+def _dmt_quality(j: Json) -> str:
+    parts = []
+    for teacher in ("ungrouped", "grouped"):
+        k = f"rel_ne_learned_vs_flat_{teacher}"
+        if k in j:
+            parts.append(
+                f"{teacher} teacher: learned vs flat {pct(j[k])}, vs random "
+                f"{pct(j[f'rel_ne_learned_vs_random_{teacher}'])}"
+            )
+    return f"{'; '.join(parts)}; seeds {_seeds(j['seeds'])}"
+
+
+def _ratio_pct(d: Json) -> str:
+    """A ratio interval as a signed percent change (0.97 -> -3.00%)."""
+    return pct({**d, "value": d["value"] - 1, "lo": d["lo"] - 1, "hi": d["hi"] - 1})
+
+
+def _dynamic(stream: str) -> Callable[[Json], str]:
+    def render(j: Json) -> str:
+        cells = [
+            f"{100 * b['budget_fraction']:g}% memory: vs hashed + filter "
+            f"{_ratio_pct(b['ne_ratio_dynamic_vs_hashed_adm'])}, vs hashed "
+            f"{_ratio_pct(b['ne_ratio_dynamic_vs_hashed'])}"
+            for b in j["streams"][stream]["budgets"]
+        ]
+        return f"{'; '.join(cells)}; seeds {_seeds(j['seeds'])}"
+
+    return render
+
+
+def _dynamic_speed(j: Json) -> str:
+    return (
+        "; ".join(
+            f"{100 * t['budget_fraction']:g}% memory: {iv(t['ratio_dynamic_vs_plain'], '.2f', '×')}"
+            for t in j["throughput"]
+        )
+        + f"; id map {j['map_ids_per_s'] / 1e6:.1f} M ids/s"
+    )
+
+
+def _distill(j: Json) -> str:
+    cells = []
+    for bias, by_k in j["per_bias"].items():
+        for k, r in by_k["per_k"].items():
+            cells.append(
+                f"bias {bias}, k={k}: NE vs alone {iv(r['ne_minus_alone']['aux+adapter'], '+.4f')}"
+            )
+    return f"{'; '.join(cells)}; seeds {_seeds(j['seeds'])}, lr tuned for each on seeds {_seeds(j['dev_seeds'])}"
+
+
+def _distill_gap(j: Json) -> str:
+    cells = []
+    for bias, by_k in j["per_bias"].items():
+        for k, r in by_k["per_k"].items():
+            g = r["gap_closed"]
+            cells.append(
+                f"bias {bias}, k={k}: fresh {iv(g['vs_fresh_fm'])}, recalibrated "
+                f"{iv(g['vs_fresh_fm_recalibrated'])}, stale {iv(g['vs_stale_fm'], '.1f')}"
+            )
+    return "; ".join(cells)
+
+
+def _distill_speed(j: Json) -> str:
+    return "; ".join(
+        f"k={k}: " + ", ".join(f"{s} {iv(v, '.2f', '×')}" for s, v in by.items())
+        for k, by in j["throughput_vs_alone"].items()
+    )
+
+
+def _costcheck(j: Json) -> str:
+    e = j["errors"]
+    la, lu = e["learned"]["anchored"]["all"], e["learned"]["unanchored"]["all"]
+    au = e["analytical"]["unanchored"]["all"]
+
+    def mean(d: Json) -> str:
+        m = d["mean_interval"]
+        scaled = {**m, "value": 100 * d["mean"], "lo": 100 * m["lo"], "hi": 100 * m["hi"]}
+        return iv(scaled, ".1f", "%")
+
+    return (
+        f"learned: mean \\|err\\| {mean(la)} anchored, {mean(lu)} unanchored, max "
+        f"{100 * la['max']:.0f}% / {100 * lu['max']:.0f}%; analytical unanchored mean "
+        f"{100 * au['mean']:.0f}%, max {100 * au['max']:.0f}%; {la['n']} plans, "
+        f"{j['world_size']} ranks, batch {j['random_batch']}"
+    )
+
+
+def _planner_measured(j: Json) -> str:
+    return (
+        f"**{iv(j['paired_ratio_by_task'], '.3f')}** over {j['paired_ratio_by_task']['n']} tasks; "
+        f"over task-rounds {iv(j['paired_ratio'], '.3f')}; seeds {_seeds(j['seeds'])}"
+    )
+
+
+def _seeds(seeds: list[int]) -> str:
+    s = sorted(seeds)
+    if s and s == list(range(s[0], s[0] + len(s))):
+        return f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0])
+    return ",".join(map(str, s))
+
+
+_OP = ("--tables", "8", "--rows", "1000000", "--dim", "64", "--batch", "2048", "--pooling", "100")
+_OP_QUICK = ("--tables", "4", "--rows", "200000", "--batch", "1024", "--pooling", "20")
+_DIST = (
+    "dist", "--nproc", "2", "--embedding-only", "--tables", "8", "--rows", "100000", "--dim", "64",
+    "--batch", "4096", "--pooling", "10", "--alpha", "1.05",
+    "--types", "table_wise,row_wise,data_parallel", "--transport", "shm,gloo",
+    "--keep-heap", "on,off",
+)  # fmt: skip
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "op_uniform", "fused TBE vs FBGEMM's CPU TBE, 8 × 1M × 64, batch 2048, pooling 100, uniform",
+        "3× FBGEMM", ("op", *_OP, "--alpha", "0", "--repeats", "5"),
+        ("op", *_OP_QUICK, "--alpha", "0", "--repeats", "2"), _op,
+    ),
+    Entry(
+        "op_zipf", "the same, Zipf 1.05 ids", "3× FBGEMM",
+        ("op", *_OP, "--alpha", "1.05", "--repeats", "5"),
+        ("op", *_OP_QUICK, "--alpha", "1.05", "--repeats", "2"), _op,
+    ),
+    Entry(
+        "op_adam", "fused TBE with Adam, 4 × 200k × 64, pooling 20, Zipf 1.05", "—",
+        ("op", "--tables", "4", "--rows", "200000", "--batch", "2048", "--pooling", "20",
+         "--alpha", "1.05", "--optimizer", "adam", "--compare", "none", "--repeats", "3"),
+        ("op", *_OP_QUICK, "--optimizer", "adam", "--compare", "none", "--repeats", "1"), _op,
+    ),
+    Entry(
+        "step_lowp", "full DLRM step and LoKA speed, `dlrm_benchmark.toml`, vs fp32 paired by step",
+        "2.5× on AMX", ("step", "--lowp", "off,auto,bf16,autocast", "--iters", "30"),
+        ("step", "--lowp", "off,auto,autocast", "--iters", "5", "--rows", "100000"), _step_lowp,
+    ),
+    Entry(
+        "lowp_ne", "LoKA NE vs fp32, `dlrm_benchmark.toml`, paired by seed", "within 0.1%",
+        ("lowp", "--config", "configs/dlrm_benchmark.toml", "--modes", "off,auto,bf16,autocast",
+         "--seeds", "5", "--seed-base", "10"),
+        ("lowp", "--modes", "off,auto", "--seeds", "2", "--seed-base", "10",
+         "--set", "train.steps=50"), _lowp_ne,
+    ),
+    Entry(
+        "lowp_tables", "low-precision tables, default config: memory and NE vs fp32", "—",
+        ("lowp", "--emb", "fp32,fp16,bf16,fp8", "--seeds", "5", "--seed-base", "10"),
+        ("lowp", "--emb", "fp32,fp8", "--seeds", "2", "--seed-base", "10",
+         "--set", "train.steps=50"), _lowp_tables,
+    ),
+    Entry(
+        "train_default", "default training (`make run`)", "≤ 2% NE gap", (), ("--set", "train.steps=100"),
+        _train, kind="train",
+    ),
+    Entry(
+        "dist_step", "sharded embedding step, 2 ranks, 8 × 100k × 64, batch 4096, fastest setting",
+        "—", (*_DIST, "--rounds", "5", "--iters", "20"),
+        (*_DIST, "--rounds", "2", "--iters", "5"), _dist,
+    ),
+    Entry(
+        "dist_vs_gloo", "shared memory + kept heap vs gloo with the heap given back", "—",
+        (), (), _dist_ratio("shm/on"), source="dist_step",
+    ),
+    Entry(
+        "dist_heap", "of which the kept heap alone (gloo both sides)", "—",
+        (), (), _dist_ratio("gloo/on"), source="dist_step",
+    ),
+    Entry(
+        "planner_pred", "planner vs the best greedy plan, predicted", "15% lower",
+        ("planner",), ("planner", "--tasks", "4"), _planner_pred,
+    ),
+    Entry(
+        "dmt", "DMT towers vs flat sharding, 4 ranks as 2 hosts × 2, inter-host bytes per step",
+        "—", ("dmt", "--nproc", "4", "--ranks-per-host", "2", "--steps", "30", "--seeds", "5",
+              "--seed-base", "100"),
+        ("dmt", "--nproc", "4", "--ranks-per-host", "2", "--tables", "8", "--rows", "5000",
+         "--batch", "512", "--steps", "8", "--warmup", "1", "--seeds", "2", "--quality-steps",
+         "200", "--teachers", "grouped"), _dmt_bytes,
+    ),
+    Entry(
+        "dmt_quality", "DMT eval NE, learned partition, paired by seed", "better than flat",
+        (), (), _dmt_quality, source="dmt",
+    ),
+    Entry(
+        "costcheck", "learned cost model vs measured, held out: plans and batch the calibration "
+        "never saw, 4 ranks", "10% / 20%",
+        ("costcheck", "--topology", "bench-topology.json", "--cost-model", "learned",
+         "--world-size", "4", "--batch", "3072", "--random-batch", "3072", "--random-plans", "6",
+         "--random-seed", "7777", "--repeats", "3", "--passes", "5", "--iters", "50"),
+        ("costcheck", "--topology", "bench-topology.json", "--cost-model", "learned",
+         "--world-size", "4", "--batch", "3072", "--random-batch", "3072", "--random-plans", "3",
+         "--random-seed", "7777", "--plans", "table_wise,planner", "--repeats", "2",
+         "--passes", "4", "--iters", "40"), _costcheck,
+    ),
+    Entry(
+        "planner_measured", "planner's plan / best greedy plan, measured, fresh seeds",
+        "< 1 beyond noise",
+        ("planner", "--measure", "--measure-tasks", "2", "--repeats", "4", "--measure-batch",
+         "4096", "--seed-base", "100", "--seeds", "3", "--topology", "bench-topology.json"),
+        ("planner", "--measure", "--measure-tasks", "1", "--repeats", "2", "--measure-batch",
+         "2048", "--seed-base", "100", "--seeds", "2", "--topology", "bench-topology.json"),
+        _planner_measured,
+    ),
+    Entry(
+        "cache", "row cache over SSD, full DLRM step", "≥ 50% of DRAM",
+        ("cache", "--skip-hit", "--model", "dlrm"),
+        ("cache", "--skip-hit", "--model", "dlrm", "--iters", "20"), _cache,
+    ),
+    Entry(
+        "ckpt", "Check-N-Run checkpoints, 16 tables", "6× fewer bytes, NE within 0.05%",
+        ("ckpt", "--tables", "16", "--scale", "256"), ("ckpt", "--tables", "4", "--scale", "64"),
+        _ckpt,
+    ),
+    Entry(
+        "distill", "ExFM student (aux + adapter) vs the student alone, same kernel, each lr tuned",
+        "better NE", ("distill", "--windows", "5", "--seeds", "5", "--seed-base", "100",
+                      "--dev-seeds", "2", "--lrs", "0.001,0.003,0.01", "--biases", "0,0.3",
+                      "--staleness", "1,2", "--rounds", "10", "--steps", "16"),
+        ("distill", "--windows", "3", "--dev-seeds", "1", "--seeds", "3", "--seed-base", "100",
+         "--staleness", "1", "--lrs", "0.003,0.01", "--rounds", "5",
+         "--set", "data.window_samples=8192", "--fm-set", "data.window_samples=32768"), _distill,
+    ),
+    Entry(
+        "distill_gap", "ExFM `gap_closed` (aux + adapter) vs the fresh FM, the fresh FM recalibrated, the stale FM",
+        "≥ 0.3", (), (), _distill_gap, source="distill",
+    ),
+    Entry(
+        "distill_speed", "ExFM throughput vs the student alone, interleaved rounds", "≥ 0.9×",
+        (), (), _distill_speed, source="distill",
+    ),
+    Entry(
+        "dynamic", "dynamic vs hashed tables, equal memory, NE, the stream where exact ids matter",
+        "better NE than hashed + the same admission filter", ("dynamic",),
+        ("dynamic", "--windows", "1", "--window-samples", "51200", "--budgets", "0.25",
+         "--thresholds", "16", "--rounds", "5", "--speed-steps", "50"), _dynamic("tuned"),
+    ),
+    Entry(
+        "dynamic_default", "the same on the default stream", "—", (), (), _dynamic("default"),
+        source="dynamic",
+    ),
+    Entry(
+        "dynamic_speed", "dynamic table's speed vs a plain table, interleaved rounds", "≥ 0.7×",
+        (), (), _dynamic_speed, source="dynamic",
+    ),
+    Entry(
+        "data", "Criteo preprocessing and reader", "—", ("data",), ("data", "--lines", "20000"), _data,
+    ),
+)  # fmt: skip
+
+
+def _loaded(rec: Json) -> str:
+    """`` *(loaded)*`` when other jobs kept the cores busy as the entry started: the 1-minute load
+    average above the cores plus a half (a benchmark that just ended adds at most the cores)."""
+    load, cores = rec.get("load"), rec.get("cores")
+    return " *(loaded)*" if load is not None and cores and load > cores + 0.5 else ""
+
+
+def _row(e: Entry, rec: Json | None) -> str:
+    if rec is None:
+        return f"| {e.what} | not measured yet | {e.target} | — | `--only {e.key}` |"
+    return (
+        f"| {e.what} | {e.render(rec['result'])} | {e.target} | {rec['cpu']}, {rec['date']}"
+        f"{_loaded(rec)} | "
+        f"`--only {e.key}` |"
+    )
+
+
+def render_table(full: Mapping[str, Json]) -> str:
+    """The README's results table (and the full commands under it) from the stored results."""
+    lines = [
+        "| what | result (95% interval) | target | measured on | `neorec bench report` |",
+        "|---|---|---|---|---|",
+        *(_row(e, full.get(e.key)) for e in ENTRIES),
+        "",
+        "<details><summary>The commands behind each row</summary>",
+        "",
+        *(
+            f"- `{e.name}`: `{e.command()}`"
+            + (
+                f" ({full[e.name]['seconds'] / 60:.1f} min)"
+                if full.get(e.name, {}).get("seconds")
+                else ""
+            )
+            for e in ENTRIES
+            if not e.source
+        ),
+        "",
+        "</details>",
+        "",
+    ]
+    return "\n".join(lines)
