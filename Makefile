@@ -29,8 +29,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check neorec tests
 	$(BIN)/mypy
 
+# Two workers (pytest-xdist; a file's tests stay on one worker): much of the suite waits on the
+# processes its tests start. The slowest tests are listed at the end.
 test: lint $(GPU_STAMP)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-isa
 
 # The bitwise claims again under every other vector ISA this CPU has (AVX2, AVX-512): what
@@ -38,12 +40,12 @@ test: lint $(GPU_STAMP)
 test-isa: $(STAMP)
 	@for cap in $$($(BIN)/python tests/isa_capabilities.py); do \
 	  echo "== bitwise tests under ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest tests -m bitwise $(PYTEST_ARGS) || exit 1; \
+	  ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest tests -m bitwise -n 2 --dist loadfile $(PYTEST_ARGS) || exit 1; \
 	done
 
 # The distributed tests again with the default group's all-to-alls and all-gathers through shared
 # memory (neorec.distributed.shm; ~2.5 min). Training's embedding group uses it by default.
-SHM_TESTS = distributed dp_dense codecs columns sptt towers dynamic_sharded checkpoint_dist shm_transport
+SHM_TESTS = distributed dp_dense codecs columns sptt towers dynamic_sharded checkpoint_dist shm_transport twrw
 test-shm: $(STAMP)
 	NEOREC_TEST_TRANSPORT=shm $(BIN)/python -m pytest $(SHM_TESTS:%=tests/test_%.py) $(PYTEST_ARGS)
 

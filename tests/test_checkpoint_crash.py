@@ -182,17 +182,17 @@ def _child(job: dict[str, Any], say: Callable[[str], None] = _say) -> None:
             _pause_writes_at(mgr.storage, job["pause_op"], job["pause_only"])
         mgr.save(step, {"step": step})
         # save() waited for the previous write: what it committed is on storage now
-        say(f"saved {step} {_committed(mgr.history[seen:])}")
-        seen = len(mgr.history)
+        say(f"saved {step} {_committed(mgr, seen)}")
+        seen = mgr.commits
     mgr.close()
     torch.save(_full_state(model, opt), job["final"])
-    say(f"done {step} {_committed(mgr.history[seen:])}")
+    say(f"done {step} {_committed(mgr, seen)}")
 
 
-def _committed(manifests: list[dict[str, Any]]) -> str:
-    """Name, baseline and step of checkpoints just committed, as JSON without spaces."""
-    keys = ("name", "baseline", "step")
-    return json.dumps([{k: m[k] for k in keys} for m in manifests], separators=(",", ":"))
+def _committed(mgr: Any, seen: int) -> str:
+    """Name, baseline and step of the checkpoints committed since ``seen``, as compact JSON."""
+    new = list(mgr.history)[len(mgr.history) - (mgr.commits - seen) :]
+    return json.dumps(new, separators=(",", ":"))
 
 
 def _warm_up() -> None:

@@ -172,6 +172,20 @@ DP_SITES = {
 # host mirror; the pipeline checks the batch's host copy before the step (as the sharded path
 # before its input distribution) and marks the copy the tables read as checked.
 DLRM_SITES: frozenset[str] = frozenset()
+# DMT towers, staged by the pipeline: the ids exchange started at staging (over the host gloo
+# group, from the batch's host copy) is received during the step's forward, and the tower batch
+# is checked and staged there: reads of host memory (the received lengths and ids), never of the
+# device.
+TOWER_STAGED_SITES: frozenset[str] = frozenset(
+    {
+        "neorec/distributed/towers.py:ids_phase",  # the lengths received
+        "neorec/distributed/comm.py:unit_major_order",  # the tower batch built from them
+        "neorec/sparse.py:validate",  # the tower batch checked
+        "neorec/distributed/input_dist.py:input_dist",  # and staged in the tower collection
+        "neorec/distributed/input_dist.py:_split_by_unit",
+        "neorec/distributed/input_dist.py:<listcomp>",
+    }
+)
 GPU_BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(
     not _HAS_TRITON, reason="triton is not installed (or was imported without its interpreter)"
 ))]  # fmt: skip
@@ -273,7 +287,8 @@ def _train_without_sync(
     def step_fn(m, o, batch, step, bf16):  # noqa: ANN001, ANN202
         if step == 1:  # warm-up: first reads of host mirrors (the tables' step counters)
             return train_step(m, o, batch, step, bf16, guard=guard)
-        with no_host_sync(sites, DLRM_SITES if kind == "dlrm" else frozenset()):
+        known = {"dlrm": DLRM_SITES, "towers": TOWER_STAGED_SITES}.get(kind, frozenset())
+        with no_host_sync(sites, known):
             loss = train_step(m, o, batch, step, bf16, guard=guard)
         patched_steps.append(step)
         return loss
@@ -290,7 +305,7 @@ def _train_without_sync(
     guard.check()
     assert patched_steps == [2, 3, 4]
     name = model.ebc.backend.name
-    unknown = sites - OPS_SITES.get(name, set()) - DLRM_SITES
+    unknown = sites - OPS_SITES.get(name, set()) - DLRM_SITES - TOWER_STAGED_SITES
     if getattr(model.ebc, "dp", None) is not None:
         unknown -= DP_SITES.get(name, set())
     assert not unknown, f"new host reads in the kernel layer: {sorted(unknown)}"

@@ -186,7 +186,6 @@ def test_config_and_input_errors():
         (["distill.weight=1.5"], "distill.weight"),
         (["distill.aux_weight=-1"], "distill.aux_weight"),
         (["distill.adapter_size=0"], "distill.adapter_size"),
-        ([*AUX, "towers.count=2"], "towered"),
     ]
     for over, match in cases:
         C.expect_error(f"config: {over}", lambda o=over: cfg_of(*o), match)
@@ -218,7 +217,7 @@ def test_config_and_input_errors():
     C.expect_error(
         "step: model without aux head",
         lambda: train_step(other, oo, fm_batch, 1, distill=cfg.distill),
-        "one-process model",
+        "a model built from this config with them",
     )
     try:
         DistillConfig(enabled=True, aux_head=True, adapter=True, aux_weight=0.5)

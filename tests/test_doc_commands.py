@@ -112,6 +112,14 @@ COMMANDS: dict[str, Spec] = {
     "--set train.name=JOB": skip("two machines"),
     # ---- data (data.md, running.md): a tiny Criteo file in criteo_raw/
     "neorec data preprocess --input criteo_raw/ --output criteo_pre/": run(),
+    "neorec data example-parquet --output data/parquet_example": run(
+        "--train", "400", "--eval", "100"
+    ),
+    "neorec train --config configs/parquet_example.toml": parse(
+        "trains 2 epochs (test_schema_tabular trains it)"
+    ),
+    "neorec data preprocess --config configs/parquet_example.toml --input data/parquet_example "
+    "--output data/parquet_example_pre": run(),
     "neorec train --config configs/criteo_kaggle.toml --set data.path=criteo_pre/": parse(
         "builds the Criteo Kaggle model's 540M parameters (~2 min)"
     ),

@@ -94,7 +94,14 @@ def test_exfm_chain_runs_and_saves(tmp_path: Path, capsys: pytest.CaptureFixture
     sets = [x for s in TINY for x in ("--set", s)] + [x for s in TINY for x in ("--fm-set", s)]
     argv = ["exfm", "--config", STUDENT, "--fm-config", FM, *sets, "--out", str(out)]
     assert cli_main(argv) == 0
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    text = capsys.readouterr().out
+    r = json.loads(text.strip().splitlines()[-1])
+    # each window says so as it ends, with the time so far and an ETA until the last
+    lines = text.splitlines()
+    for who in ("FM", "student"):
+        said = [x for x in lines if x.strip().startswith(f"{who} window ")]
+        assert [x.split()[2].rstrip(":") for x in said] == ["1/3", "2/3", "3/3"], said
+        assert "eta" in said[0] and "eta" not in said[-1] and "so far" in said[-1]
     assert r["windows"] == 3 and r["staleness"] == 1 and len(r["student_ne"]) == 3
     assert r["fm_logits_ne"][0] is None and all(x is not None for x in r["fm_logits_ne"][1:])
     # the FM of windows 0 and 1 (read by windows 1 and 2), their DAS files, the student

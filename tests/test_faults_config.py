@@ -207,6 +207,9 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "data.vertical_shift": ("float", 0, False, 1),
     "data.id_shrink_visits": ("float", 0, False, 1e12),
     "data.id_weight": ("float", 0, False, 100),
+    "data.schema": (
+        "section",
+    ),  # its own fields: tests/test_schema_tabular.py, test_faults_tabular.py
     "train.epochs": ("int", 1),
     "train.steps": ("int", 0),
     "train.dense_optimizer": ("choice", ("sgd", "adagrad", "adam")),
@@ -228,6 +231,9 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "train.collective_timeout_s": ("int", 1),
     "train.pipeline": ("choice", ("overlapped", "sequential")),
     "train.device": ("choice", ("cpu", "cuda")),
+    "train.schedule": ("section",),  # its own fields: tests/test_schedule.py
+    "train.lr_scaling": ("choice", ("none", "linear", "sqrt")),
+    "train.reference_batch": ("int", 0, 2**24),  # > 0 only with lr_scaling (not mutated here)
     "sharding.plan": ("str", False),
     "sharding.default_type": ("choice", ("", "table_wise", "row_wise", "DP", "twrw")),
     "sharding.types": ("dict",),
@@ -349,6 +355,8 @@ def allowed(spec: tuple[Any, ...], v: Any) -> bool:
         return isinstance(v, dict)
     if kind == "tables":
         return v == []
+    if kind == "section":  # a value is never a section
+        return False
     raise AssertionError(kind)
 
 

@@ -167,3 +167,15 @@ def test_overlapped_pipeline_prefetches_cached_rows_and_trains_the_same(tmp_path
             got = ebc.read_table(tab.name)["weight"]
             want = ref_ebc.layout.table(ref_ebc.weights, i).view(tab.rows, tab.dim)
             assert torch.equal(got.view(tab.rows, tab.dim), want), f"{name}: table {tab.name}"
+
+
+def test_step_times_take_constant_memory():
+    from neorec.train.pipeline import SAMPLE_STEPS, PipelineTimes
+
+    t = PipelineTimes()
+    for i in range(3 * SAMPLE_STEPS):
+        t.add(0.001 * (i % 7))  # 0..6 ms in turn: median 3 ms, mean 3 ms
+    s = t.summary()
+    assert len(t.sample) == SAMPLE_STEPS and s["steps"] == 3 * SAMPLE_STEPS
+    assert abs(s["step_ms_mean"] - 3.0) < 1e-3 and s["step_ms_median"] == 3.0
+    assert t.last_s == 0.001 * ((3 * SAMPLE_STEPS - 1) % 7)

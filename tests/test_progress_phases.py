@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_trainer import tiny_cfg
 
+from neorec import phases
 from neorec.build import build_model, data_source
 from neorec.cli import line_buffered, main
-from neorec.modules import phases
-from neorec.modules.phases import Phase, no_table_init, watch_init
+from neorec.phases import Phase, no_table_init, watch_init
 from neorec.serve import load_model, save_model
 from neorec.train.trainer import Trainer, predict
 
@@ -156,7 +156,7 @@ def test_eval_predict_export_show_progress(
     monkeypatch.setattr(serve_model, "ANNOUNCE_ROWS", 0)
     assert main(["export", "--model", str(run), "--out", str(run / "exp")]) == 0
     err = capsys.readouterr().err
-    assert "exporting " in err and "(190 rows) ..." in err
+    assert "exporting " in err and ": 190 rows in " in err  # counted table by table
     assert "loading the model's tables (190 rows) ..." in err
 
 
@@ -175,3 +175,29 @@ def test_stdout_is_line_buffered_when_not_a_terminal(monkeypatch: Any, tmp_path:
     term = Terminal(io.BytesIO(), encoding="utf-8")
     line_buffered(term)
     assert not term.line_buffering  # a terminal keeps its own buffering
+
+
+def test_preprocessing_progress_has_an_eta() -> None:
+    from neorec.data.preprocess import _eta
+
+    assert _eta(10.0, 1, 4) == ", 10s, eta 30s"
+    assert _eta(70.0, 4, 4) == ", 1m10s"
+
+
+def test_calibration_says_each_measurement_as_it_starts(monkeypatch: Any) -> None:
+    from neorec.measure import calibrate as cal
+
+    fake = {
+        "measure": {"memcpy_gbs": 10.0, "shm_copy_gbs": 8.0},
+        "measure_tbe": {"tbe_gbs": 5.0},
+        "measure_unfused": {"unfused_gbs": 4.0},
+        "measure_dp_update": {"dp_update_gbs": 3.0},
+        "measure_row_split": {"row_split_gbs": 2.0},
+        "measure_overhead": {"shard_overhead_us": 10.0, "step_overhead_us": 100.0},
+    }
+    for name, value in fake.items():
+        monkeypatch.setattr(cal, name, lambda *a, _v=value, **k: dict(_v))
+    lines: list[str] = []
+    topo, m = cal.calibrate(1, log=lines.append)
+    assert [x.split("]")[0] for x in lines] == [f"calibrate [{i}/6" for i in range(1, 7)]
+    assert "memory" in lines[0] and "overhead" in lines[-1] and topo.device_bw_gbs == 5.0

@@ -2,9 +2,14 @@
 
 Writes a synthetic Criteo TSV file, preprocesses it (1 worker and all cores), then reads it back
 with :class:`ShardedReader` in the calling process (one core, no workers: the per-core rate) for
-the one-hot Criteo layout and the MLPerf DLRMv2 multi-hot layout. The training step's consumption
-rate comes from ``neorec bench step`` (``--step-samples-per-s`` to pass a measured one). Medians
-of ``--repeat`` runs: the cores are shared and timings are noisy.
+the one-hot Criteo layout and the MLPerf DLRMv2 multi-hot layout. The tabular path next to it:
+the same ``--tabular-rows`` rows of ``neorec data example-parquet``'s generator (dense, hashed and
+vocabulary ids, a weighted multi-hot list) as one Parquet and one CSV file, each preprocessed
+(1 worker: one file is one unit) and read directly (``data.source = "tabular"``, no
+preprocessing: batches parsed and encoded in the calling process), with the schema of
+``--tabular-config``; rows/s and input MB/s. The training step's consumption rate comes from
+``neorec bench step`` (``--step-samples-per-s`` to pass a measured one). Medians of ``--repeat``
+runs: the cores are shared and timings are noisy.
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from neorec.config import Config, load_config
 from neorec.data.loader import ShardedReader
 from neorec.data.preprocess import PreprocessOptions, preprocess
+from neorec.data.tabular_pre import TabularOptions, preprocess_tabular
+from neorec.data.tabular_source import TabularSource
+from neorec.errors import DataError
 
 __all__ = ["main", "write_tsv", "MLPERF_MULTI_HOT"]
 
@@ -116,6 +126,73 @@ def _reader_rate(path: Path, batch: int, repeat: int, seconds: float) -> tuple[f
     return statistics.median(rates), statistics.median(per_cpu)
 
 
+def _tabular_preprocess(src: Path, out: Path, cfg: Config, repeat: int) -> tuple[float, float]:
+    """Median (rows/s wall, rows per CPU second) of preprocessing one tabular file."""
+    rates, per_cpu = [], []
+    for _ in range(repeat):
+        opts = TabularOptions(workers=1, eval_fraction=0)
+        c0, t0 = _cpu_s(), time.perf_counter()
+        m = preprocess_tabular([src], out, cfg.data.schema, cfg.embedding.tables, opts)
+        rows = m["split"]["train"]
+        rates.append(rows / (time.perf_counter() - t0))
+        per_cpu.append(rows / max(_cpu_s() - c0, 1e-9))
+    return statistics.median(rates), statistics.median(per_cpu)
+
+
+def _tabular_direct(
+    files: list[Path], config: str, repeat: int, seconds: float
+) -> tuple[float, float]:
+    """Median (rows/s wall, rows per CPU second) of reading train batches straight from a
+    tabular file (after the source's fitting pass, which is not timed)."""
+    cfg = load_config(config, [f"data.path='{files[0]}'", f"data.eval_path='{files[1]}'"])
+    src = TabularSource(cfg.data, cfg.embedding.tables)
+    rates, per_cpu = [], []
+    for _ in range(repeat):
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            for b in src.train_batches():
+                n += b.size
+                if time.perf_counter() - t0 > seconds:
+                    break
+        rates.append(n / (time.perf_counter() - t0))
+        per_cpu.append(n / max(time.process_time() - c0, 1e-9))
+    return statistics.median(rates), statistics.median(per_cpu)
+
+
+def tabular_rates(d: Path, rows: int, config: str, repeat: int, seconds: float) -> dict[str, Any]:
+    """The tabular path's figures on ``rows`` generated rows as Parquet and as CSV."""
+    from neorec.data.example import write_example
+    from neorec.data.tabular import need_pyarrow
+
+    cfg = load_config(config, [])
+    out: dict[str, Any] = {"tabular_rows": rows}
+    fmts = ["parquet", "csv"]
+    try:
+        need_pyarrow()
+    except DataError as e:
+        print(f"tabular: Parquet skipped ({e})", flush=True)
+        fmts = ["csv"]
+    for fmt in fmts:
+        files = write_example(
+            d / f"tab_{fmt}", fmt, train=rows, eval=max(cfg.data.batch_size, rows // 50), seed=0
+        )
+        mb = files[0].stat().st_size / 1e6
+        pre, pre_cpu = _tabular_preprocess(files[0], d / f"tab_{fmt}_pre", cfg, repeat)
+        direct, direct_cpu = _tabular_direct(files, config, repeat, seconds)
+        out.update({
+            f"tabular_{fmt}_mb": round(mb, 1),
+            f"preprocess_{fmt}_rows_s": round(pre),
+            f"preprocess_{fmt}_mb_s": round(pre * mb / rows, 2),
+            f"preprocess_{fmt}_rows_per_cpu_s": round(pre_cpu),
+            f"direct_{fmt}_rows_s": round(direct),
+            f"direct_{fmt}_mb_s": round(direct * mb / rows, 2),
+            f"direct_{fmt}_rows_per_cpu_s": round(direct_cpu),
+        })  # fmt: skip
+    read, _ = _reader_rate(d / f"tab_{fmts[0]}_pre", 2048, repeat, seconds)
+    out["reader_tabular_samples_s_per_core"] = round(read)
+    return out
+
+
 def _step_rate(iters: int) -> float:
     from neorec.bench.step import main as step_main
 
@@ -140,7 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         help="use this train step rate instead of running `bench step`",
     )
     p.add_argument("--dir", default="", help="work directory (default: a temporary one)")
+    p.add_argument(
+        "--tabular-rows", type=int, default=100_000, help="rows of the tabular files (0: skip)"
+    )
+    p.add_argument(
+        "--tabular-config",
+        default="configs/parquet_example.toml",
+        help="the schema and tables the tabular files are read with",
+    )
     a = p.parse_args(argv)
+    if a.tabular_rows:
+        load_config(a.tabular_config, [])  # checked before any work
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(dir=a.dir or None) as tmp:
         d = Path(tmp)
@@ -152,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         read, read_cpu = _reader_rate(d / "one", a.batch, a.repeat, a.read_seconds)
         read_mh, read_mh_cpu = _reader_rate(d / "mh", a.batch, a.repeat, a.read_seconds)
         shard_bytes = sum(f.stat().st_size for f in (d / "one" / "shards").iterdir())
+        tab = (
+            tabular_rates(d, a.tabular_rows, a.tabular_config, a.repeat, a.read_seconds)
+            if a.tabular_rows
+            else {}
+        )
     step = a.step_samples_per_s or _step_rate(a.step_iters)
     result = {
         "bench": "data",
@@ -161,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores": cores,
         "load_avg_1m": round(os.getloadavg()[0], 1),
         "preprocess_mb_s_1_worker": round(one, 1),
+        "preprocess_rows_s_1_worker": round(one * 1e6 * a.lines / size),
         "preprocess_mb_per_cpu_s": round(one_cpu, 1),
         "preprocess_mb_s_all_cores": round(allc, 1),
         "preprocess_multi_hot_mb_per_cpu_s": round(mh_cpu, 1),
@@ -171,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_step_samples_s": round(step, 1),
         "reader_to_step_ratio": round(read / step, 1),
         "reader_multi_hot_to_step_ratio": round(read_mh / step, 1),
+        **tab,
     }
     print(f"{'metric':<40}{'value':>14}")
     for k, v in result.items():

@@ -5,7 +5,11 @@ batches under plans of one sharding type each (and a mixed plan), for each wire 
 (``--codecs``) and training pipeline (``--pipelines``), and reports the median step time (max over
 ranks), the time a step waits on communication (median over steps, max over ranks), and the bytes
 each collective sent per step (sum over ranks, bytes that leave a rank; DDP's own fp32 all-reduce
-is counted as a ring: 2(W-1)/W x dense parameter bytes).
+is counted as a ring: 2(W-1)/W x dense parameter bytes). With ``--ranks-per-host`` below N the
+ranks are taken as hosts of that many ranks: the table-row-wise tables reduce inside them, and the
+pooled-embedding bytes that cross hosts per step (all ranks; ``CommStats.inter_host``: outputs,
+their gradients, the in-host stage's none) are printed per row (``xhost pooled B``), e.g. row-wise
+against table-row-wise: ``--types row_wise,table_row_wise --ranks-per-host 2 --nproc 4``.
 
 ``--embedding-only`` times only the embedding part of a step, which is what the planner's cost
 model predicts: the sharded EBC's forward (input_dist -> compute -> output_dist) and backward with
@@ -30,7 +34,12 @@ from neorec.bench.stats import paired_ratio, rotated
 from neorec.bench.step import make_batches
 from neorec.build import dense_optimizer, distributed_model
 from neorec.config import CommConfig, load_config
-from neorec.distributed.comm import TRANSPORTS, close_host_transports, init_host_transport
+from neorec.distributed.comm import (
+    TRANSPORTS,
+    CommStats,
+    close_host_transports,
+    init_host_transport,
+)
 from neorec.measure.jobs import free_port, prepare_embedding, time_embedding
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.types import ShardingPlan, plan_by_type
@@ -40,6 +49,8 @@ from neorec.train.trainer import train_step
 __all__ = ["main", "run_ranks", "measure_embedding"]
 
 TYPES = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "mixed"]
+POOLED = ("fwd_pooled", "bwd_grads", "fwd_host_reduce", "bwd_host_reduce")
+"""The collectives of pooled embeddings and their gradients (``twrw``: the in-host stage)."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -139,6 +150,7 @@ def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dic
     """Train warmup + iters steps; median ms/step, comm wait ms/step, bytes/step (all ranks)."""
     b = a.batch // world
     model = distributed_model(cfg, plan)
+    model.comm_stats.ranks_per_host = a.ranks_per_host or world
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     n = a.warmup + a.iters
     # One batch more than steps: the overlapped pipeline's last step stages it, so every measured
@@ -169,12 +181,24 @@ def _measure(cfg, plan, pipeline: str, batches, rank: int, world: int, a) -> dic
         "comm_wait_ms": round(float(wait), 2),
         "bytes_per_step": total,
         "bytes_total": sum(total.values()),
+        "inter_host_pooled_bytes": _inter_host_pooled(model.comm_stats, a.iters),
     }
+
+
+def _inter_host_pooled(stats: CommStats, iters: int) -> int:
+    """Pooled-embedding bytes per step that crossed hosts, all ranks (a collective)."""
+    mine = torch.tensor([float(sum(stats.inter_host.get(n, 0) for n in POOLED))])
+    dist.all_reduce(mine)
+    return round(float(mine) / iters)
 
 
 def measure_embedding(cfg, plan: ShardingPlan, batches, rank: int, world: int, a) -> dict:
     """Embedding part of warmup + iters steps: median ms/step (fwd, bwd) and bytes (all ranks)."""
-    return time_embedding(prepare_embedding(cfg, plan, batches, rank, world), a.warmup, a.iters)
+    run = prepare_embedding(cfg, plan, batches, rank, world)
+    stats = run["ebc"].comm_stats
+    stats.ranks_per_host = getattr(a, "ranks_per_host", 0) or world
+    row = time_embedding(run, a.warmup, a.iters)
+    return {**row, "inter_host_pooled_bytes": _inter_host_pooled(stats, a.iters)}
 
 
 def _rank(
@@ -292,19 +316,22 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted({k for r in rows for k in r["bytes_per_step"]})
     head = (
         f"{'type':<16}{'codecs':<28}{'pipeline':<12}{'ms/step':>9}{'wait ms':>9}{'total B':>12}"
+        + f"{'xhost pooled B':>16}"
         + "".join(f"{n:>16}" for n in names)
     )
     print(
         f"bench dist: {a.nproc} gloo ranks (all-to-alls: {rows[0]['transport'] if rows else '-'}), "
         f"{a.tables} tables x {a.rows:,} rows x dim {a.dim}, "
-        f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}; bytes per step, all ranks"
+        f"global batch {a.batch}, pooling {a.pooling}, zipf {a.alpha}; bytes per step, all ranks; "
+        f"hosts of {a.ranks_per_host or a.nproc} ranks"
     )
     print(head)
     for r in rows:
         cells = "".join(f"{r['bytes_per_step'].get(n, 0):>16,.0f}" for n in names)
         print(
             f"{r['type']:<16}{r['codecs']:<28}{r['pipeline']:<12}{r['ms_per_step']:>9.1f}"
-            f"{r['comm_wait_ms']:>9.1f}{r['bytes_total']:>12,.0f}{cells}"
+            f"{r['comm_wait_ms']:>9.1f}{r['bytes_total']:>12,.0f}"
+            f"{r['inter_host_pooled_bytes']:>16,}{cells}"
         )
     result = {
         "bench": "dist",
@@ -317,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "alpha": a.alpha,
         "fp8_scaling": a.fp8_scaling,
         "embedding_only": a.embedding_only,
+        "ranks_per_host": a.ranks_per_host or a.nproc,
         "results": rows,
     }
     line = json.dumps(result)

@@ -169,14 +169,17 @@ def ingest(entry: Entry, log: Path) -> dict[str, Any]:
     if result.get("bench") not in (None, entry.argv[0] if entry.argv else None):
         raise ConfigError(f"bench report --ingest: {log} holds a '{result['bench']}' result")
     mtime = datetime.date.fromtimestamp(log.stat().st_mtime)
-    return {
+    rec = {
         "command": entry.command(),
         "quick": False,
         "cpu": cpu_label(),
         "date": mtime.isoformat(),
-        "seconds": None,
+        "seconds": result.get("seconds"),
         "result": result,
     }
+    if result.get("load_avg_1m") is not None:  # the load the benchmark itself recorded
+        rec.update(load=float(result["load_avg_1m"]), cores=result.get("cores") or os.cpu_count())
+    return rec
 
 
 def load_results(path: Path) -> dict[str, Any]:

@@ -139,10 +139,17 @@ def _ckpt(j: Json) -> str:
 
 
 def _data(j: Json) -> str:
-    return (
-        f"preprocessing {j['preprocess_mb_s_all_cores']:.1f} MB/s on {j['cores']} cores; reader "
-        f"{j['reader_samples_s_per_core']:,} samples/s per core"
+    text = (
+        f"Criteo preprocessing {j['preprocess_mb_s_all_cores']:.1f} MB/s on {j['cores']} cores; "
+        f"reader {j['reader_samples_s_per_core']:,} samples/s per core"
     )
+    if "preprocess_parquet_rows_s" in j:
+        text += (
+            f"; Parquet / CSV preprocessing {j['preprocess_parquet_rows_s']:,} / "
+            f"{j['preprocess_csv_rows_s']:,} rows/s, read directly {j['direct_parquet_rows_s']:,} / "
+            f"{j['direct_csv_rows_s']:,} rows/s"
+        )
+    return text
 
 
 def _dmt_bytes(j: Json) -> str:
@@ -262,6 +269,42 @@ _DIST = (
     "--types", "table_wise,row_wise,data_parallel", "--transport", "shm,gloo",
     "--keep-heap", "on,off",
 )  # fmt: skip
+
+
+def _breakdown(j: Json) -> str:
+    return (
+        f"step {j['step_ms']:.0f} ms = {j['step_over_floor']:.2f}× the floors' sum "
+        f"({j['floor_ms']:.0f} ms); phases add to {j['phase_sum_over_step']:.3f}× the step; "
+        f"furthest from its floor: {j['furthest']}"
+    )
+
+
+def _vs_torchrec(j: Json) -> str:
+    return (
+        f"{j['ms_per_step']:.0f} vs {j['torchrec_ms_per_step']:.0f} ms/step: "
+        f"{iv(j['vs_torchrec'], '.2f', '×')} of TorchRec's step"
+    )
+
+
+def _movielens(j: Json) -> str:
+    d, lr = j["dlrm"], j["lr"]
+    return (
+        f"DLRM AUC {iv(d['auc_ci'], '.4f')}, log loss {d['logloss']:.4f}; logistic regression AUC "
+        f"{lr['auc']:.4f}, log loss {lr['logloss']:.4f}; DLRM − LR {iv(j['auc_diff'], '+.4f')} AUC; "
+        f"seeds {_seeds(j['seeds'])} (settings chosen on {_seeds(j['select_seeds'])})"
+    )
+
+
+def _largebatch(j: Json) -> str:
+    arms, r = j["arms"], j["recipe"]
+    recipe = f"warmup {r['warmup_share']:g}, {r['decay']}, scaling {r['scaling']}"
+    parts = [f"8·B with the recipe ({recipe}) {iv(arms['kB recipe']['ne_vs_B_pct'], '+.2f', '%')}"]
+    for k, label in (("kB no warmup", "no warmup"), ("kB plain", "plain"),
+                     ("kB linear", "linear scaling, no warmup")):  # fmt: skip
+        if k in arms and arms[k].get("ne_vs_B_pct"):
+            parts.append(f"{label} {iv(arms[k]['ne_vs_B_pct'], '+.1f', '%')}")
+    return "NE vs B: " + "; ".join(parts) + f"; seeds {_seeds(j['seeds'])}"
+
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
@@ -393,7 +436,29 @@ ENTRIES: tuple[Entry, ...] = (
         (), (), _dynamic_speed, source="dynamic",
     ),
     Entry(
-        "data", "Criteo preprocessing and reader", "—", ("data",), ("data", "--lines", "20000"), _data,
+        "data", "Criteo and Parquet / CSV preprocessing and readers", "—", ("data",), ("data", "--lines", "20000"), _data,
+    ),
+    Entry(
+        "movielens", "MovieLens-100K (real ratings, click = rating ≥ 4, time split): eval AUC",
+        "above the LR baseline", ("movielens",), ("movielens", "--quick"), _movielens,
+    ),
+    Entry(
+        "largebatch", "large batch: default model at B = 512 and 8·B, the same samples",
+        "within 0.1% NE", ("largebatch",), ("largebatch", "--quick"), _largebatch,
+    ),
+    Entry(
+        "step_breakdown", "the whole step against this machine's floors, `dlrm_benchmark.toml`, fp32",
+        "≤ 1.5× the floors",
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--breakdown", "--iters", "10"),
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--breakdown", "--iters", "3",
+         "--rows", "100000"), _breakdown,
+    ),
+    Entry(
+        "step_torchrec", "the same step vs TorchRec's (FBGEMM CPU TBE), interleaved, paired by step",
+        "≤ 0.25×",
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--iters", "10"),
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--iters", "3",
+         "--rows", "100000"), _vs_torchrec,
     ),
 )  # fmt: skip
 

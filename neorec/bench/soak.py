@@ -16,7 +16,7 @@ each job's throughput in the interval (samples/s from the steps and ``elapsed_s`
 
 Verdict per metric (after warm-up: the first third of the intervals is dropped): the median of the
 last third against the median of the first third of the rest. Resources ``grows`` when the rise
-exceeds the tolerance (RSS: 10% and 16 MiB; fds and memfds: 2; /dev/shm: 1 MiB), else ``flat``;
+exceeds the tolerance (RSS: 3% and 8 MiB; fds and memfds: 2; /dev/shm: 1 MiB), else ``flat``;
 throughput ``falls`` when it drops by more than 25%, else ``flat``; ``short`` with fewer than 3
 intervals after warm-up. Prints a table, then one JSON line (the last line of stdout).
 """
@@ -58,7 +58,7 @@ CACHED = (
     "embedding.tables=[{{name='u', rows=20000, dim=8, kind='dynamic', capacity=4000, "
     "storage='{store}', cache_rows=1000}}, {{name='i', rows=2000, dim=8}}]"
 )
-TOL = {"rss_mb": (0.10, 16.0), "fds": (0.0, 2.0), "memfds": (0.0, 2.0), "shm_mb": (0.0, 1.0)}
+TOL = {"rss_mb": (0.03, 8.0), "fds": (0.0, 2.0), "memfds": (0.0, 2.0), "shm_mb": (0.0, 1.0)}
 THROUGHPUT_DROP = 0.25
 
 

@@ -4,6 +4,11 @@
 installed, else cuda; the NaN guard read once at the end, as the trainer does) next to the same
 DLRM whose embeddings are FBGEMM GPU's CUDA TBE (``--compare fbgemm``, the default there; one
 FBGEMM table per feature). Without a CUDA device or fbgemm_gpu it stops with a one-line error.
+
+``--breakdown`` splits the step into its phases, each next to its floor on this machine
+(``step_breakdown``); ``--compare torchrec`` times the same DLRM in TorchRec in turn with ours
+(``step_torchrec``). ``--set key=value`` overrides the config as ``neorec train`` does (e.g.
+``lowp.mode=auto``, which the breakdown runs with the trainer's LoKA hooks).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import torch
 
 from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.bench.stats import paired_ratio
+from neorec.bench.step_breakdown import main_args
 from neorec.build import build_dlrm, dense_optimizer
 from neorec.config import load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
 from neorec.data.synthetic import zipf_batches
+from neorec.errors import ConfigError
 from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.dlrm import DLRM
 from neorec.ops.row_optim import RowOptimizer
@@ -64,10 +71,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     p.add_argument(
         "--compare",
-        choices=("fbgemm", "none"),
+        choices=("fbgemm", "torchrec", "none"),
         default=None,
-        help="also time the DLRM with FBGEMM's TBE as its embeddings (default: fbgemm on cuda)",
+        help="also time the DLRM with FBGEMM's TBE as its embeddings (default: fbgemm on cuda), "
+        "or the same DLRM in TorchRec (CPU; JSON vs_torchrec = ours / TorchRec's, paired)",
     )
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        help="config override, repeatable (e.g. lowp.mode=auto)",
+    )  # fmt: skip
+    main_args(p)
     p.add_argument(
         "--lowp",
         default="",
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         sets.append(f"model.bottom_mlp={cfg0.model.bottom_mlp[:-1] + [a.dim]}")
     if a.tables is not None or a.rows is not None or a.dim is not None or a.pooling is not None:
         sets.append("embedding.tables=[]")
-    cfg = load_config(path, sets)
+    cfg = load_config(path, sets + list(a.sets))
     if a.threads:
         torch.set_num_threads(a.threads)
     modes = [m.strip() for m in a.lowp.split(",") if m.strip()] if a.lowp else [""]
@@ -251,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             f"neorec bench step: --precision {bad[0]!r}: one of {', '.join(PRECISIONS)}"
         )
     batches = [b.to(a.device) for b in make_batches(cfg, 4, a.alpha)]
+    if a.breakdown:
+        from neorec.bench.step_breakdown import run_breakdown
+
+        if a.device != "cpu" or a.lowp or a.precision or a.compare != "none":
+            raise ConfigError(
+                "bench step --breakdown: one CPU model (lowp and precision by --set, no --compare)"
+            )
+        return run_breakdown(cfg, a, batches)
     # Every variant's model steps in turn (interleaved), so load on the machine hits them alike.
     trainers = {
         "/".join(x for x in (m, p) if x): _Mode(cfg, a, m, p) for m in modes for p in precisions
@@ -258,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(trainers)
     if a.compare == "fbgemm":
         trainers["fbgemm"] = _Mode(cfg, a, "", "", peer=True)
+    if a.compare == "torchrec":
+        from neorec.bench.step_torchrec import TorchRecPeer
+
+        trainers["torchrec"] = TorchRecPeer(cfg)  # type: ignore[assignment]
     for i in range(a.warmup + a.iters):
         for tr in trainers.values():
             tr.step(i, batches[i % len(batches)], timed=i >= a.warmup)
@@ -292,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         fb = runs.pop("fbgemm")["ms"]
         result["fbgemm_ms_per_step"] = round(fb, 2)
         result["speedup_vs_fbgemm"] = round(fb / ms, 3)
+    if "torchrec" in runs:
+        from neorec.bench.step_torchrec import PEER_NAME
+
+        result["peer"] = PEER_NAME
+        result["torchrec_ms_per_step"] = round(runs.pop("torchrec")["ms"], 2)
+        # ours / TorchRec's, the geometric mean of the per-step ratios (steps interleaved)
+        result["vs_torchrec"] = paired_ratio(times[modes[0]], times["torchrec"]).to_dict()
     print(f"{'metric':<22}{'value':>14}")
     for k in ("tables", "rows", "dim", "batch", "pooling", "alpha", "optimizer", "backend"):
         print(f"{k:<22}{result[k]!s:>14}")
@@ -300,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("device", "peak_hbm_mb", "fbgemm_ms_per_step", "speedup_vs_fbgemm"):
         if k in result:
             print(f"{k:<22}{result[k]!s:>14}")
+    if "vs_torchrec" in result:
+        iv = result["vs_torchrec"]
+        print(f"{'torchrec_ms_per_step':<22}{result['torchrec_ms_per_step']!s:>14}")
+        print(f"{'vs_torchrec':<22}{iv['value']:>8.3f}x [{iv['lo']:.3f}, {iv['hi']:.3f}]")
     if a.precision:
         result["precision"] = {
             m: {"ms_per_step": round(r["ms"], 2), "speedup_vs_first": round(ms / r["ms"], 3),

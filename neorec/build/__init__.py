@@ -4,7 +4,7 @@ Below this package, code receives its own config section or plain values, never 
 ``Config`` (``tests/test_layers.py``). ``model``: the embedding collection and the model (flat,
 low precision, cached, dynamic, towered, distributed); ``plan``: the sharding plan; ``towers``:
 the DMT towers and the SPTT model; ``run``: system settings, the data source, the dense
-optimizer.
+optimizer; ``schedule``: the lr scaling and schedule.
 """
 
 from neorec.build.model import (
@@ -24,6 +24,7 @@ from neorec.build.run import (
     data_source,
     dense_optimizer,
 )
+from neorec.build.schedule import lr_scale, lr_schedule, scaling_line
 from neorec.build.towers import learned_groups, resolve_tower_groups, tower_groups, towered_model
 
 __all__ = [
@@ -40,6 +41,9 @@ __all__ = [
     "check_run",
     "data_source",
     "dense_optimizer",
+    "lr_scale",
+    "lr_schedule",
+    "scaling_line",
     "learned_groups",
     "resolve_tower_groups",
     "tower_groups",

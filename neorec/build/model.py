@@ -35,6 +35,7 @@ __all__ = [
     "low_precision_collection",
     "build_flat_dlrm",
     "build_dlrm",
+    "attach_student",
     "sharded_collection",
     "distributed_model",
 ]
@@ -135,12 +136,19 @@ def build_flat_dlrm(cfg: Config, device: torch.device | str = "cpu") -> DLRM:
         cfg.model, emb.tables, opt, pooling=emb.pooling, backend=emb.backend, device=device,
         seed=cfg.train.seed, init_scale=emb.init_scale, ebc=ebc,
     )  # fmt: skip
+    attach_student(cfg, model.dense_arch)
+    return model
+
+
+def attach_student(cfg: Config, arch: DenseArch) -> DenseArch:
+    """``arch`` with the ExFM student's aux head and adapter of ``cfg.distill`` when it asks for
+    them (``attach_distill``, drawn from their own generator: every model form of a config,
+    flat or towered, one process or N, gets the same ones). A distributed form calls it before
+    DDP wraps ``arch``, so that DDP averages their gradients too."""
     d = cfg.distill
     if d.enabled and d.aux_head:
-        attach_distill(
-            model.dense_arch, True, d.adapter_size if d.adapter else 0, seed=cfg.train.seed
-        )
-    return model
+        attach_distill(arch, True, d.adapter_size if d.adapter else 0, seed=cfg.train.seed)
+    return arch
 
 
 def build_dlrm(
@@ -165,10 +173,12 @@ def build_dlrm(
             "towers.partitioner 'learned' decides the towers after a warm-up: pass the groups "
             "of neorec.build.towers.learned_groups(cfg, batches) to build_dlrm"
         )
-    return TowerDLRM(
+    model = TowerDLRM(
         cfg.model, build_collection(cfg, device), tg, kind=cfg.towers.module,
         out_vectors=cfg.towers.out_vectors, seed=cfg.train.seed, device=device,
     )  # fmt: skip
+    attach_student(cfg, model.dense_arch)
+    return model
 
 
 def sharded_collection(
@@ -248,5 +258,5 @@ def distributed_model(
         cfg, plan, group=emb_group if group is None else group, stats=stats, device=dev
     )
     dims = {t.dim for t in cfg.embedding.tables}
-    dense = DenseArch(cfg.model, len(ebc.feature_names), dims.pop())
+    dense = attach_student(cfg, DenseArch(cfg.model, len(ebc.feature_names), dims.pop()))
     return DistributedModel(ebc, dense, stats, cfg.comm, cfg.train.dense_blocks, dev)

@@ -21,9 +21,9 @@ from neorec.distributed.dense_blocks import block_dense
 from neorec.distributed.dynamic_reshard import without_dynamic
 from neorec.distributed.model_parallel import check_same_everywhere
 from neorec.modules.embedding import check_tables_memory
-from neorec.modules.phases import Phase, watch_init
 from neorec.ops import settings
 from neorec.ops.memory import keep_freed_heap
+from neorec.phases import Phase, watch_init
 from neorec.sharding.types import ShardingPlan
 from neorec.storage.cache_table import CacheCapacityError, cache_capacity
 
@@ -88,12 +88,6 @@ def check_run(cfg: Config, world: int = 1, one_host: bool = True) -> None:
             "checkpoints (checkpoint.every_steps) of such tables are not supported yet; set "
             "checkpoint.every_steps = 0 or storage = 'memory' (dynamic tables on dram / ssd can "
             "be checkpointed)"
-        )
-    dc = cfg.distill
-    if world > 1 and dc.enabled and (dc.aux_head or dc.adapter):
-        raise ConfigError(
-            "distill.aux_head / distill.adapter run in one process for now; drop --nproc or "
-            "use plain distillation (distill.weight)"
         )
     if one_host:
         check_tables_memory(cfg.embedding.tables, cfg.embedding.optimizer)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from neorec.build.model import build_flat_dlrm, sharded_collection
+from neorec.build.model import attach_student, build_flat_dlrm, sharded_collection
 from neorec.build.plan import resolve_plan
 from neorec.config import Config, ConfigError, TableConfig
 from neorec.data.batch import Batch
@@ -124,16 +124,19 @@ def towered_model(
     tower_sync: str = "world",
 ) -> DistributedTowerModel:
     """SPTT: tower t's tables on host t (``world / towers`` consecutive ranks). ``build_dense``:
-    the tower modules and dense arch (default: the config's, as ``TowerDLRM`` builds them);
+    the tower modules and dense arch (default: the config's, as ``TowerDLRM`` builds them, with
+    the ExFM student's aux head and adapter of ``[distill]``);
     ``tower_sync``: where the tower modules' gradients are averaged (``"world"`` | ``"host"``,
     ``DistributedTowerModel``)."""
     feats = tower_features(cfg.embedding.tables, groups)
     dim = cfg.embedding.tables[0].dim
 
     def config_dense() -> tuple[nn.ModuleList, DenseArch]:
-        return build_tower_dense(
+        mods, arch = build_tower_dense(
             cfg.model, [len(f) for f in feats], dim, cfg.towers.module, cfg.towers.out_vectors
         )
+        # the ExFM student's aux head and adapter: in the arch before DDP wraps it
+        return mods, attach_student(cfg, arch)
 
     def build_ebc(tables: list[TableConfig], ranks: int, group: Any, stats: CommStats) -> nn.Module:
         names = {t.name for t in tables}

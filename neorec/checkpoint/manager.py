@@ -27,6 +27,7 @@ import io
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,7 +171,9 @@ class CheckpointManager:
         self._since_baseline = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.history: list[dict[str, Any]] = []
+        # The newest commits' name, baseline and step (bounded: a run of any length keeps 64)
+        self.history: deque[dict[str, Any]] = deque(maxlen=64)
+        self.commits = 0  # checkpoints committed by this manager
         self._group: Any = None
         self._wgroup: Any = None
         self._cleaned = False  # unfinished directories of this lineage removed (first save)
@@ -456,7 +459,8 @@ class CheckpointManager:
         except BaseException:
             self._drop(snap.name)
             raise
-        self.history.append(manifest)
+        self.history.append({k: manifest[k] for k in ("name", "baseline", "step")})
+        self.commits += 1
         self.last_committed = snap.name
         self._newest = (snap.name, snap.step)
         try:

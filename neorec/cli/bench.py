@@ -21,6 +21,8 @@ BENCHES = (
     "dmt",
     "dynamic",
     "distill",
+    "largebatch",
+    "movielens",
     "report",
     "soak",
 )

@@ -1,4 +1,6 @@
-"""``neorec data preprocess``: Criteo TSV (plain or .gz) into the columnar shards training reads."""
+"""``neorec data``: ``preprocess`` (Criteo TSV, or Parquet / CSV / TSV with a config's
+``data.schema``, into the columnar shards training reads), ``example-parquet`` (a small tabular
+data set for configs/parquet_example.toml) and ``movielens`` (the MovieLens click recipe)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ import argparse
 import sys
 from typing import Any
 
-HELP = "data tools: preprocess Criteo TSV into columnar shards"
-ACTIONS = ("preprocess",)
+HELP = "data tools: preprocess Criteo or tabular data into shards, example data, MovieLens"
+ACTIONS = ("preprocess", "example-parquet", "movielens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,10 +19,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def passthrough(argv: list[str]) -> int | None:
-    """``data preprocess ...``: its flags go to it unparsed; None for anything else."""
-    if argv[:1] != ["preprocess"]:
+    """``data ACTION ...``: its flags go to it unparsed; None for anything else."""
+    mains = {
+        "preprocess": preprocess_main,
+        "example-parquet": example_main,
+        "movielens": movielens_main,
+    }
+    if not argv or argv[0] not in mains:
         return None
-    return preprocess_main(argv[1:])
+    return mains[argv[0]](argv[1:])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +70,12 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def _multi_hot(s: str) -> list[int]:
+    from neorec.data.shards import MLPERF_MULTI_HOT
+
+    return list(MLPERF_MULTI_HOT) if s.strip().lower() == "mlperf" else _ints(s)
+
+
 def _fraction(s: str) -> float:
     return float(s)
 
@@ -88,7 +101,13 @@ def preprocess_main(argv: list[str] | None = None, out: Any = None) -> int:
     p.add_argument(
         "--vocab-threshold", type=int, default=0, help="vocab mode: min count (0 = hash)"
     )
-    p.add_argument("--multi-hot", type=_ints, default=[1], help="bag size per feature (1 or 26)")
+    p.add_argument(
+        "--multi-hot",
+        type=_multi_hot,
+        default=[1],
+        help="bag size per feature (1 or 26 comma-separated), or 'mlperf': MLPerf DLRMv2's "
+        "published sizes (configs/criteo_multihot.toml)",
+    )
     p.add_argument(
         "--raw",
         type=_raw_flags,
@@ -113,6 +132,8 @@ def preprocess_main(argv: list[str] | None = None, out: Any = None) -> int:
     from neorec.data.preprocess import KAGGLE_ROWS, PreprocessOptions, preprocess
 
     out = sys.stdout if out is None else out
+    if a.config and _tabular(a.config):
+        return _preprocess_tabular(a, out)
     if a.config and a.rows:
         raise ConfigError("give --config or --rows, not both")
     raw = [False]
@@ -144,4 +165,79 @@ def preprocess_main(argv: list[str] | None = None, out: Any = None) -> int:
         raw=raw if a.raw is None else a.raw,
     )
     preprocess(a.input, a.output, opts, out=out)
+    return 0
+
+
+def _tabular(path: str) -> bool:
+    from neorec.config import load_config
+
+    return load_config(path).data.source == "tabular"
+
+
+def _preprocess_tabular(a: argparse.Namespace, out: Any) -> int:
+    """Parquet / CSV / TSV as the config's ``data.schema`` declares (Criteo-only flags refused)."""
+    from neorec.config import ConfigError, load_config
+    from neorec.data.tabular_pre import TabularOptions, preprocess_tabular
+
+    criteo_only = {
+        "--rows": a.rows,
+        "--vocab-threshold": a.vocab_threshold,
+        "--multi-hot": a.multi_hot != [1],
+        "--raw": a.raw,
+        "--bad-lines skip": a.bad_lines == "skip",
+    }
+    given = [k for k, v in criteo_only.items() if v]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: Criteo options; {a.config} reads tabular data, whose ids and "
+            "vocabularies its data.schema declares"
+        )
+    if a.shard_rows < 1 or a.workers < 0:
+        raise ConfigError("--shard-rows must be >= 1 and --workers >= 0")
+    f = a.eval_fraction
+    if f is not None and not (0.0 <= f < 1.0):
+        raise ConfigError(f"--eval-fraction must be in [0, 1), got {f}")
+    cfg = load_config(a.config)
+    opts = TabularOptions(shard_rows=a.shard_rows, workers=a.workers, eval_fraction=f)
+    preprocess_tabular(a.input, a.output, cfg.data.schema, cfg.embedding.tables, opts, out=out)
+    return 0
+
+
+def example_main(argv: list[str] | None = None, out: Any = None) -> int:
+    """``neorec data example-parquet``: the small data set of configs/parquet_example.toml."""
+    p = argparse.ArgumentParser(
+        prog="neorec data example-parquet",
+        description="write a small Parquet (or CSV) click data set: part-0 train, part-1 eval",
+    )
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--format", choices=["parquet", "csv"], default="parquet")
+    p.add_argument("--train", type=int, default=20_000, help="train samples")
+    p.add_argument("--eval", type=int, default=4_000, help="eval samples")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    from neorec.config import ConfigError
+    from neorec.data.example import write_example
+
+    if a.train < 1 or a.eval < 1:
+        raise ConfigError(f"--train and --eval must be >= 1, got {a.train}, {a.eval}")
+    paths = write_example(a.output, a.format, a.train, a.eval, a.seed)
+    print(f"wrote {', '.join(str(x) for x in paths)}", file=sys.stdout if out is None else out)
+    return 0
+
+
+def movielens_main(argv: list[str] | None = None, out: Any = None) -> int:
+    """``neorec data movielens``: GroupLens MovieLens files -> a preprocessed click task."""
+    p = argparse.ArgumentParser(
+        prog="neorec data movielens",
+        description="MovieLens (ML-100K, ML-1M, ML-20M/25M, or RecBole's atomic ml-100k) -> a "
+        "click task (rating >= 4) with the last 10%% of each user's ratings held out, "
+        "preprocessed for configs/movielens.toml",
+    )
+    p.add_argument("--input", required=True, help="the unpacked GroupLens directory")
+    p.add_argument("--output", required=True, help="output directory (shards)")
+    p.add_argument("--workers", type=int, default=0, help="processes (0 = one per core)")
+    a = p.parse_args(argv)
+    from neorec.data.movielens import movielens
+
+    movielens(a.input, a.output, workers=a.workers, stdout=sys.stdout if out is None else out)
     return 0

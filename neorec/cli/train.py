@@ -135,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if code:
                 run.discard_if_empty()  # no rank got as far as writing into it
+        if code in _SIGNAL_EXITS:  # stopped by a scheduler's signal, everything cleaned up above:
+            sys.stdout.flush()  # gone now, not after the interpreter's teardown (seconds on a
+            sys.stderr.flush()  # busy machine; the scheduler's grace period then ends in SIGKILL)
+            os._exit(code)
         return code
     from neorec.train.trainer import train
 
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_SIGNAL_EXITS = {128 + int(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
 _NNODES_RESUME = (
     "resume: under --nnodes the ranks take the config given now (flags and --config), not the "
     "run's config.toml: pass --config RUNS/NAME/config.toml to resume with the run's own"

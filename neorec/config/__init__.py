@@ -23,6 +23,7 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.schedule import ScheduleConfig
 from neorec.config.system import SystemConfig
 from neorec.config.towers import TOWER_MODULES, TOWER_PARTITIONERS, TowersConfig
 from neorec.errors import ConfigError
@@ -34,6 +35,7 @@ __all__ = [
     "EmbeddingConfig",
     "DataConfig",
     "TrainConfig",
+    "ScheduleConfig",
     "ShardingConfig",
     "PlannerConfig",
     "CheckpointConfig",

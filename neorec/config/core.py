@@ -75,7 +75,8 @@ class Config:
         self._check_dims()
         self._check_sharding()
         self._check_towers()
-        self._check_distill()
+        if self.data.source == "tabular":  # the schema's features against the tables
+            self.data.schema.check_tables(self.embedding.tables, self.model.num_dense)
 
     def _check_dims(self) -> None:
         dims = {t.dim for t in self.embedding.tables}
@@ -148,14 +149,6 @@ class Config:
             raise ConfigError(
                 f"towers.groups leaves out table(s) {show(missing)}; every table must be in "
                 "exactly one tower"
-            )
-
-    def _check_distill(self) -> None:
-        d = self.distill
-        if d.enabled and (d.aux_head or d.adapter) and self.towers.enabled:
-            raise ConfigError(
-                "distill.aux_head / distill.adapter do not run on towered (DMT) models yet; "
-                "drop [towers] or use plain distillation (distill.weight)"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from neorec.config.checks import (
     rule,
     show,
 )
+from neorec.config.schedule import ScheduleConfig
+from neorec.config.schema import SchemaConfig
 from neorec.errors import ConfigError
 
 __all__ = [
@@ -44,10 +46,12 @@ class DataConfig:
     """Where batches come from."""
 
     source: str = field(
-        default="synthetic", metadata=rule(choices=("synthetic", "criteo", "stream"))
+        default="synthetic", metadata=rule(choices=("synthetic", "criteo", "stream", "tabular"))
     )
-    """``synthetic``, ``criteo`` (TSV files, or a directory from ``neorec data preprocess``) or
-    ``stream`` (synthetic windows of a drifting teacher, neorec.data.stream)."""
+    """``synthetic``, ``criteo`` (TSV files, or a directory from ``neorec data preprocess``),
+    ``stream`` (synthetic windows of a drifting teacher, neorec.data.stream) or ``tabular``
+    (Parquet / CSV / TSV files read as ``data.schema`` declares, or their preprocessed
+    directory; docs/data.md)."""
     path: str = ""
     """Criteo: a file or directory of TSV (optionally .gz) files, or a preprocessed directory."""
     eval_path: str = ""
@@ -116,6 +120,8 @@ class DataConfig:
     """Stream: each id's teacher vector is multiplied by this (after the shrink): the per-id
     terms of the label's logit grow against the dense ones (the within-group pair term by its
     square); 1 = the synthetic teacher's."""
+    schema: SchemaConfig = field(default_factory=SchemaConfig)
+    """Tabular: the label and feature columns and what each becomes (neorec.config.schema)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
@@ -131,6 +137,15 @@ class DataConfig:
                     f"{names}: setting(s) of the stream, but data.source is {self.source!r}: "
                     f"they would be ignored; set data.source = 'stream' or remove {names}"
                 )
+        if not isinstance(self.schema, SchemaConfig):
+            raise ConfigError(
+                f"data.schema must be a [data.schema] section, got {show(self.schema)}"
+            )
+        if self.schema.features and self.source != "tabular":
+            raise ConfigError(
+                f"data.schema.features are declared but data.source is {self.source!r}: set "
+                "data.source = 'tabular' or remove [[data.schema.features]]"
+            )
         if self.window >= self.windows:
             raise ConfigError(
                 f"data.window {self.window:,} is not below data.windows {self.windows:,} (windows "
@@ -218,10 +233,32 @@ class TrainConfig:
     """Where the model, the tables, the communication buffers and the row cache live: ``cpu``
     (process groups on gloo) or ``cuda`` (this rank's GPU, ``LOCAL_RANK``; NCCL). Both run the
     same device-generic step; ``cuda`` without a CUDA device is refused before any work."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """``[train.schedule]``: warmup and decay of both optimizers' lr (neorec.config.schedule)."""
+    lr_scaling: str = field(default="none", metadata=rule(choices=("none", "linear", "sqrt")))
+    """Scale ``dense_lr`` and ``embedding.lr`` by k = data.batch_size / ``reference_batch``
+    (``linear``: x k, Goyal et al.; ``sqrt``: x sqrt(k)); ``none``: the lrs as given."""
+    reference_batch: int = field(default=0, metadata=rule(0, _MAX_BATCH))
+    """The global batch the given lrs were tuned for (needed by ``lr_scaling``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train")
         check_run_name(self.name)
+        if not isinstance(self.schedule, ScheduleConfig):
+            raise ConfigError(
+                f"train.schedule must be a [train.schedule] section, got {show(self.schedule)}"
+            )
+        if self.lr_scaling == "none" and self.reference_batch:
+            raise ConfigError(
+                f"train.reference_batch {self.reference_batch:,} is set but train.lr_scaling is "
+                "'none' (it would be ignored); set train.lr_scaling = 'linear' or 'sqrt', or "
+                "remove train.reference_batch"
+            )
+        if self.lr_scaling != "none" and not self.reference_batch:
+            raise ConfigError(
+                f"train.lr_scaling = {self.lr_scaling!r} needs train.reference_batch (the global "
+                "batch the given lrs were tuned for), got 0"
+            )
 
     def check_device(self) -> None:
         """Refuse ``device = "cuda"`` on a machine where torch sees no CUDA device."""

@@ -44,11 +44,12 @@ __all__ = [
     "EpochOrder",
     "ShardSet",
     "ShardedReader",
+    "open_shards",
 ]
 
 MANIFEST = "manifest.json"
 STATE_VERSION = 1
-_FORMAT_VERSIONS = (1,)
+_FORMAT_VERSIONS = (1, 2)  # 2: the jagged layout (neorec.data.jagged)
 
 
 def is_preprocessed(path: str | Path) -> bool:
@@ -79,7 +80,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         ok = (
             isinstance(m["features"], list)
             and isinstance(rows, list)
-            and len(rows) == len(m["features"]) == len(m["multi_hot"])
+            and len(rows) == len(m["features"])
+            and (m.get("layout") == "jagged" or len(rows) == len(m["multi_hot"]))
             and all(isinstance(s["name"], str) and int(s["rows"]) >= 0 for s in shards)
             and int(m["num_dense"]) > 0
         )
@@ -88,6 +90,15 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if not ok:
         raise DataError(f"{p}: missing or malformed fields; preprocess again")
     return m
+
+
+def open_shards(path: str | Path, shards: Sequence[dict[str, Any]] | None = None) -> ShardSet:
+    """The shards of a preprocessed directory: fixed-size bags (Criteo) or jagged (tabular)."""
+    if read_manifest(path).get("layout") == "jagged":
+        from neorec.data.jagged import JaggedShardSet
+
+        return JaggedShardSet(path, shards)
+    return ShardSet(path, shards)
 
 
 class ShardSet:
@@ -99,7 +110,7 @@ class ShardSet:
         self.shards = list(self.manifest["shards"] if shards is None else shards)
         self.sizes = np.array([s["rows"] for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.sizes.sum())
-        self.bag_sizes = list(self.manifest["multi_hot"])
+        self.bag_sizes = list(self.manifest.get("multi_hot") or [])
         self._maps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._pid = -1
 
@@ -125,6 +136,21 @@ class ShardSet:
                         f"{f}: shape {shape}, the manifest says {want[c](int(s['rows']))}; "
                         "preprocess again"
                     )
+
+    def make_batch(self, keys: Sequence[str], arrays: tuple[np.ndarray, ...]) -> Batch:
+        """The Batch of gathered (labels, dense, sparse) arrays: fixed-size bags."""
+        labels, dense, sparse = arrays
+        b = len(labels)
+        col = 0
+        values = []
+        for s in self.bag_sizes:  # feature-major: all of feature f's bags, then f+1's
+            values.append(
+                torch.from_numpy(np.ascontiguousarray(sparse[:, col : col + s])).reshape(-1)
+            )
+            col += s
+        lengths = torch.tensor(self.bag_sizes, dtype=torch.int64).repeat_interleave(b)
+        sp = SparseFeatures(list(keys), torch.cat(values), lengths)
+        return Batch(torch.from_numpy(dense), sp, torch.from_numpy(labels))
 
     def fingerprint(self) -> str:
         """Identifies the samples and their order before shuffling (checked on resume)."""
@@ -246,7 +272,7 @@ class ShardedReader:
         prefetch: int = 2,
         drop_last: bool = False,
     ) -> None:
-        self.data = data if isinstance(data, ShardSet) else ShardSet(data)
+        self.data = data if isinstance(data, ShardSet) else open_shards(data)
         if batch_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(
                 f"need batch_size > 0 and 0 <= rank < world_size, got "
@@ -254,8 +280,10 @@ class ShardedReader:
             )
         self.batch_size, self.rank, self.world = batch_size, rank, world_size
         self.keys = list(keys or self.data.manifest["features"])
-        if len(self.keys) != len(self.data.bag_sizes):
-            raise ValueError(f"{len(self.keys)} keys for {len(self.data.bag_sizes)} features")
+        if len(self.keys) != len(self.data.manifest["features"]):
+            raise ValueError(
+                f"{len(self.keys)} keys for {len(self.data.manifest['features'])} features"
+            )
         self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
         self.workers, self.prefetch, self.drop_last = workers, prefetch, drop_last
         self.epoch = 0
@@ -305,18 +333,8 @@ class ShardedReader:
         self._loader.sampler.keys = keys  # type: ignore[attr-defined]
         return iter(self._loader)
 
-    def _batch(self, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> Batch:
-        b = len(labels)
-        col = 0
-        values = []
-        for s in self.data.bag_sizes:  # feature-major: all of feature f's bags, then f+1's
-            values.append(
-                torch.from_numpy(np.ascontiguousarray(sparse[:, col : col + s])).reshape(-1)
-            )
-            col += s
-        lengths = torch.tensor(self.data.bag_sizes, dtype=torch.int64).repeat_interleave(b)
-        sp = SparseFeatures(self.keys, torch.cat(values), lengths)
-        return Batch(torch.from_numpy(dense), sp, torch.from_numpy(labels))
+    def _batch(self, *arrays: np.ndarray) -> Batch:
+        return self.data.make_batch(self.keys, arrays)
 
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch, next global batch and sample) and what it is valid for."""
@@ -373,7 +391,9 @@ class PreprocessedSource:
     yields_local = True
     """Batches are already this rank's part: the trainer must not slice them again."""
 
-    def __init__(self, d: DataConfig, tables: Sequence[TableConfig], out: Any = None) -> None:
+    def __init__(
+        self, d: DataConfig, tables: Sequence[TableConfig], out: Any = None, num_dense: int = 13
+    ) -> None:
         import torch.distributed as dist
 
         from neorec.config import ConfigError
@@ -381,10 +401,17 @@ class PreprocessedSource:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         train, evals = _split(d.path, d.eval_path)
-        keys = [t.features[0] for t in tables]
-        _check_tables(train, tables)
-        if evals.path != train.path:
-            _check_tables(evals, tables)
+        if train.manifest.get("layout") == "jagged":
+            from neorec.data.jagged import check_jagged_tables
+
+            keys = list(train.manifest["features"])
+            for part in (train, evals):
+                check_jagged_tables(part, tables, d.schema, num_dense)
+        else:
+            keys = [t.features[0] for t in tables]
+            _check_tables(train, tables)
+            if evals.path != train.path:
+                _check_tables(evals, tables)
         train.check_files()
         evals.check_files()
         common: dict[str, Any] = {"keys": keys, "rank": self.rank, "world_size": self.world}
@@ -478,7 +505,7 @@ def _split(path: str, eval_path: str) -> tuple[ShardSet, ShardSet]:
         train = [s for s in shards if s["source"] != last] if last > 0 else shards
         held = [s for s in shards if s["source"] == last] if last > 0 else []
     if eval_path:
-        return ShardSet(path, train), ShardSet(eval_path)
+        return open_shards(path, train), open_shards(eval_path)
     if not held:
         raise ConfigError(
             f"{path} has no held-out split (made from one file, or with --eval-fraction 0); "
@@ -487,7 +514,7 @@ def _split(path: str, eval_path: str) -> tuple[ShardSet, ShardSet]:
         )
     if not train:
         raise ConfigError(f"{path}: every shard is in the held-out split; nothing to train on")
-    return ShardSet(path, train), ShardSet(path, held)
+    return open_shards(path, train), open_shards(path, held)
 
 
 def _check_tables(data: ShardSet, tables: Sequence[Any]) -> None:

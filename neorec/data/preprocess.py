@@ -146,6 +146,15 @@ def _messages(res: UnitResult) -> list[str]:
     return [f"{name}:{base + i}: {m}" for i, m in res.bad]
 
 
+def _eta(spent: float, done: int, total: int) -> str:
+    """``, 1m05s, eta 3m10s`` (units are of similar size: the eta scales the time per unit)."""
+    from neorec.phases import fmt_duration
+
+    if not done or done >= total:
+        return f", {fmt_duration(spent)}"
+    return f", {fmt_duration(spent)}, eta {fmt_duration(spent / done * (total - done))}"
+
+
 def _run_units(
     fn: Any, units: list[Unit], args: tuple, opts: PreprocessOptions, what: str, out: Any
 ) -> list[UnitResult]:
@@ -182,7 +191,8 @@ def _run_units(
                 last = now
                 print(
                     f"{what}: {len(results)}/{len(units)} units, {done_bytes / 1e6:,.0f} MB, "
-                    f"{done_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s",
+                    f"{done_bytes / 1e6 / max(now - t0, 1e-9):,.1f} MB/s"
+                    + _eta(now - t0, len(results), len(units)),
                     file=out,
                     flush=True,
                 )

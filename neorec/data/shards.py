@@ -31,9 +31,40 @@ __all__ = [
     "sparse_columns",
     "multi_hot_extra",
     "FEATURES",
+    "MLPERF_MULTI_HOT",
 ]
 
 FEATURES = [f"C{j + 1}" for j in range(NUM_SPARSE)]
+MLPERF_MULTI_HOT = (
+    3,
+    2,
+    1,
+    2,
+    6,
+    1,
+    1,
+    1,
+    1,
+    7,
+    3,
+    8,
+    1,
+    6,
+    9,
+    5,
+    1,
+    1,
+    1,
+    12,
+    100,
+    27,
+    10,
+    3,
+    1,
+    1,
+)
+"""Ids per sample of C1..C26 in MLPerf DLRMv2's multi-hot Criteo 1TB (``--multi_hot_sizes`` of
+its reference, torchrec's dlrm_v2): ``neorec data preprocess --multi-hot mlperf``."""
 _READ_BYTES = 8 << 20  # a worker parses this much at a time: bounds its memory
 _MAX_EXAMPLES = 5
 _RARE_ROW, _EMPTY_ROW = 1, 0

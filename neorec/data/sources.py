@@ -195,14 +195,27 @@ def make_source(d: DataConfig, tables: Sequence[TableConfig], num_dense: int) ->
 
     if not d.path:
         raise ConfigError(
-            "data.source = 'criteo' needs data.path (a TSV file, a directory of them, or a "
+            f"data.source = '{d.source}' needs data.path (a TSV file, a directory of them, or a "
             "directory from `neorec data preprocess`); set it with --set data.path=..."
         )
     for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
         if path and not Path(path).exists():
             raise DataError(f"{path}: no such file or directory ({key}); check the path")
     if is_preprocessed(d.path):  # written by `neorec data preprocess`
-        return PreprocessedSource(d, tables)
+        from neorec.data.loader import read_manifest
+
+        jagged = read_manifest(d.path).get("layout") == "jagged"
+        if jagged != (d.source == "tabular"):
+            what = "tabular (Parquet / CSV)" if jagged else "Criteo"
+            raise ConfigError(
+                f"{d.path} was preprocessed from {what} data but data.source is '{d.source}'; "
+                f"set data.source = '{'tabular' if jagged else 'criteo'}'"
+            )
+        return PreprocessedSource(d, tables, num_dense=num_dense)
+    if d.source == "tabular":
+        from neorec.data.tabular_source import TabularSource
+
+        return TabularSource(d, tables)
     if (Path(d.path) / "shards").is_dir():
         raise DataError(
             f"{d.path}: a preprocessed directory without {MANIFEST} (preprocessing did not "

@@ -6,7 +6,8 @@ One forward, as three awaitable steps (so a pipeline can overlap them)::
       that touch its shard (all-to-all of lengths, then ids and weights)
     --compute--> one fused TBE call over all model-parallel shards on this rank -> [W*b, D_local]
     --output_dist--> pooled vectors back to the rank owning each sample (all-to-all);
-      row-wise partial sums are added, column slices placed side by side -> [b, sum(dims)]
+      row-wise partial sums are added, column slices placed side by side -> [b, sum(dims)];
+      table-row-wise partial sums are first reduced inside the host (``twrw``)
 
 Data-parallel tables are a full replica on every rank, looked up locally; their row gradients are
 summed over ranks in rank order (deterministic) before the fused optimizer runs, so replicas stay
@@ -46,6 +47,7 @@ from neorec.distributed.replicas import (
     gather_dp_grads_dense,
     gather_dp_grads_padded,
 )
+from neorec.distributed.twrw import TwrwLayout, twrw_output_dist
 from neorec.errors import ConfigError
 from neorec.modules.collection import EmbeddingCollection, UpdateHook, optimizer_state_of
 from neorec.modules.embedding import init_rows, register_table_buffers
@@ -69,6 +71,14 @@ __all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
 
 
 _ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+_TWRW = ShardingType.TABLE_ROW_WISE
+
+
+def _columns(pooled: Tensor, cols: Tensor) -> Tensor:
+    """Columns ``cols`` of ``pooled`` (itself when they are all of them, in order)."""
+    if cols.numel() == pooled.shape[1]:
+        return pooled
+    return pooled.index_select(1, cols)
 
 
 class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
@@ -79,6 +89,8 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
     dp_weights: Tensor
     dp_step: Tensor
     _feature_dims: Tensor
+    _twrw_cols: Tensor  # this rank's table-row-wise columns of its lookup (with ``twrw``)
+    _mp_cols: Tensor  # and the others
 
     def __init__(
         self,
@@ -212,13 +224,37 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         self.local_units = self.units_by_owner[self.rank]
         max_rows = max((u.shard.rows for us in self.units_by_owner for u in us), default=0)
         self._id_dtype = torch.int32 if max_rows < 2**31 else torch.int64
-        self.dims_by_owner = [sum(u.dim for u in us) for us in self.units_by_owner]
         self._dp_spec = (dp_tables, dp_features)
-        # The sample side's assembly (``output_dist``): owner blocks, then the data-parallel block.
-        pieces = [(0, o, u.out_col, u.dim) for o, us in enumerate(self.units_by_owner) for u in us]
-        pieces += [(1, 0, col0[fi], col0[fi + 1] - col0[fi]) for fi in dp_features]
+        # Table-row-wise tables' outputs: reduced in the host first (``twrw``), not all-to-all.
+        twrw = {i for i, t in enumerate(self.tables) if plans[t.name].sharding_type is _TWRW}
+        self.twrw = (
+            TwrwLayout.build(self.units_by_owner, twrw, self.plan.ranks_per_host) if twrw else None
+        )
+        self.dims_by_owner = [
+            sum(u.dim for u in us if u.table not in twrw) for us in self.units_by_owner
+        ]
+        # The sample side's assembly (``output_dist``): owner blocks, then the table-row-wise
+        # host blocks, then the data-parallel block.
+        pieces = [
+            (0, o, u.out_col, u.dim)
+            for o, us in enumerate(self.units_by_owner)
+            for u in us
+            if u.table not in twrw
+        ]
+        self._col_widths = [tuple(self.dims_by_owner)]
+        if self.twrw is not None:
+            pieces += self.twrw.pieces(1)
+            self._col_widths.append(self.twrw.widths)
+            mine = self.twrw.local_cols[self.rank]
+            width = sum(u.dim for u in self.local_units)
+            taken = set(mine)
+            other = [c for c in range(width) if c not in taken]
+            self.register_buffer("_twrw_cols", torch.tensor(mine, dtype=torch.int64), False)
+            self.register_buffer("_mp_cols", torch.tensor(other, dtype=torch.int64), False)
+        dp = len(self._col_widths)
+        pieces += [(dp, 0, col0[fi], col0[fi + 1] - col0[fi]) for fi in dp_features]
         self._col_runs = column_runs(pieces)
-        self._col_widths = [tuple(self.dims_by_owner), (sum(p[3] for p in pieces if p[0] == 1),)]
+        self._col_widths.append((sum(p[3] for p in pieces if p[0] == dp),))
 
     def _build_local(self, seed: int, init_scale: float) -> None:
         # Local TBE tables: distinct (table, shard) pairs among this rank's units.
@@ -321,12 +357,22 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         """Send pooled rows back to their samples' ranks; combine into [b, sum(dims)]."""
         b = local.batch_size
         pooled = ScaleGrad.apply(pooled, 1.0 / self.world)
-        send_splits = [b * self.layout.total_dim] * self.world
+        mine = pooled
+        if self.twrw is not None:  # its columns leave by the two-stage path (``twrw``)
+            mine = _columns(pooled, self._mp_cols)
+        send_splits = [b * mine.shape[1]] * self.world
         recv_splits = [b * d for d in self.dims_by_owner]
         recv = AllToAllPooled.apply(
-            pooled, send_splits, recv_splits, self.group, self.comm_stats, self.codecs, b
+            mine, send_splits, recv_splits, self.group, self.comm_stats, self.codecs, b
         )
         sources = [recv]
+        if self.twrw is not None:
+            twrw = _columns(pooled, self._twrw_cols)
+            sources.append(
+                twrw_output_dist(
+                    twrw, self.twrw, self.rank, b, self.group, self.comm_stats, self.codecs
+                )
+            )
         if self.dp is not None:
             sources.append(ScaleGrad.apply(self._dp_lookup(local), 1.0 / self.world))
         out = place_columns(

@@ -20,10 +20,11 @@ gradients reaching the tower's collection are scaled by ``1 / H`` (the collectio
 own ``rph`` ranks). Tower modules' gradients (``tower_sync``):
 
 - ``"world"`` (the default): every tower module is replicated on every rank inside one DDP module
-  with the dense arch (``find_unused_parameters``: a rank computes only its host's tower), so
-  DDP's average over the world gives each tower module the gradient of the global mean loss and
-  all replicas stay identical (a checkpoint's dense state is the same on every rank). Tower t's
-  gradients cross every host, though only host t computes them.
+  with the dense arch (``find_unused_parameters`` when the other hosts' tower modules have
+  parameters: a rank computes only its host's tower), so DDP's average over the world gives
+  each tower module the gradient of the global mean loss and all replicas stay identical (a
+  checkpoint's dense state is the same on every rank). Tower t's gradients cross every host,
+  though only host t computes them.
 - ``"host"`` (the DMT paper's step): the dense arch alone is under a world-wide DDP; tower ``h``'s
   module is under a DDP over host ``h``'s ranks whose hook sums inside the host and divides by the
   world (``grad_sync.host_mean_hook``): the same global-mean gradient, and no tower gradient
@@ -47,7 +48,14 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from neorec.config import ConfigError, TableConfig
-from neorec.distributed.comm import CommStats, ScaleGrad, all_to_all, source_major_to_unit_major
+from neorec.distributed.comm import (
+    Awaitable,
+    Chain,
+    CommStats,
+    ScaleGrad,
+    all_to_all,
+    source_major_to_unit_major,
+)
 from neorec.distributed.grad_sync import host_mean_hook
 from neorec.modules.dlrm import DenseArch, check_dense_input
 from neorec.sparse import SparseFeatures
@@ -166,7 +174,8 @@ class DistributedTowerModel(nn.Module):
         # the ids exchange staged on the host (``stage_input_dist``): over gloo (a twin of
         # ``xgroup`` when the tables live on a GPU)
         self._host_xgroup = dist.new_group(backend="gloo") if host_staging else self.xgroup
-        self._staged: list[tuple[SparseFeatures, SparseFeatures]] = []
+        # staged batches: (batch, its ids exchange in flight, or its tower batch once received)
+        self._staged: list[tuple[SparseFeatures, Chain[SparseFeatures] | SparseFeatures]] = []
         mine = set(self.groups[self.host])
         torch.manual_seed(seed)  # same dense init as the unsharded TowerDLRM
         self.ebc = build_ebc(
@@ -193,7 +202,24 @@ class DistributedTowerModel(nn.Module):
         self._runners: tuple[nn.Module, nn.Module] | None = None
         self._ddps: list[DistributedDataParallel | None]
         if tower_sync == "world":
-            self.dense_arch: nn.Module = DistributedDataParallel(part, find_unused_parameters=True)
+            # the other hosts' tower modules are not run here: DDP must look for unused
+            # parameters exactly when they have some (else it warns every run that none were)
+            unused = any(
+                p.requires_grad
+                for t, mod in enumerate(tower_mods)
+                if t != self.host
+                for p in mod.parameters()
+            )
+            # An ExFM student's aux head and adapter are used after the forward, in the loss:
+            # DDP's search for unused parameters (from the forward's output) would count them
+            # unused, then see their gradients; a static graph learns the unused ones from the
+            # first backward instead (the same parameters are used every step).
+            outside = any(getattr(dense_arch, k, None) is not None for k in ("aux_head", "adapter"))
+            self.dense_arch: nn.Module = DistributedDataParallel(
+                part,
+                find_unused_parameters=unused and not outside,
+                static_graph=unused and outside,
+            )
             self._ddps = [self.dense_arch, None]
         else:
             self.dense_arch = part
@@ -231,15 +257,15 @@ class DistributedTowerModel(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
-        """Prepare a later ``forward(dense, sparse)`` on the host (the pipelines call this before
-        the step, ``host`` the batch's copy before its host-to-device copy): the ids exchange to
-        the towers (over gloo), then the tower collection's own input distribution from that
-        host tower batch. The step then reads nothing back from the device."""
+        """Start the ids exchange of a later ``forward(dense, sparse)`` from the host copy
+        ``host`` (the pipelines call this before the step): its lengths all-to-all (over gloo)
+        starts now; the lookup of the step that runs meanwhile starts its ids all-to-all
+        (``advance``), and the end of that step's forward receives them and stages the tower
+        collection's own input distribution from the tower batch. Nothing depends on weights,
+        so staging changes no number; the step reads nothing back from the device."""
         if host is None:
             host = sparse if sparse.values.device.type == "cpu" else sparse.to("cpu")
-        tower = self._send_ids(host, self._host_xgroup)
-        self.ebc.stage_input_dist(tower, tower)
-        self._staged.append((sparse, tower))
+        self._staged.append((sparse, self._exchange_ids(host, self._host_xgroup)))
 
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [b] for this rank's samples."""
@@ -247,21 +273,37 @@ class DistributedTowerModel(nn.Module):
         b = sparse.batch_size
         staged = [i for i, (s, _) in enumerate(self._staged) if s is sparse]
         if staged:
-            batch = self._staged.pop(staged[0])[1]
+            got = self._staged.pop(staged[0])[1]
+            batch = got.wait() if isinstance(got, Chain) else got
         else:  # not staged: exchanged now (a host read of the lengths received)
-            batch = self._send_ids(sparse, self.xgroup)
+            batch = self._exchange_ids(sparse, self.xgroup).wait()
         pooled = self.ebc(batch)  # [H*b, F_h*D]: host-local all-to-alls only
+        for _, pending in self._staged:  # the next batch's lengths had the lookup's time
+            if isinstance(pending, Chain):
+                pending.advance()
         pooled = ScaleGrad.apply(pooled, 1.0 / self.hosts)
         k_h = self._out_k[self.host]
         self.out_send = [b * k_h if p else 0 for p in self._peers]
         self.out_recv = [
             b * self._out_k[j // self.rph] if p else 0 for j, p in enumerate(self._peers)
         ]
-        return self.dense_arch(dense, pooled)  # type: ignore[no-any-return]
+        out = self.dense_arch(dense, pooled)
+        self._receive_staged()
+        return out  # type: ignore[no-any-return]
 
-    def _send_ids(self, sparse: SparseFeatures, group: Any) -> SparseFeatures:
+    def _receive_staged(self) -> None:
+        """The staged batches' ids (their exchange had this step's forward to arrive): the
+        tower batches, each staged in the tower collection."""
+        for i, (s, pending) in enumerate(self._staged):
+            if isinstance(pending, Chain):
+                tower = pending.wait()
+                self.ebc.stage_input_dist(tower, tower)
+                self._staged[i] = (s, tower)
+
+    def _exchange_ids(self, sparse: SparseFeatures, group: Any) -> Chain[SparseFeatures]:
         """This host's tower batch: its features' bags of every peer's samples, peers in host
-        order (``H * b`` samples), exchanged over ``group``."""
+        order (``H * b`` samples), exchanged over ``group``: the lengths' all-to-all starts now,
+        the ids' at ``advance()``, the batch is built at ``wait()``."""
         b = sparse.batch_size
         mine = self.features[self.host]
         subs = [sparse.select(f) for f in self.features]
@@ -272,27 +314,38 @@ class DistributedTowerModel(nn.Module):
         ]
         len_recv = [len(mine) * b if p else 0 for p in self._peers]
         got_len = all_to_all(send_len, len_send, len_recv, group, self.comm_stats, "tower_lengths")
-        recv_len = got_len.wait().to(torch.int64)
-        per_src = torch.split(recv_len, [n for n in len_recv if n])
-        val_send = [0] * world
-        val_recv = [0] * world
-        peers = [j for j in range(world) if self._peers[j]]
-        for t, j in enumerate(peers):
-            val_send[j] = subs[t].values.numel()
-            val_recv[j] = int(per_src[t].sum())
-        # ids travel as int32 when every table fits (lossless, half the bytes), as in input_dist
-        values = torch.cat([s.values.to(self._id_dtype) for s in subs])
-        got_val = all_to_all(values, val_send, val_recv, group, self.comm_stats, "tower_ids")
-        weights = None
-        if sparse.weights is not None:
-            w = torch.cat([s.weights for s in subs if s.weights is not None])
-            weights = all_to_all(w, val_send, val_recv, group, self.comm_stats, "tower_ids")
-        blocks = recv_len.view(self.hosts, len(mine), b)
-        idx, offsets, wts = source_major_to_unit_major(
-            blocks, got_val.wait().to(torch.int64), weights.wait() if weights is not None else None
-        )
-        lengths = offsets[1:] - offsets[:-1]
-        return SparseFeatures(mine, idx, lengths, wts)
+
+        def ids_phase() -> Awaitable[SparseFeatures]:
+            recv_len = got_len.wait().to(torch.int64)
+            per_src = torch.split(recv_len, [n for n in len_recv if n])
+            val_send = [0] * world
+            val_recv = [0] * world
+            peers = [j for j in range(world) if self._peers[j]]
+            for t, j in enumerate(peers):
+                val_send[j] = subs[t].values.numel()
+                val_recv[j] = int(per_src[t].sum())
+            # ids travel as int32 when every table fits (lossless, half the bytes), as in
+            # input_dist
+            values = torch.cat([s.values.to(self._id_dtype) for s in subs])
+            got_val = all_to_all(values, val_send, val_recv, group, self.comm_stats, "tower_ids")
+            weights = None
+            if sparse.weights is not None:
+                w = torch.cat([s.weights for s in subs if s.weights is not None])
+                weights = all_to_all(w, val_send, val_recv, group, self.comm_stats, "tower_ids")
+
+            def finish() -> SparseFeatures:
+                blocks = recv_len.view(self.hosts, len(mine), b)
+                idx, offsets, wts = source_major_to_unit_major(
+                    blocks,
+                    got_val.wait().to(torch.int64),
+                    weights.wait() if weights is not None else None,
+                )
+                lengths = offsets[1:] - offsets[:-1]
+                return SparseFeatures(mine, idx, lengths, wts)
+
+            return Awaitable(finish)
+
+        return Chain(ids_phase)
 
     def prefetch(self, sparse: SparseFeatures) -> None:
         """Nothing: a tower's sharded tables live in memory (no row cache to fill)."""

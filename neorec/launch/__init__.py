@@ -454,6 +454,9 @@ def launch(
         *worker_argv,
     ]
     errdir = tempfile.mkdtemp(prefix="neorec-errors-")
+    # torchrun's per-run log folder inside ours, removed with it (its default, a fresh
+    # /tmp/torchelastic_* per run, is never removed)
+    argv.insert(0, f"--log-dir={os.path.join(errdir, 'agent')}")
     job = Job(errdir, max_restarts, recovery)
     try:
         with _quiet_torchrun():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -85,6 +86,14 @@ class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
     @abstractmethod
     def table_weight(self, name: str) -> Tensor:
         """One table's rows [rows, dim] as float32 (those this rank holds when sharded)."""
+
+    def set_lr(self, lr: float) -> None:
+        """Set the fused row optimizer's lr, in place, for the next updates: this collection's
+        and every collection inside it (parts, groups, caches). The tables, their state and the
+        TBE layout stay as they are; on a sharded collection every rank must set the same lr."""
+        for m in self.modules():
+            if isinstance(m, EmbeddingCollection):
+                m.optimizer = replace(m.optimizer, lr=float(lr))
 
     def fused_steps(self) -> int:
         """Fused updates applied so far (a host read): the most any of its counters has."""

@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from neorec.config import ConfigError, TableConfig
 from neorec.modules.collection import EmbeddingCollection, UpdateHook, optimizer_state_of
-from neorec.modules.phases import rows_initialized, table_init_skipped
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, bytes_per_row, table_key
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes, zeros_state
@@ -28,6 +27,7 @@ from neorec.ops.tbe import (
     get_backend,
     tbe_lookup,
 )
+from neorec.phases import rows_initialized, table_init_skipped
 from neorec.sparse import SparseFeatureError, SparseFeatures
 
 __all__ = [

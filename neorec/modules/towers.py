@@ -8,6 +8,7 @@ DLRM whose features are in tower order (same weights, same function, same traini
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TowerModule",
     "TowerDLRM",
+    "TowerServing",
     "TOWER_KINDS",
     "build_tower_dense",
     "feature_affinity",
@@ -215,6 +217,14 @@ class TowerDLRM(nn.Module):
         part.towers = self.towers
         return part
 
+    def serving_program(self, dense_arch: nn.Module | None = None) -> TowerServing:
+        """Everything after the lookup as one module, ``(dense, pooled) -> logits`` (what
+        ``neorec export`` writes): a copy of the tower modules and of ``dense_arch`` (default
+        the model's), sharing nothing with the model."""
+        arch = copy.deepcopy(self.dense_arch if dense_arch is None else dense_arch)
+        towers = copy.deepcopy(self.towers)
+        return TowerServing(towers, arch, self._order.clone(), self._splits, self.dim)
+
     def prefetch(self, sparse: SparseFeatures) -> None:
         """As ``DLRM.prefetch``: a row cache reads the next batch's misses in the background."""
         self.ebc.prefetch(sparse, defer=True)
@@ -222,6 +232,37 @@ class TowerDLRM(nn.Module):
     def stage_input_dist(self, sparse: SparseFeatures, host: SparseFeatures | None = None) -> None:
         """As ``DLRM.stage_input_dist``: the collection checks the host copy."""
         self.ebc.stage_input_dist(sparse, host)
+
+
+class TowerServing(nn.Module):
+    """A towered model's dense part as one program: ``dense`` [B, num_dense] and the flat
+    ``pooled`` [B, F*D] (the collection's feature order, as a flat model's) -> logits [B]; the
+    same ops as ``TowerDLRM.forward`` after its lookup (``TowerDLRM.serving_program``)."""
+
+    order: Tensor
+
+    def __init__(
+        self,
+        towers: nn.ModuleList,
+        dense_arch: nn.Module,
+        order: Tensor,
+        splits: list[int],
+        dim: int,
+    ) -> None:
+        super().__init__()
+        self.towers = towers
+        self.dense_arch = dense_arch
+        self.register_buffer("order", order, persistent=False)
+        self.splits = list(splits)
+        self.dim = dim
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """Logits [B]."""
+        b = pooled.shape[0]
+        emb = pooled.view(b, -1, self.dim).index_select(1, self.order)
+        xs = [x.reshape(b, -1) for x in emb.split(self.splits, dim=1)]
+        out = [m(x) for m, x in zip(self.towers, xs)]
+        return self.dense_arch(dense, torch.cat(out, dim=1))  # type: ignore[no-any-return]
 
 
 AFFINITY_METHODS = ("hstat", "corr")

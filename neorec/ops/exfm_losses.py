@@ -3,7 +3,7 @@
 Student Adapter's BCE, with their gradients, in one pass over the batch.
 
 The torch formulation (``neorec.train.distill``'s ops, ``neorec.modules.exfm_heads``) is the
-specification; this is its fast CPU form for one process (one dense block, float32, CPU), the
+specification; this is its fast CPU form on each rank (one dense block, float32, CPU), the
 same numbers up to float rounding (``tests/test_exfm_losses.py``). ``exfm_losses`` returns None
 where it does not apply (no C compiler, another device or dtype), and the caller takes the torch
 path.

@@ -129,7 +129,7 @@ def _write_das(args: argparse.Namespace, out: TextIO) -> int:
 def _export_phase(model: str) -> Any:
     """The export's progress: announced (and timed when done) for a model of at least
     ``ANNOUNCE_ROWS`` rows; quiet for a small one."""
-    from neorec.modules.phases import Phase
+    from neorec.phases import Phase
     from neorec.serve.model import ANNOUNCE_ROWS, MODEL_FILE, find_model_dir, read_model_info
 
     try:
@@ -138,10 +138,9 @@ def _export_phase(model: str) -> Any:
     except NeorecError:  # export_model says what is wrong, in its order
         return Phase("export", enabled=False)
     rows = sum(int(t.get("rows", 0)) for t in tables if isinstance(t, dict))
-    phase = Phase(f"exporting {src / MODEL_FILE} ({rows:,} rows)")
+    phase = Phase(f"exporting {src / MODEL_FILE}", total=rows, unit="rows")
     if rows >= ANNOUNCE_ROWS:
         phase.announce()
-    phase.done = rows
     return phase
 
 
@@ -150,8 +149,8 @@ def run_export(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from neorec.serve.export import export_model
 
     out = out or sys.stdout
-    with _export_phase(args.model):
-        dest = export_model(args.model, args.out, args.quantize)
+    with _export_phase(args.model) as phase:
+        dest = export_model(args.model, args.out, args.quantize, progress=phase.advance)
     manifest = json.loads((dest / "manifest.json").read_text())
     table_bytes = sum(t["bytes"] for t in manifest["tables"])
     dense = manifest["dense"]

@@ -20,7 +20,7 @@ from neorec.config import Config, ConfigError, apply_overrides
 from neorec.data.batch import Batch
 from neorec.errors import DataError
 from neorec.metrics import binary_metrics
-from neorec.modules.phases import Phase
+from neorec.phases import Phase
 from neorec.serve.model import config_from_dict
 
 __all__ = [

@@ -55,19 +55,20 @@ CHUNK_ROWS = 65536
 
 
 def dense_program(model: Any, cfg: Config) -> tuple[nn.Module, int]:
-    """A plain copy of the model's dense part (no dense blocks, eval mode) and its input width."""
+    """A plain copy of the model's dense part (no dense blocks, eval mode) and its input width:
+    the flat pooled features [B, F*D]; a towered model's program runs its tower modules on them
+    first (``TowerServing``)."""
     from neorec.checkpoint.restore import dense_module
     from neorec.modules.dlrm import DenseArch, serving_state_dict
     from neorec.modules.towers import TowerDLRM
 
-    if isinstance(model, TowerDLRM):
-        raise ConfigError(
-            "neorec export does not handle towered (DMT) models yet; eval and predict do"
-        )
-    src = dense_module(model)
-    features, dim = int(src.num_features), int(src.emb_dim)  # type: ignore[arg-type]
+    part = dense_module(model)
+    src: Any = getattr(part, "dense_arch", part)  # a towered model's part: towers + dense arch
+    features, dim = int(src.num_features), int(src.emb_dim)
     plain = DenseArch(cfg.model, features, dim)
     plain.load_state_dict(serving_state_dict(src))  # no aux head / adapter
+    if isinstance(model, TowerDLRM):
+        return model.serving_program(plain).train(False), len(model.ebc.feature_names) * dim
     return plain.train(False), features * dim
 
 
@@ -115,7 +116,9 @@ def _save(path: Path, a: np.ndarray) -> int:
     return path.stat().st_size
 
 
-def _write_tables(model: Any, bits: int, quantize: str, out: Path) -> list[dict[str, Any]]:
+def _write_tables(
+    model: Any, bits: int, quantize: str, out: Path, progress: Any = None
+) -> list[dict[str, Any]]:
     from neorec.checkpoint.dynamic import dynamic_part
 
     (out / "tables").mkdir()
@@ -147,6 +150,8 @@ def _write_tables(model: Any, bits: int, quantize: str, out: Path) -> list[dict[
                 for k, a in (("codes", codes), ("scale", scale), ("offset", offset))
             )
         specs.append(spec)
+        if progress is not None:
+            progress(int(t.rows))  # the table's rows are written
     return specs
 
 
@@ -235,9 +240,12 @@ def _target(out: Path) -> None:
         raise DataError(f"{out.parent}: no such directory (for --out {out}); create it first")
 
 
-def export_model(model_path: str | Path, out_dir: str | Path, quantize: str = "none") -> Path:
+def export_model(
+    model_path: str | Path, out_dir: str | Path, quantize: str = "none", progress: Any = None
+) -> Path:
     """Write the serving artifact of a saved model (run folder or model dir) into ``out_dir``
-    (new or empty; written under a temporary name, then renamed). Returns ``out_dir``."""
+    (new or empty; written under a temporary name, then renamed); ``progress(rows)`` after each
+    table is written. Returns ``out_dir``."""
     from neorec.serve.model import find_model_dir, load_model, read_model_info
 
     if quantize not in QUANTIZE:
@@ -252,7 +260,7 @@ def export_model(model_path: str | Path, out_dir: str | Path, quantize: str = "n
     try:
         plain, width = dense_program(model, cfg)
         dense = _export_dense(plain, cfg.model.num_dense, width, tmp)
-        tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp)
+        tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp, progress)
         ebc = model.ebc
         manifest = {
             "format": standalone.FORMAT,

@@ -124,8 +124,10 @@ def _check_target(out: Path) -> str:
 
 
 def save_model(model: Any, cfg: Config, out_dir: str | Path, step: int | None = None) -> Path:
-    """Save ``model`` (the unsharded ``DLRM`` or a ``DistributedModel``; collective: every rank
-    calls it) and the resolved ``cfg`` into ``out_dir`` (new or empty). Returns ``out_dir``.
+    """Save ``model`` (the unsharded ``DLRM`` / ``TowerDLRM`` or a distributed form; collective:
+    every rank calls it) and the resolved ``cfg`` into ``out_dir`` (new or empty). Returns
+    ``out_dir``. A towered model under ``tower_sync="host"`` first copies every tower module
+    from its host to every rank (``sync_replicas``).
 
     The tables go by global rows in fp32 (``ebc.step`` or ``step`` as the checkpoint's step), the
     dense weights in ``dense.pt``, and ``model.json`` last (rank 0): a directory without it is an
@@ -139,6 +141,9 @@ def save_model(model: Any, cfg: Config, out_dir: str | Path, step: int | None = 
         )
     rank, world = _world()
     _agree(_check_target(out) if rank == 0 else "", world)
+    sync = getattr(model, "sync_replicas", None)
+    if sync is not None:  # towers synced inside their host: rank 0 gets every tower's module
+        sync()
     if step is None:
         step = ebc.fused_steps()
     ck = CheckpointConfig(
@@ -253,7 +258,7 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     """
     from neorec.build import build_dlrm
     from neorec.modules.embedding import check_tables_memory
-    from neorec.modules.phases import Phase, no_table_init
+    from neorec.phases import Phase, no_table_init
 
     model_dir = find_model_dir(path)
     info = read_model_info(model_dir)

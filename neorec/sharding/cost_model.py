@@ -19,9 +19,13 @@ scored, planner or baseline), following what ``neorec.distributed.sharded`` runs
   take two kernel passes, per-row sums of the rank's ids, then (after the exchange) the fused
   update over every rank's pairs, at ``dp_update_bw_gbs``.
 - communication on the owner: ids in, pooled outputs out, their gradients back in, split into
-  intra-host and inter-host bytes by where the batch's samples live. Row shards (row-wise, and
-  table-row-wise over one host's ranks) each send partial sums for all samples; the samples' ranks
-  add them (no in-host reduction first). Column-wise tables under row-wise
+  intra-host and inter-host bytes by where the batch's samples live. Row-wise shards each send
+  partial sums for all samples; the samples' ranks add them. Table-row-wise shards (on one host's
+  ``k`` ranks, ``neorec.distributed.twrw``) reduce first inside the host: each sends the
+  ``(k - 1) / k`` of its partial sums that other host ranks reduce (intra-host bandwidth), and the
+  host's sums cross hosts once per sample (``(W - k) / W`` of ``B x dim``, a shard's share by its
+  rows; inter-host bandwidth); the sample side receives the reducers' share of the partial sums
+  (spread over all ranks) and one sum per sample from another host. Column-wise tables under row-wise
   Adagrad all-gather per-row sums of squares in their slices' subgroup (one collective per set of
   owner ranks, shared by the tables it owns).
   Data-parallel tables look up the rank's own samples, then all-gather every rank's (row id, row
@@ -207,6 +211,16 @@ class CostModel:
             nbytes * self._inter_frac / self._inter_bw,
         )
 
+    def _twrw_out_s(self, nbytes: float, share: float) -> tuple[float, float]:
+        """(intra, inter) seconds of a table-row-wise shard's ``nbytes`` of partial sums: the
+        ``(k - 1) / k`` that other ranks of its host reduce, then its ``share`` (of the table's
+        rows) of the host's sums, sent once to each sample rank on another host."""
+        w, k = self.topo.world_size, self.topo.ranks_per_host
+        return (
+            nbytes * (k - 1) / k / self._intra_bw,
+            share * nbytes * (w - k) / w / self._inter_bw,
+        )
+
     def optimizer_of(self, table: TableSpec) -> str:
         """The table's fused optimizer (its own, else the model's default)."""
         return table.optimizer or self.optimizer
@@ -339,9 +353,11 @@ class CostModel:
             ids = hits * self.id_bytes + b * 4  # ids + lengths in
             out = b * cols * c4  # pooled out (forward) = grads back (backward)
             ii, ie = self._a2a_s(ids)
-            # Row shards (RW, and TWRW on its host's ranks) send their partial sums straight to
-            # the samples' ranks, which add them: the runtime has no in-host reduction step.
+            # Row-wise shards send their partial sums straight to the samples' ranks, which add
+            # them; table-row-wise ones reduce inside the host first (``_twrw_out_s``).
             oi, oe = self._a2a_s(out)
+            if st is ShardingType.TABLE_ROW_WISE:
+                oi, oe = self._twrw_out_s(out, share)
             fwd_comm, bwd_comm = ii + ie + oi + oe, oi + oe
             inter = ie + 2 * oe
             if self.cw_unfused(table, st):
@@ -386,20 +402,38 @@ class CostModel:
         if st is ShardingType.COLUMN_WISE:
             ids *= n_shards
         elif st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
-            outs *= n_shards  # a partial sum from every row shard
             ids += lb * 4 * (n_shards - 1)  # lengths go to every row shard
             split = lb * table.pooling_factor * self.id_bytes / (self.topo.row_split_bw_gbs * GB)
+        if st is ShardingType.TABLE_ROW_WISE:
+            # The reducers (the k ranks of the table's host; spread over all W ranks here) each
+            # receive k - 1 shards' partial sums of B / k samples; then every rank receives one
+            # sum per sample, from another host for (W - k) / W of the samples.
+            w, k = self.topo.world_size, self.topo.ranks_per_host
+            reduce = n_shards * outs * (k - 1) / k / self._intra_bw
+            cross = outs * (w - k) / w / self._inter_bw
+            intra, inter = self._a2a_s(ids)
+            return intra + inter + split + reduce + cross
+        if st is ShardingType.ROW_WISE:
+            outs *= n_shards  # a partial sum from every row shard
         intra, inter = self._a2a_s(ids + outs)
         return intra + inter + split
 
     def fixed_s(
-        self, sharded: bool = True, data_parallel: bool = False, dense_dp: bool = False
+        self,
+        sharded: bool = True,
+        data_parallel: bool = False,
+        dense_dp: bool = False,
+        table_row_wise: bool = False,
     ) -> float:
         """Per-step latency of the embedding collectives (same on every rank): ~6 with sharded
         tables (lengths, ids, outputs, grads), 3 all-gathers (counts, ids, row sums) with
         data-parallel tables that exchange pairs (``data_parallel``), 1 with small ones summed
-        as dense blocks (``dense_dp``); plus the step's fixed host overhead."""
+        as dense blocks (``dense_dp``), 4 with table-row-wise tables (the in-host reduction and
+        the exchange between hosts, forward and backward; 2 on one host); plus the step's fixed
+        host overhead."""
         n = (6 if sharded else 0) + (3 if data_parallel else 0) + (1 if dense_dp else 0)
+        if table_row_wise:
+            n += 4 if self.topo.num_hosts > 1 else 2
         overhead = self.topo.step_overhead_us if n else 0.0
         return (n * self.topo.collective_latency_us + overhead) * 1e-6
 
@@ -415,7 +449,8 @@ class CostModel:
             for tp in plan.tables
             if tp.sharding_type is ShardingType.DATA_PARALLEL
         }
-        sample = self.fixed_s(sharded, False in dp_dense, True in dp_dense)
+        twrw = ShardingType.TABLE_ROW_WISE in types
+        sample = self.fixed_s(sharded, False in dp_dense, True in dp_dense, twrw)
         cw_sets: set[tuple[int, ...]] = set()
         for tp in plan.tables:
             spec = specs.get(tp.name)

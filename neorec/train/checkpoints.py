@@ -1,8 +1,9 @@
 """The trainer's checkpoint hooks: resume checks, periodic save, resume, and the trainer state.
 
 Trainer state = step, data position (epoch, next batch index: synthetic batches are random access,
-so the position is all a reader needs), RNG states, and the metric state (samples seen, recent
-losses, periodic evals), so that a resumed run prints and writes the same metrics.
+so the position is all a reader needs), RNG states, the metric state (samples seen, recent
+losses, periodic evals), so that a resumed run prints and writes the same metrics, and the lr
+schedule's settings (its factor is a function of the step; a resume that changes them says so).
 
 ``checkpoint.resume``: ``""`` starts a new run; ``latest`` resumes the most recently written
 checkpoint under the root and is an error when there is none or it cannot be restored; ``auto``
@@ -172,7 +173,6 @@ class TrainerCheckpoints:
         )
         model_config = self.cfg.describe_model()["model_config"]
         self.manager.extra_description = {"model_config": model_config}
-        self.pauses_ms: list[float] = []
         if target is None and self.cfg.checkpoint.every_steps and trainer.rank == 0:
             self._note_other_runs(trainer)
 
@@ -227,6 +227,14 @@ class TrainerCheckpoints:
         if note and self.cfg.checkpoint.every_steps:
             note += " (removed at this run's first checkpoint)"
         _say(trainer, f"resumed from step {trainer.step} ({t.which}: {t.path}){note}")
+        saved = extra.get("lr_schedule")
+        changed = trainer.schedule.differences(saved) if isinstance(saved, dict) else []
+        if changed:  # the lr is a function of the step: the same settings resume it exactly
+            _say(
+                trainer,
+                f"resume: the lr schedule differs from the checkpoint's ({'; '.join(changed)}): "
+                f"steps from {trainer.step + 1} on follow this run's",
+            )
         return evals
 
     def after_step(self, trainer: Any, progress: Any, evals: list[dict[str, Any]]) -> None:
@@ -243,8 +251,9 @@ class TrainerCheckpoints:
             "losses": _gather(progress.losses[-keep:], trainer.world),
             "evals": evals,
             "rng": rng_state(),
+            "lr_schedule": trainer.schedule.state_dict(),
         }
-        self.pauses_ms.append(self.manager.save(trainer.step, extra))
+        self.manager.save(trainer.step, extra)
 
     def close(self) -> None:
         """Wait for the last background write."""

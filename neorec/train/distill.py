@@ -14,8 +14,10 @@ when ``[distill]`` is on:
   the FM's staleness and the FM / student distribution gap.
 
 The serving and plain-distillation losses are the mean of the dense blocks' means (``per_block``),
-as the plain step's loss (world-size invariant); the aux head's and the adapter's (one process
-only) are plain batch means.
+as the plain step's loss (world-size invariant); the aux head's and the adapter's are plain means
+of the rank's batch. On N ranks the aux head and the adapter sit in the dense arch under DDP
+(attached before it wraps it), used outside its forward, in the loss: DDP averages their
+gradients with the rest, so with equal local batches they get the global batch's gradient.
 """
 
 from __future__ import annotations
@@ -77,10 +79,17 @@ def soft_bce(logits: Tensor, teacher: Tensor, temperature: float) -> Tensor:
 
 
 def distill_arch(model: object) -> DenseArch | None:
-    """The model's ``DenseArch`` (unwrapped from DDP), or None (a towered distributed model)."""
+    """The model's ``DenseArch``, or None: ``model.dense_arch`` of a ``DLRM`` / ``TowerDLRM``,
+    unwrapped from DDP (``DistributedModel``); a ``DistributedTowerModel``'s is one level down,
+    in the tower modules' and dense arch's module (``dense_arch.module.dense_arch`` under
+    ``tower_sync="world"``, ``dense_arch.dense_arch`` under ``"host"``)."""
     arch = getattr(model, "dense_arch", None)
-    arch = getattr(arch, "module", arch)
-    return arch if isinstance(arch, DenseArch) else None
+    for _ in range(2):
+        arch = getattr(arch, "module", arch)
+        if isinstance(arch, DenseArch):
+            return arch
+        arch = getattr(arch, "dense_arch", None)
+    return None
 
 
 def fm_logits_of(batch: Batch, check_finite: bool = True) -> Tensor:
@@ -117,8 +126,8 @@ def _fast_losses(
     cfg: DistillConfig,
     fm: Tensor,
 ) -> DistillLoss | None:
-    """The step's losses by the C kernel (``neorec.ops.exfm_losses``: one process, one dense
-    block, float32 on the CPU), or None where it does not apply (the torch path then)."""
+    """The step's losses by the C kernel (``neorec.ops.exfm_losses``: float32 on the CPU, the
+    rank's batch), or None where it does not apply (the torch path then)."""
     head = adapter = None
     if cfg.aux_head:
         arch = distill_arch(model)
@@ -208,9 +217,8 @@ def distill_loss(
     arch = distill_arch(model)
     if arch is None or arch.aux_head is None or (cfg.adapter and arch.adapter is None):
         raise ConfigError(
-            "distill.aux_head / distill.adapter need the one-process model built from this "
-            "config (build_dlrm); distributed and towered students take plain distillation "
-            "(distill.weight) for now"
+            "distill.aux_head / distill.adapter need a model built from this config with them "
+            "(neorec.build: build_dlrm, distributed_model, towered_model)"
         )
     if hidden is None:
         raise ConfigError("distill.aux_head needs the penultimate layer: call with hidden")
@@ -219,7 +227,7 @@ def distill_loss(
     adapter_loss = None
     if cfg.adapter:
         assert isinstance(arch.adapter, StudentAdapter)
-        # The aux head and the adapter run in one process only: their losses need no blocks.
+        # The aux head's and the adapter's losses are plain batch means (no blocks).
         # One autograd node: the adapter learns the labels, the aux head its detached output.
         adapter_loss, aux, _ = adapter_and_aux_losses(
             arch.adapter, head, hidden.float(), fm, logits.detach(), batch.dense, labels, t

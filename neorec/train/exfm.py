@@ -70,12 +70,13 @@ def train_fm(
     ks: list[int],
     work: Path,
     das_name: str = "",
+    log: Any = None,
 ) -> list[dict[str, float]]:
     """Train the FM window by window; save it after each window whose logits someone reads
     (``work/fm_w{w}``) and write its DAS logits for window w + k (``work/k{k}``, or
     ``work/{das_name}`` for one k); per window the FM's eval metrics on the student's eval split
     of that window (fresh FM; ``recal_ne``: after the best constant shift; ``own_ne``: on the
-    FM's own traffic) and the seconds its training took."""
+    FM's own traffic) and the seconds its training took; ``log(line)`` as each window ends."""
     from neorec.build import data_source
     from neorec.serve import save_model
     from neorec.serve.das import write_fm_logits
@@ -83,6 +84,7 @@ def train_fm(
 
     model, opt = student_model(window_cfg(fm_cfg, 0))
     out, step = [], 0
+    t_start = time.perf_counter()
     for w in range(windows):
         cfg_w = window_cfg(fm_cfg, w)
         src = data_source(cfg_w)
@@ -106,6 +108,9 @@ def train_fm(
             "recal_ne": recal,
         }
         out.append({**row, "train_s": secs})
+        if log is not None:
+            log(f"  FM window {w + 1}/{windows}: eval NE {ev['ne']:.4f} ({secs:.1f} s training)"
+                + _eta(t_start, w + 1, windows))  # fmt: skip
         targets = [w + k for k in ks if w + k < windows]
         if not targets:
             continue
@@ -117,6 +122,15 @@ def train_fm(
                     write_fm_logits(mdir, student, w + k, split, das, w)
         model.train(True)
     return out
+
+
+def _eta(t_start: float, done: int, total: int) -> str:
+    """`` (1m05s so far, eta 3m10s)`` after ``done`` of ``total`` equal units."""
+    from neorec.phases import fmt_duration
+
+    spent = time.perf_counter() - t_start
+    left = f", eta {fmt_duration(spent / done * (total - done))}" if done < total else ""
+    return f"  [{fmt_duration(spent)} so far{left}]"
 
 
 @torch.no_grad()
@@ -154,6 +168,7 @@ def train_student(
 
     model, opt = student_model(cfg)
     nes, fm_nes, step = [], [], 0
+    t_start = time.perf_counter()
     for w in range(windows):
         distilled = cfg.distill.enabled and w >= k
         data: dict[str, Any] = {"fm_staleness": k if distilled else 0, "fm_logits": ""}
@@ -178,7 +193,8 @@ def train_student(
         fm_nes.append(fm_ne)
         if log is not None:
             how = f"distilled from the FM of window {w - k}" if distilled else "alone"
-            log(f"  student window {w} ({how}): eval NE {nes[-1]:.4f}")
+            log(f"  student window {w + 1}/{windows} ({how}): eval NE {nes[-1]:.4f}"
+                + _eta(t_start, w + 1, windows))  # fmt: skip
         model.train(True)
     return model, nes, fm_nes
 
@@ -225,9 +241,7 @@ def run_chain(
         raise ConfigError(f"data.fm_staleness {k} must be below the {windows} windows")
     t0 = time.perf_counter()
     log(f"FM: {windows} windows, DAS logits for staleness k = {k} -> {out / 'das'}")
-    fm_rows = train_fm(fm, student, windows, [k], out, das_name="das")
-    for r in fm_rows:
-        log(f"  FM window {r['window']}: eval NE {r['ne']:.4f} ({r['train_s']:.1f} s)")
+    fm_rows = train_fm(fm, student, windows, [k], out, das_name="das", log=log)
     log("student:")
     model, nes, fm_nes = train_student(student, windows, k, out / "das", log=log)
     save_model(model, window_cfg(student, windows - 1), out / "student")

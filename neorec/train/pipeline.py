@@ -34,6 +34,7 @@ CPU tensors stay where they are and the same code runs.
 from __future__ import annotations
 
 import queue
+import random
 import statistics
 import threading
 import time
@@ -62,20 +63,42 @@ class StepOutput:
     batch: Batch
 
 
+SAMPLE_STEPS = 8192
+"""Step times kept for the median: every step up to this many, then a uniform sample of them."""
+
+
 @dataclass
 class PipelineTimes:
-    """Wall time per step and time the step waited for the data loader."""
+    """Wall time per step and time the step waited for the data loader, in constant memory: the
+    count and sum of every step, the last one, and a uniform sample (reservoir) for the median
+    (exact up to ``SAMPLE_STEPS`` steps)."""
 
-    step_s: list[float] = field(default_factory=list)
+    steps: int = 0
+    total_s: float = 0.0
+    last_s: float = 0.0
+    sample: list[float] = field(default_factory=list)
     load_wait_s: float = 0.0
+    _rng: random.Random = field(default_factory=lambda: random.Random(0), repr=False)
+
+    def add(self, seconds: float) -> None:
+        """One more step of ``seconds``."""
+        self.steps += 1
+        self.total_s += seconds
+        self.last_s = seconds
+        if len(self.sample) < SAMPLE_STEPS:
+            self.sample.append(seconds)
+        else:  # Algorithm R: each step so far is in the sample with the same probability
+            j = self._rng.randrange(self.steps)
+            if j < SAMPLE_STEPS:
+                self.sample[j] = seconds
 
     def summary(self) -> dict[str, float]:
         """Median and mean ms per step, and ms per step spent waiting for data."""
-        n = max(1, len(self.step_s))
+        n = max(1, self.steps)
         return {
-            "steps": len(self.step_s),
-            "step_ms_median": 1000 * statistics.median(self.step_s) if self.step_s else 0.0,
-            "step_ms_mean": 1000 * sum(self.step_s) / n,
+            "steps": self.steps,
+            "step_ms_median": 1000 * statistics.median(self.sample) if self.sample else 0.0,
+            "step_ms_mean": 1000 * self.total_s / n,
             "load_wait_ms_per_step": 1000 * self.load_wait_s / n,
         }
 
@@ -107,7 +130,7 @@ class TrainPipeline:
             return None
         batch = self._stage_now(batch)
         loss = self.step_fn(self.model, self.opt, batch, step, self.bf16)
-        self.times.step_s.append(time.perf_counter() - t0)
+        self.times.add(time.perf_counter() - t0)
         return StepOutput(loss, batch)
 
     def _stage_now(self, host: Batch) -> Batch:
@@ -152,7 +175,7 @@ class OverlappedTrainPipeline(TrainPipeline):
         self._wait_side_stream(batch)
         self._next = self._stage()
         loss = self.step_fn(self.model, self.opt, batch, step, self.bf16)
-        self.times.step_s.append(time.perf_counter() - t0)
+        self.times.add(time.perf_counter() - t0)
         return StepOutput(loss, batch)
 
     def _stage(self) -> Batch | None:

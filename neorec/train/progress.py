@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor
 
-from neorec.modules.phases import fmt_duration
+from neorec.phases import fmt_duration
 
 __all__ = ["Progress", "banner", "eval_line", "fmt_duration", "lowp_decision"]
 

@@ -27,6 +27,7 @@ __all__ = [
     "TrainingDiverged",
     "LossGuard",
     "RecModel",
+    "StepMarks",
     "train_step",
     "predict",
     "evaluate",
@@ -115,6 +116,7 @@ def train_step(
     distill: DistillConfig | None = None,
     guard: LossGuard | None = None,
     fused_bce: bool = False,
+    phases: StepMarks | None = None,
 ) -> Tensor:
     """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step.
 
@@ -124,7 +126,9 @@ def train_step(
     recorded on the device for a later ``guard.check()`` (no host read: the trainer's path).
     ``fused_bce``: without distillation, the BCE by the ExFM loss kernel where it applies
     (``neorec.train.distill.serving_bce``: a distilled step's kernel, so an ExFM student
-    trained alone is timed and trained on the same loss engineering)."""
+    trained alone is timed and trained on the same loss engineering).
+    ``phases``: marks the end of each phase of the step (``neorec bench step --breakdown``);
+    None (the trainer's path) costs one test per phase and changes nothing."""
     ctx = _autocast(batch.dense.device) if bf16 else nullcontext()
     on = distill is not None and distill.enabled
     hidden: Tensor | None = None
@@ -140,6 +144,7 @@ def train_step(
                 logits, out = out, None
         else:
             logits = model(batch.dense, batch.sparse)
+    _mark(phases, "dense_forward")
     if on and distill is not None:
         losses = distill_loss(model, batch, logits.float(), hidden, distill, out=out)
         loss, value = losses.total, losses.serving
@@ -162,10 +167,26 @@ def train_step(
         total = float(loss.detach())
         if not math.isfinite(total):
             raise _diverged(total, step)
+    _mark(phases, "loss")
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    _mark(phases, "dense_optimizer")
+    loss.backward()  # the embeddings' backward (and fused update) runs last, inside
+    _mark(phases, "tbe_backward_update")
     opt.step()
+    _mark(phases, "dense_optimizer")
     return value
+
+
+class StepMarks(Protocol):
+    """Receives the end of each phase of a step (a benchmark's timer)."""
+
+    def mark(self, phase: str) -> None:
+        """The phase named ``phase`` ends now."""
+
+
+def _mark(phases: StepMarks | None, phase: str) -> None:
+    if phases is not None:
+        phases.mark(phase)
 
 
 def _autocast(device: torch.device) -> Any:

@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from neorec.build import apply_system, build_model, check_run, data_source, dense_optimizer
+from neorec.build import (
+    apply_system,
+    build_model,
+    check_run,
+    data_source,
+    dense_optimizer,
+    lr_schedule,
+    scaling_line,
+)
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 from neorec.data.sources import DataSource
@@ -123,6 +131,7 @@ class Trainer(RunSummary):
                 f"{total} steps (train.steps / train.epochs); a resumed run trains on from its "
                 f"checkpoint: set train.steps above {at}"
             )
+        self.schedule = lr_schedule(cfg, total)  # checked before the tables are built
         self.plan: Any = None
         self.tower_groups: list[list[str]] | None = None
         self.model = model if model is not None else self._build_model()
@@ -243,6 +252,12 @@ class Trainer(RunSummary):
                 towers=self.tower_groups,
             )
             print(text, file=self.out, flush=True)
+            lines = [scaling_line(self.cfg)]
+            if self.cfg.train.schedule.active:
+                lines.append(self.schedule.describe())
+            for line in lines:
+                if line is not None:
+                    print(line, file=self.out, flush=True)
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, write the run folder's files; return the metrics."""
@@ -287,6 +302,8 @@ class Trainer(RunSummary):
         if "guard" in inspect.signature(step_fn).parameters:  # (a custom step checks itself)
             step_fn = functools.partial(step_fn, guard=self.guard)
         step_fn = step_fn if self.lowp is None else self.lowp.wrap(step_fn)
+        if cfg.train.schedule.active or cfg.train.lr_scaling != "none":
+            step_fn = self.schedule.wrap(step_fn, self.model.ebc)  # both lrs, before each step
         pipe = make_pipeline(
             cfg.train.pipeline,
             self.model,
@@ -407,7 +424,7 @@ class Trainer(RunSummary):
         if logged is not None:
             rec.update(logged)
             rec["lr"] = float(self.opt.param_groups[0]["lr"])
-            rec["embedding_lr"] = float(self.cfg.embedding.lr)
+            rec["embedding_lr"] = float(self.model.ebc.optimizer.lr)
             now, before = self._counters(), self._window
             steps = max(1.0, now["step"] - before.get("step", 0.0))
             if "bytes" in now:

@@ -1,0 +1,105 @@
+"""This machine's floors, measured in the benchmark's own run (``docs/performance.md``).
+
+- memory bandwidth: a STREAM-style triad ``a = b + s * c`` over fp32 arrays far larger than the
+  last-level cache (12 bytes moved per element: two reads and one write, STREAM's count);
+- copy bandwidth: ``a.copy_(b)`` over the same arrays (8 bytes per element), the memcpy a
+  shared-memory collective does;
+- GEMM peak per dtype: a large square ``torch.matmul`` in fp32 and bf16 (2 n^3 flops).
+
+Each is the best of a few repeats, all of torch's threads: a floor is the fastest this machine
+was seen to move bytes or do flops, so a phase's time over its floor is at least about 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["Floors", "measure_floors", "llc_bytes"]
+
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Floors:
+    """Measured rates: bytes/s of triad and copy, flops/s of a large GEMM per dtype."""
+
+    triad_gbs: float
+    copy_gbs: float
+    gemm_gflops: dict[str, float] = field(default_factory=dict)
+    array_mb: float = 0.0
+    gemm_n: int = 0
+    threads: int = 1
+
+    def bytes_ms(self, nbytes: float) -> float:
+        """Milliseconds to move ``nbytes`` at the triad bandwidth."""
+        return 1000 * nbytes / (self.triad_gbs * 1e9)
+
+    def copy_ms(self, nbytes: float) -> float:
+        """Milliseconds to copy ``nbytes`` (read once, written once) at the copy bandwidth."""
+        return 1000 * 2 * nbytes / (self.copy_gbs * 1e9)
+
+    def flops_ms(self, flops: float, dtype: str = "fp32") -> float:
+        """Milliseconds for ``flops`` at the GEMM peak of ``dtype`` (fp16 / fp8: bf16's)."""
+        peak = self.gemm_gflops.get(dtype) or self.gemm_gflops["bf16"]
+        return 1000 * flops / (peak * 1e9)
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def llc_bytes() -> int:
+    """The largest cache's size in bytes (sysfs), 32 MiB when unknown."""
+    best = 0
+    for i in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{i}/size") as f:
+                s = f.read().strip()
+        except OSError:
+            break
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
+        best = max(best, int(s.rstrip("KMG")) * mult)
+    return best or 32 * 2**20
+
+
+def _best_s(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm: page faults, thread pool
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _stream_s(n: int, reps: int) -> tuple[float, float]:
+    """Best seconds of a triad and of a copy over fp32 arrays of ``n`` elements."""
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    triad = _best_s(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    return triad, _best_s(lambda: a.copy_(b), reps)
+
+
+def measure_floors(array_mb: float = 0.0, gemm_n: int = 2048, reps: int = 5) -> Floors:
+    """Measure the floors; ``array_mb`` per array (0: 4x the last-level cache, >= 64 MB)."""
+    mb = array_mb or max(64.0, 4 * llc_bytes() / 2**20)
+    n = int(mb * 2**20) // 4
+    triad, copy = _stream_s(n, reps)
+    gemm = {}
+    for name, dt in GEMM_DTYPES.items():
+        x = torch.randn(gemm_n, gemm_n).to(dt)
+        y = torch.randn(gemm_n, gemm_n).to(dt)
+        s = _best_s(functools.partial(torch.matmul, x, y), reps)
+        gemm[name] = 2 * gemm_n**3 / s / 1e9
+    return Floors(
+        triad_gbs=12 * n / triad / 1e9,
+        copy_gbs=8 * n / copy / 1e9,
+        gemm_gflops=gemm,
+        array_mb=mb,
+        gemm_n=gemm_n,
+        threads=torch.get_num_threads(),
+    )
