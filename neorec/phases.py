@@ -23,6 +23,7 @@ from typing import Any, TextIO
 __all__ = [
     "Phase",
     "fmt_duration",
+    "eta",
     "watch_init",
     "rows_initialized",
     "no_table_init",
@@ -48,6 +49,14 @@ def fmt_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def eta(spent: float, done: float, total: float | None) -> str | None:
+    """The time left (as ``fmt_duration``) after ``done`` of ``total`` units took ``spent``
+    seconds, at the same rate; None when unknown or finished."""
+    if not total or done <= 0 or spent <= 0 or done >= total:
+        return None
+    return fmt_duration(spent / done * (total - done))
 
 
 def _count(n: float) -> str:
@@ -92,8 +101,9 @@ class Phase:
         else:
             text += f" {self.unit}"
         text += f"  {_count(rate)} {self.unit}/s  {fmt_duration(elapsed)}"
-        if self.total and rate > 0 and self.done < self.total:
-            text += f"  eta {fmt_duration((self.total - self.done) / rate)}"
+        left = eta(elapsed, self.done, self.total)
+        if left is not None:
+            text += f"  eta {left}"
         return text
 
     def announce(self) -> None:

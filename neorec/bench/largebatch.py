@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from neorec.bench.stats import paired_difference
+from neorec.bench.stats import paired_difference, parse_seeds
 from neorec.config import Config, ConfigError, load_config
 from neorec.data.batch import Batch
 from neorec.sparse import SparseFeatures
@@ -68,20 +68,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.samples, a.eval_samples, a.seeds, a.select_seeds = 40_960, 10_240, "100-102", "0"
         a.warmups, a.decays, a.scalings = "0.3", "constant,cosine", "none"
     return a
-
-
-def _seeds(text: str, flag: str) -> list[int]:
-    try:
-        if "-" in text:
-            lo, hi = (int(x) for x in text.split("-"))
-            out = list(range(lo, hi + 1))
-        else:
-            out = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected a-b or a,b,c (integers)") from None
-    if not out or min(out) < 0:
-        raise ConfigError(f"{flag} {text!r}: expected non-negative seeds")
-    return out
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -246,7 +232,7 @@ def choose(
         return grid[0], tried
     for w, d, r in grid:
         nes = []
-        for s in _seeds(a.select_seeds, "--select-seeds"):
+        for s in parse_seeds(a.select_seeds, "--select-seeds"):
             over = arm_overrides("kB recipe", a, w, d, r)
             nes.append(train_once(_cfg(a, over, s, work / f"sel-{w}-{d}-{r}-{s}"), a.batch)[0])
         key = f"warmup {w:g} {d} {r}"
@@ -262,7 +248,7 @@ def run(a: argparse.Namespace, work: Path, say: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     (warmup, decay, scaling), tried = choose(a, work, say)
     select_s = time.perf_counter() - t0
-    seeds = _seeds(a.seeds, "--seeds")
+    seeds = parse_seeds(a.seeds, "--seeds")
     ne: dict[str, list[float]] = {arm: [] for arm in ARMS}
     steps: dict[str, int] = {}
     for s in seeds:
@@ -306,7 +292,7 @@ def _summary(
         "samples": a.samples,
         "eval_samples": a.eval_samples,
         "seeds": seeds,
-        "select_seeds": _seeds(a.select_seeds, "--select-seeds"),
+        "select_seeds": parse_seeds(a.select_seeds, "--select-seeds"),
         "recipe": recipe,
         "selection": tried,
         "select_s": round(select_s, 1),
@@ -341,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.batch < 1 or a.factor < 2:
         raise ConfigError("--batch must be >= 1 and --factor >= 2")
-    _seeds(a.seeds, "--seeds")
-    _seeds(a.select_seeds, "--select-seeds")
+    parse_seeds(a.seeds, "--seeds")
+    parse_seeds(a.select_seeds, "--select-seeds")
     _floats(a.warmups, "--warmups")
     for text in a.scalings.split(","):
         _rules(text)

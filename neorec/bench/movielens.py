@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from neorec.bench.stats import Interval, mean_interval, paired_difference
-from neorec.config import Config, ConfigError
+from neorec.bench.stats import Interval, mean_interval, paired_difference, parse_seeds
+from neorec.config import Config
 from neorec.config.load import config_from_data, load_config, read_toml
 from neorec.data.movielens import (
     _write,
@@ -428,21 +428,6 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 # --- command line -----------------------------------------------------------------------------
-
-
-def parse_seeds(text: str, flag: str) -> list[int]:
-    """``a-b`` or ``a,b,c``: non-negative integers."""
-    try:
-        if "-" in text:
-            lo, hi = (int(x) for x in text.split("-"))
-            out = list(range(lo, hi + 1))
-        else:
-            out = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected a-b or a,b,c (integers)") from None
-    if not out or min(out) < 0:
-        raise ConfigError(f"{flag} {text!r}: expected non-negative seeds")
-    return out
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -15,9 +15,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from neorec.config import ConfigError
 from neorec.metrics import t_quantile
 
-__all__ = ["Interval", "t975", "mean_interval", "paired_difference", "paired_ratio", "rotated"]
+__all__ = [
+    "Interval",
+    "t975",
+    "mean_interval",
+    "paired_difference",
+    "paired_ratio",
+    "rotated",
+    "parse_seeds",
+]
 
 
 def t975(dof: int) -> float:
@@ -79,3 +88,19 @@ def rotated(items: Sequence[Any], r: int) -> list[Any]:
     """``items`` in round ``r``'s order: rotated by ``r``, so each takes every position in turn."""
     k = r % len(items) if items else 0
     return [*items[k:], *items[:k]]
+
+
+def parse_seeds(text: str, flag: str) -> list[int]:
+    """A benchmark's seed list from ``a-b`` or ``a,b,c`` (non-negative integers); a one-line
+    error naming ``flag`` otherwise."""
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            out = list(range(lo, hi + 1))
+        else:
+            out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected a-b or a,b,c (integers)") from None
+    if not out or min(out) < 0:
+        raise ConfigError(f"{flag} {text!r}: expected non-negative seeds")
+    return out

@@ -41,6 +41,7 @@ __all__ = [
     "slice_block",
     "concat_encoded",
     "slice_encoded",
+    "sample_offsets",
 ]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -288,9 +289,15 @@ def concat_encoded(parts: Sequence[Encoded]) -> Encoded:
     )
 
 
-def slice_encoded(e: Encoded, a: int, b: int) -> Encoded:
-    """Samples ``a:b`` of an encoded block."""
-    off = np.concatenate(([0], np.cumsum(e.lengths.sum(1, dtype=np.int64))))
+def sample_offsets(e: Encoded) -> np.ndarray:
+    """Where each sample's ids start in ``e.values`` (and the end): [n + 1]."""
+    return np.concatenate(([0], np.cumsum(e.lengths.sum(1, dtype=np.int64))))
+
+
+def slice_encoded(e: Encoded, a: int, b: int, off: np.ndarray | None = None) -> Encoded:
+    """Samples ``a:b`` of an encoded block (``off``: its ``sample_offsets``, when a caller
+    slices the same block many times)."""
+    off = sample_offsets(e) if off is None else off
     lo, hi = int(off[a]), int(off[b])
     w = None if e.weights is None else e.weights[lo:hi]
     return Encoded(e.labels[a:b], e.dense[a:b], e.lengths[a:b], e.values[lo:hi], w)

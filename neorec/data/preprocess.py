@@ -148,11 +148,10 @@ def _messages(res: UnitResult) -> list[str]:
 
 def _eta(spent: float, done: int, total: int) -> str:
     """``, 1m05s, eta 3m10s`` (units are of similar size: the eta scales the time per unit)."""
-    from neorec.phases import fmt_duration
+    from neorec.phases import eta, fmt_duration
 
-    if not done or done >= total:
-        return f", {fmt_duration(spent)}"
-    return f", {fmt_duration(spent)}, eta {fmt_duration(spent / done * (total - done))}"
+    left = eta(spent, done, total)
+    return f", {fmt_duration(spent)}" + (f", eta {left}" if left else "")
 
 
 def _run_units(

@@ -17,7 +17,14 @@ from typing import Any
 
 from neorec.config import ConfigError, DataConfig, TableConfig
 from neorec.data.batch import Batch
-from neorec.data.encode import Encoded, concat_encoded, encode, jagged_batch, slice_encoded
+from neorec.data.encode import (
+    Encoded,
+    concat_encoded,
+    encode,
+    jagged_batch,
+    sample_offsets,
+    slice_encoded,
+)
 from neorec.data.tabular import count_rows, read_blocks, tabular_files
 from neorec.data.tabular_pre import fit
 
@@ -68,13 +75,14 @@ class TabularSource:
                 if have < self.bs:
                     continue
                 e = concat_encoded(pending)
+                off = sample_offsets(e)  # once per block, not once per batch
                 cut = 0
                 while have - cut >= self.bs:
                     if index >= start:
-                        yield self._batch(slice_encoded(e, cut, cut + self.bs))
+                        yield self._batch(slice_encoded(e, cut, cut + self.bs, off))
                     index += 1
                     cut += self.bs
-                pending, have = [slice_encoded(e, cut, have)], have - cut
+                pending, have = [slice_encoded(e, cut, have, off)], have - cut
         if have and have % self.world == 0 and index >= start:
             yield self._batch(concat_encoded(pending))
 

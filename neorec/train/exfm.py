@@ -126,11 +126,11 @@ def train_fm(
 
 def _eta(t_start: float, done: int, total: int) -> str:
     """`` (1m05s so far, eta 3m10s)`` after ``done`` of ``total`` equal units."""
-    from neorec.phases import fmt_duration
+    from neorec.phases import eta, fmt_duration
 
     spent = time.perf_counter() - t_start
-    left = f", eta {fmt_duration(spent / done * (total - done))}" if done < total else ""
-    return f"  [{fmt_duration(spent)} so far{left}]"
+    left = eta(spent, done, total)
+    return f"  [{fmt_duration(spent)} so far" + (f", eta {left}]" if left else "]")
 
 
 @torch.no_grad()
