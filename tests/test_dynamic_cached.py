@@ -219,7 +219,7 @@ def test_build_from_config_and_refusals(tmp_path: Path) -> None:
     sp = SparseFeatures.from_lists({"a": [[2**40, -5], [7]], "x": [[1], [9, 0]]})
     model(torch.randn(2, cfg.model.num_dense), sp).sum().backward()
     assert (tmp_path / "a.rows").exists() and model.ebc.stats()["a"]["occupancy"] == 3
-    # the in-memory collection (what sharded dynamic tables build) names what is unsupported
+    # the in-memory collection refuses dram / ssd tables and names the cached one
     t = TableConfig(name="a", rows=8, dim=4, kind="dynamic", storage="ssd")
     with pytest.raises(ConfigError, match="'a'.*storage 'ssd'.*sharded"):
         DynamicEmbeddingBagCollection([t])

@@ -232,6 +232,15 @@ def test_store_truncated_while_open_is_a_clear_error(tmp_path):
         st.read(torch.tensor([8]))
 
 
+def test_store_folder_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(StoreError, match=r"row store folder .*file/sub cannot be created.*storage"):
+        SsdStore.create(
+            tmp_path / "file" / "sub" / "t.rows", 10, record_fields("sgd", 4),
+            lambda lo, hi: torch.zeros(hi - lo, 4),
+        )  # fmt: skip
+
+
 def test_disk_full_on_create_keeps_the_old_store(tmp_path, monkeypatch):
     path = tmp_path / "s.rows"
     _small_store(path).close()

@@ -190,8 +190,8 @@ def sharded_collection(
 ) -> EmbeddingCollection:
     """The distributed embedding collection of ``cfg`` under ``plan``: its fixed tables in a
     ``ShardedEmbeddingBagCollection``; its dynamic tables, never placed by a plan, row-wise by
-    the hash of the raw id in a ``ShardedDynamicEmbeddingBagCollection``; both in a
-    ``MixedEmbeddingBagCollection`` when there are both."""
+    the hash of the raw id in a ``ShardedDynamicEmbeddingBagCollection`` (dram / ssd ones behind
+    each rank's row cache); both in a ``MixedEmbeddingBagCollection`` when there are both."""
     emb = cfg.embedding
     dyn_tables = [t for t in emb.tables if _dynamic(t)]
     if not dyn_tables:
@@ -201,9 +201,11 @@ def sharded_collection(
             f"dynamic tables {[t.name for t in dyn_tables]} are sharded on the CPU only, "
             f"train.device is {torch.device(device).type}; set train.device = 'cpu'"
         )
+    st = cfg.storage  # dram / ssd tables: each rank's stores in <storage.dir>/rank<r>
     dyn = ShardedDynamicEmbeddingBagCollection(
         dyn_tables, RowOptimizer.from_config(emb), pooling=emb.pooling, backend=emb.backend,
         init_scale=emb.init_scale, seed=cfg.train.seed, group=group, stats=stats,
+        storage_dir=st.dir, io_threads=st.io_threads, mapped_mb=st.mapped_mb,
     )  # fmt: skip
     fixed_tables = [t for t in emb.tables if not _dynamic(t)]
     if not fixed_tables:

@@ -19,8 +19,8 @@ the saved world is a multiple of the new one (a merge), and copies of a saved ra
 each rank that takes part of its range otherwise (ids may then be admitted early, never late).
 
 Placement in a distributed model: dynamic tables are never placed by a ``ShardingPlan``
-(``without_dynamic``); ``sharded_dynamic_from_config`` builds a config's collection (fixed tables
-by the plan, dynamic tables row-wise by id hash over every rank).
+(``without_dynamic``); ``neorec.build.sharded_collection`` builds a config's collection (fixed
+tables by the plan, dynamic tables row-wise by id hash over every rank).
 """
 
 from __future__ import annotations

@@ -23,14 +23,18 @@ is full (eviction and the threshold sketch are per rank; see docs/dynamic.md).
 collections, which drop unadmitted ids); owners add ``(summed weight of the bag's unadmitted
 ids) x row`` to their partial sums, and the row's gradient is summed over ranks in rank order
 before one fused update, so the replicas stay identical and train as the unsharded row does.
+
+Tables on dram / ssd: a rank's part is a ``DynamicCachedEmbeddingBagCollection`` whose slot rows
+live in the rank's own stores (``<storage_dir>/rank<r>``) behind a row cache over the rank's slots
+(``neorec.distributed.dynamic_parts``); everything above is unchanged (bitwise the in-memory form).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ from torch import Tensor, nn
 
 from neorec.config import TableConfig
 from neorec.distributed.comm import AllToAllPooled, CommStats, ScaleGrad, all_to_all
+from neorec.distributed.dynamic_parts import build_parts, check_same_everywhere, parts_stats
 from neorec.distributed.dynamic_reshard import (
     TableShard,
     as_global_state,
@@ -93,7 +98,8 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
 
     Every rank of ``group`` builds it with the same tables, optimizer, pooling and seed (checked:
     one ``ConfigError`` on every rank otherwise). Without an initialized process group it runs
-    as one rank.
+    as one rank. ``storage_dir``, ``io_threads``, ``mapped_mb``: the row stores of dram / ssd
+    tables (as ``DynamicCachedEmbeddingBagCollection``'s; this rank's in ``storage_dir/rank<r>``).
     """
 
     weights: Tensor
@@ -112,6 +118,9 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
         native: bool | None = None,
+        storage_dir: str | Path = "",
+        io_threads: int = 2,
+        mapped_mb: int = 0,
     ) -> None:
         super().__init__()
         who = type(self).__name__
@@ -131,7 +140,9 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.comm_stats = stats if stats is not None else CommStats()
-        self._check_same_everywhere(seed, init_scale)
+        check_same_everywhere(
+            who, self.tables, self.optimizer, self.pooling.value, seed, init_scale, self.group
+        )
         self.validate_ids = False
         self.feature_names = [f for t in self.tables for f in t.features]
         self.feature_dims = [t.dim for t in self.tables for _ in t.features]
@@ -143,15 +154,11 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         # Local collections: per-rank capacity, unadmitted ids dropped (the default row is ours),
         # grouped by init bound so each id's initial row is the unsharded one.
         bounds = [init_scale or math.sqrt(1.0 / table_capacity(t)) for t in self.tables]
-        groups: dict[float, list[TableConfig]] = {}
-        for t, c, bd in zip(self.tables, self.capacities, bounds):
-            groups.setdefault(bd, []).append(replace(t, capacity=c, unadmitted="zeros"))
-        self.parts: list[DynamicEmbeddingBagCollection] = [
-            DynamicEmbeddingBagCollection(
-                ts, self.optimizer, "sum", backend, "cpu", bd, seed, native
-            )
-            for bd, ts in groups.items()
-        ]
+        self.parts: list[DynamicEmbeddingBagCollection] = build_parts(
+            self.tables, self.capacities, bounds, self.optimizer, backend, seed, native,
+            self.rank, storage_dir, io_threads, mapped_mb,
+        )  # fmt: skip
+        self.host_resident = any(p.host_resident for p in self.parts)
         self._parts = nn.ModuleList(self.parts)  # registered: in state_dict, .to(), ...
         self._part_of = {t.name: p for p in self.parts for t in p.tables}
         col0 = [0]
@@ -165,26 +172,6 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         self._col0 = col0
         self._build_default_rows(seed, init_scale)
         self._global: Tensor | None = None  # [table, step counts + totals + occupancy] summed
-
-    def _check_same_everywhere(self, seed: int, init_scale: float) -> None:
-        """One-line ``ConfigError`` on every rank when ranks were built differently."""
-        desc = [
-            (t.name, t.dim, tuple(t.features), table_capacity(t), t.admission, t.admit_threshold,
-             t.admit_probability, t.eviction, t.ttl_steps, t.unadmitted)
-            for t in self.tables
-        ]  # fmt: skip
-        mine = repr((desc, self.optimizer, self.pooling.value, int(seed), float(init_scale)))
-        if self.world == 1:
-            return
-        got: list[str] = [""] * self.world
-        dist.all_gather_object(got, mine, group=self.group)
-        for r, g in enumerate(got):
-            if g != got[0]:
-                raise ConfigError(
-                    f"{type(self).__name__}: rank {r} was built with other dynamic tables, "
-                    f"optimizer, pooling or seed than rank 0 (crc32 {zlib.crc32(g.encode()):08x} "
-                    f"vs {zlib.crc32(got[0].encode()):08x}); build every rank from one config"
-                )
 
     def _build_default_rows(self, seed: int, init_scale: float) -> None:
         self.default_tables = [
@@ -237,24 +224,33 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         return self._part_of[name]
 
     def table_weight(self, name: str) -> Tensor:
-        """This rank's slot rows of table ``name`` (a view)."""
+        """This rank's slot rows of table ``name`` (a view; a copy, flushed, on dram / ssd)."""
         return self.local_part(name).table_weight(name)
 
     def local_stats(self) -> dict[str, Any]:
-        """Per table, this rank's map: ``DynamicEmbeddingBagCollection.stats``."""
-        out: dict[str, Any] = {}
+        """Per table, this rank's map: ``DynamicEmbeddingBagCollection.stats`` (on dram / ssd
+        with its cache's counters under ``cache``, this rank's cache totals at the top level)."""
+        return parts_stats(self.parts)
+
+    def flush(self) -> None:
+        """Write every part's dirty cached slot rows back to its stores (nothing in memory)."""
         for p in self.parts:
-            out.update(p.stats())
-        return out
+            p.flush()
+
+    def close(self) -> None:
+        """Flush, then release the parts' stores (files)."""
+        for p in self.parts:
+            p.close()
 
     def stats(self) -> dict[str, Any]:
         """Per table, every rank's maps together (``DynamicEmbeddingBagCollection.stats``: last
         step's and running counts, occupancy and capacity summed over ranks, as of the last
-        forward or import, which gather them); one rank: its map's."""
+        forward or import, which gather them); one rank: its map's. Row cache counters (dram /
+        ssd) are this rank's, as in ``local_stats``."""
         local = self.local_stats()
         if self.world == 1 or self._global is None:
             return local
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {k: v for k, v in local.items() if k not in self._part_of}
         for ti, t in enumerate(self.tables):
             row = [int(x) for x in self._global[ti].tolist()]
             n = len(_COUNTS)
@@ -263,6 +259,7 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
                 "total": dict(zip(_COUNTS, row[n : 2 * n])),
                 "occupancy": row[2 * n],
                 "capacity": self.capacities[ti] * self.world,
+                **({"cache": local[t.name]["cache"]} if "cache" in local[t.name] else {}),
             }
         return out
 

@@ -146,8 +146,7 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
             if t.storage != "memory" and not self._cached_slots:
                 raise ConfigError(
                     f"{where} has storage {t.storage!r}: dram/ssd dynamic tables need "
-                    "DynamicCachedEmbeddingBagCollection (unsharded; sharded dynamic tables "
-                    "over dram/ssd are not supported: use storage 'memory')"
+                    "DynamicCachedEmbeddingBagCollection (the sharded form builds one per rank)"
                 )
         self.tables = list(tables)
         self.optimizer = optimizer or RowOptimizer()

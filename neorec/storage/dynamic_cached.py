@@ -15,8 +15,9 @@ resident is written (zeros) to the store, invalidating any prefetched copy; a ne
 is filled from its fresh initial row by the batch's ``prepare`` (no store read) and marked dirty.
 Export, ``table_weight`` and the checkpoints read the store after ``flush()``.
 
-Not supported: sharded dynamic tables on dram / ssd (``ShardedDynamicEmbeddingBagCollection``
-builds in-memory parts and refuses them with one line).
+Sharded: ``ShardedDynamicEmbeddingBagCollection`` builds one of these per rank (of the rank's
+``ceil(capacity / W)`` slots, its stores in ``<storage_dir>/rank<r>``;
+``neorec.distributed.dynamic_parts``).
 """
 
 from __future__ import annotations
@@ -305,6 +306,11 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
     def stats_line(self) -> str:
         """Short progress-line text of the cache: hit rate and MB moved per tier."""
         return self.slot_cache.stats_line()
+
+    def cache_tables(self) -> list[CacheTable]:
+        """The cache bookkeeping of each dram / ssd table (for ``cache_stats`` over several
+        collections)."""
+        return list(self.slot_cache._cached.values())
 
     def stats(self) -> dict[str, Any]:
         """Per table the id map's counters (``DynamicEmbeddingBagCollection.stats``) and, on

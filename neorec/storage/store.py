@@ -260,7 +260,13 @@ class SsdStore(RowStore):
         path = Path(path)
         width = sum(w for _, w in fields)
         size = HEADER_BYTES + rows * width * 4
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(
+                f"row store folder {path.parent} cannot be created ({e.strerror or e}); point "
+                "storage.dir at a writable directory"
+            ) from None
         free = shutil.disk_usage(path.parent).free
         if size > free:
             raise StoreError(
