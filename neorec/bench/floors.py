@@ -1,7 +1,10 @@
 """This machine's floors, measured in the benchmark's own run (``docs/performance.md``).
 
 - memory bandwidth: a STREAM-style triad ``a = b + s * c`` over fp32 arrays far larger than the
-  last-level cache (12 bytes moved per element: two reads and one write, STREAM's count);
+  last-level cache (12 bytes moved per element: two reads and one write, STREAM's count). Each
+  array is at least 512 MB: a virtual machine reports its own share of the L3 (32 MiB on these
+  EPYC hosts) while the host's may be far larger, and 128 MB arrays measured 48-79 GB/s from run
+  to run on one machine where 512 MB and 1 GB arrays gave 44-46 GB/s;
 - copy bandwidth: ``a.copy_(b)`` over the same arrays (8 bytes per element), the memcpy a
   shared-memory collective does;
 - GEMM peak per dtype: a large square ``torch.matmul`` in fp32 and bf16 (2 n^3 flops).
@@ -22,6 +25,8 @@ import torch
 __all__ = ["Floors", "measure_floors", "llc_bytes"]
 
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_ARRAY_MB = 512.0
+"""Smallest triad / copy array: larger than any host's cache a virtual machine may hide."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,8 @@ def _stream_s(n: int, reps: int) -> tuple[float, float]:
 
 
 def measure_floors(array_mb: float = 0.0, gemm_n: int = 2048, reps: int = 5) -> Floors:
-    """Measure the floors; ``array_mb`` per array (0: 4x the last-level cache, >= 64 MB)."""
-    mb = array_mb or max(64.0, 4 * llc_bytes() / 2**20)
+    """Measure the floors; ``array_mb`` per array (0: 4x the last-level cache, >= 512 MB)."""
+    mb = array_mb or max(MIN_ARRAY_MB, 4 * llc_bytes() / 2**20)
     n = int(mb * 2**20) // 4
     triad, copy = _stream_s(n, reps)
     gemm = {}

@@ -460,6 +460,44 @@ ENTRIES: tuple[Entry, ...] = (
         ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--iters", "3",
          "--rows", "100000"), _vs_torchrec,
     ),
+    Entry(
+        "step_breakdown_lowp", "the same step with `lowp.mode = auto`, floors at the chosen precisions",
+        "≤ 1.5× the floors",
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--breakdown", "--set",
+         "lowp.mode=auto", "--iters", "10"),
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--breakdown", "--set",
+         "lowp.mode=auto", "--iters", "3", "--rows", "100000"), _breakdown,
+    ),
+    Entry(
+        "step_torchrec_lowp", "`lowp.mode = auto` vs TorchRec under bf16 autocast, paired by step",
+        "—",
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--set",
+         "lowp.mode=auto", "--iters", "10"),
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--set",
+         "lowp.mode=auto", "--iters", "3", "--rows", "100000"), _vs_torchrec,
+    ),
+    Entry(
+        "step_breakdown_dist", "the same step on 2 ranks (1 thread each), its collectives at the "
+        "copy floor; the slowest rank's phases", "—",
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--breakdown", "--nproc", "2",
+         "--iters", "30"),
+        ("step", "--config", "configs/dlrm_benchmark.toml", "--breakdown", "--nproc", "2",
+         "--iters", "3", "--rows", "100000"), _breakdown,
+    ),
+    Entry(
+        "step_breakdown_dcn", "DCNv2 step against the floors, `dcn_benchmark.toml` (DLRMv2's dense "
+        "part and bag sizes, 26 × 100k × 128), fp32", "≤ 1.5× the floors",
+        ("step", "--config", "configs/dcn_benchmark.toml", "--breakdown", "--iters", "6"),
+        ("step", "--config", "configs/dcn_benchmark.toml", "--breakdown", "--iters", "2",
+         "--batch", "256"), _breakdown,
+    ),
+    Entry(
+        "step_torchrec_dcn", "the same DCNv2 step vs TorchRec's `DLRM_DCN`, paired by step",
+        "≤ 0.25×",
+        ("step", "--config", "configs/dcn_benchmark.toml", "--compare", "torchrec", "--iters", "8"),
+        ("step", "--config", "configs/dcn_benchmark.toml", "--compare", "torchrec", "--iters", "2",
+         "--batch", "256"), _vs_torchrec,
+    ),
 )  # fmt: skip
 
 

@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     a.compare = a.compare or ("fbgemm" if a.device == "cuda" else "none")
     check_gpu_bench("step", a.device, a.compare)
+    if a.nproc != 1 and not a.breakdown:
+        raise ConfigError(
+            f"bench step --nproc {a.nproc}: only the breakdown runs distributed (add --breakdown; "
+            "neorec bench dist times every sharding type)"
+        )
     path = a.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).exists() else None)
     if path is None:  # said, not silent: the figures are of another model
         print(
@@ -250,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     modes = [m.strip() for m in a.lowp.split(",") if m.strip()] if a.lowp else [""]
+    if not a.lowp and cfg.lowp.mode != "off" and not a.breakdown:
+        modes = [cfg.lowp.mode]  # --set lowp.mode=...: timed as --lowp would
     from neorec.lowp.dispatch import MODES
 
     known = (*MODES, "autocast")  # LoKA's modes and the plain-autocast baseline
@@ -282,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.compare == "torchrec":
         from neorec.bench.step_torchrec import TorchRecPeer
 
-        trainers["torchrec"] = TorchRecPeer(cfg)  # type: ignore[assignment]
+        # Our model in a low-precision mode: TorchRec's dense part under bf16 autocast, its
+        # own mixed-precision route on the CPU (the same peer LoKA's --lowp autocast baseline is).
+        peer_bf16 = a.bf16 or modes[0] not in ("", "off")
+        trainers["torchrec"] = TorchRecPeer(cfg, bf16=peer_bf16)  # type: ignore[assignment]
     for i in range(a.warmup + a.iters):
         for tr in trainers.values():
             tr.step(i, batches[i % len(batches)], timed=i >= a.warmup)
@@ -321,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         from neorec.bench.step_torchrec import PEER_NAME
 
         result["peer"] = PEER_NAME
-        result["torchrec_ms_per_step"] = round(runs.pop("torchrec")["ms"], 2)
+        peer = runs.pop("torchrec")
+        result["torchrec_ms_per_step"] = round(peer["ms"], 2)
+        result["torchrec_bf16_autocast"] = peer["bf16_autocast"]
+        result["lowp_mode"] = modes[0] or "off"
         # ours / TorchRec's, the geometric mean of the per-step ratios (steps interleaved)
         result["vs_torchrec"] = paired_ratio(times[modes[0]], times["torchrec"]).to_dict()
     print(f"{'metric':<22}{'value':>14}")

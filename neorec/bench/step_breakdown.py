@@ -30,7 +30,7 @@ from neorec.machine import cpu_model_and_flags
 from neorec.train.pipeline import TrainPipeline
 from neorec.train.steps import LossGuard, train_step
 
-__all__ = ["PhaseTimer", "run_breakdown", "step_shape"]
+__all__ = ["PhaseTimer", "print_table", "result_fields", "run_breakdown", "step_shape"]
 
 EMB_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DENSE_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -127,7 +127,12 @@ def _feed(batches: list[Batch], timer: PhaseTimer) -> Iterator[Batch]:
 
 
 def run_breakdown(cfg: Any, a: argparse.Namespace, batches: list[Batch]) -> int:
-    """Time the phases and the whole step, measure the floors, print a table and a JSON line."""
+    """Time the phases and the whole step, measure the floors, print a table and a JSON line
+    (``--nproc N``: N gloo ranks on this machine, ``step_dist_breakdown``)."""
+    if a.nproc != 1:
+        from neorec.bench.step_dist_breakdown import run_dist_breakdown
+
+        return run_dist_breakdown(cfg, a)
     torch.manual_seed(cfg.train.seed)
     model = build_dlrm(cfg, torch.device("cpu"))
     opt = dense_optimizer(cfg.train, model.dense_parameters())
@@ -172,13 +177,16 @@ def run_breakdown(cfg: Any, a: argparse.Namespace, batches: list[Batch]) -> int:
         ms.pop("lowp_dispatch", None)
     shape = step_shape(cfg, model, batches, plan)
     out = summarize(phase_work(shape), ms, floors, 1000 * statistics.median(whole))
-    result = _result(cfg, a, out, floors, plan, shape)
-    _print_table(result)
+    result = result_fields(cfg, a, out, floors, plan, shape)
+    print_table(result)
     print(json.dumps(result))
     return 0
 
 
-def _result(cfg: Any, a: Any, out: dict, floors: Floors, plan: dict, shape: StepShape) -> dict:
+def result_fields(
+    cfg: Any, a: Any, out: dict, floors: Floors, plan: dict, shape: StepShape
+) -> dict:
+    """The JSON line's fields: the config's shape, the summary (``summarize``), the floors."""
     t = cfg.embedding.tables
     return {
         "bench": "step_breakdown",
@@ -201,20 +209,24 @@ def _result(cfg: Any, a: Any, out: dict, floors: Floors, plan: dict, shape: Step
     }
 
 
-def _print_table(r: dict) -> None:
+def print_table(r: dict, phases: tuple[str, ...] = PHASES) -> None:
+    """The table: each phase (in ``phases`` order) next to its floor, then the whole step."""
     fl = r["floors"]
     gemm = ", ".join(f"{k} {v:.0f}" for k, v in fl["gemm_gflops"].items())
     print(
         f"{r['cpu']}, {r['threads']} threads; floors: triad {fl['triad_gbs']:.1f} GB/s, copy "
         f"{fl['copy_gbs']:.1f} GB/s, GEMM GFLOP/s {gemm}"
     )
-    print(f"{'phase':<22}{'MB':>10}{'GFLOP':>9}{'ms':>10}{'floor ms':>10}{'x floor':>9}  bound")
-    order = {n: i for i, n in enumerate(PHASES)}
+    ranks = "ms_max_over_ranks" in r["phases"][0]  # (distributed: the max over ranks too)
+    head = f"{'phase':<22}{'MB':>10}{'GFLOP':>9}{'ms':>10}{'floor ms':>10}{'x floor':>9}  bound"
+    print(head + (f"{'max rank ms':>14}" if ranks else ""))
+    order = {n: i for i, n in enumerate(phases)}
     for p in sorted(r["phases"], key=lambda p: order.get(p["name"], len(order))):
         x = f"{p['over_floor']:.1f}" if p["over_floor"] is not None else "-"
         print(
             f"{p['name']:<22}{p['mb']:>10.1f}{p['gflop']:>9.2f}{p['ms']:>10.2f}"
-            f"{p['floor_ms']:>10.2f}{x:>9}  {p['bound']}"
+            f"{p['floor_ms']:>10.2f}{x:>9}  {p['bound']:<5}"
+            + (f"{p['ms_max_over_ranks']:>14.2f}" if ranks else "")
         )
     print(
         f"{'step (untimed phases)':<22}{'':>19}{r['step_ms']:>10.2f}{r['floor_ms']:>10.2f}"
@@ -232,6 +244,13 @@ def main_args(p: argparse.ArgumentParser) -> None:
         "--breakdown",
         action="store_true",
         help="the step's phases next to their floors on this machine (docs/performance.md)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="with --breakdown: the distributed step of N >= 2 gloo ranks on this machine "
+        "(all-to-alls by comm.transport: --set comm.transport=shm|gloo)",
     )
     p.add_argument("--gemm-n", type=int, default=2048, help=argparse.SUPPRESS)  # (tests: small)
     p.add_argument("--floor-mb", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -13,7 +13,10 @@ from neorec.bench.floors import Floors
 
 __all__ = [
     "PHASES",
+    "DIST_PHASES",
+    "COMM_PHASE",
     "Gemm",
+    "LocalLookup",
     "StepShape",
     "Work",
     "gemm_sites",
@@ -32,6 +35,36 @@ PHASES = (
     "dense_optimizer",
 )
 """The phases of a one-process step, in the order they run (``train.steps.train_step``)."""
+
+DIST_PHASES = (
+    "batch_prep",
+    "input_dist",
+    "tbe_forward",
+    "output_dist",
+    "dense_forward",
+    "loss",
+    "dense_backward",
+    "grad_dist",
+    "tbe_backward_update",
+    "allreduce",
+    "dense_optimizer",
+)
+"""The phases of a distributed step (``neorec bench step --breakdown --nproc N``), in the order
+they end: ``allreduce`` is DDP's wait at the end of backward, after the embeddings' update."""
+
+COMM_PHASE = {
+    "lengths": "input_dist",
+    "ids": "input_dist",
+    "weights": "input_dist",
+    "fwd_pooled": "output_dist",
+    "fwd_host_reduce": "output_dist",
+    "bwd_grads": "grad_dist",
+    "bwd_host_reduce": "grad_dist",
+    "dp_allgather": "grad_dist",  # data-parallel tables' row gradients, before the pooled ones
+    "all_reduce": "tbe_backward_update",  # column-wise slices' row-wise Adagrad sums
+    "allreduce_dense": "allreduce",
+}
+"""The phase each collective (``CommStats`` name) of the sharded step runs in."""
 
 F32 = 4  # bytes of an fp32 value
 I64 = 8  # bytes of an id, a length
@@ -82,6 +115,7 @@ class Work:
 
     bytes: float = 0.0
     flops: dict[str, float] | None = None  # dtype -> flops
+    copy: float = 0.0  # bytes a collective sends (floor: the copy bandwidth, ``Floors.copy_ms``)
 
     @property
     def total_flops(self) -> float:
@@ -144,12 +178,62 @@ def phase_work(s: StepShape) -> dict[str, Work]:
     }
 
 
+@dataclass(frozen=True)
+class LocalLookup:
+    """One rank's share of a sharded lookup: each local unit (a feature on a shard) pools
+    ``bags`` bags (the W ranks' samples) over ``unit_ids`` ids of ``unit_dims`` columns; each
+    local table (shard) has ``table_rows`` distinct rows touched of ``table_dims`` columns."""
+
+    bags: int
+    unit_ids: tuple[int, ...]
+    unit_dims: tuple[int, ...]
+    table_rows: tuple[int, ...]
+    table_dims: tuple[int, ...]
+
+
+def sharded_tbe_work(lk: LocalLookup, emb_bytes: int, state: dict[int, int]) -> dict[str, Work]:
+    """The TBE phases of one rank (``phase_work``'s, unit by unit): forward reads ids, offsets
+    and rows and writes the pooled block; backward reads the pooled gradient and the ids, reads
+    and writes each touched row and its state (``state``: bytes per row by dim)."""
+    fwd = bwd = 0.0
+    for n, d in zip(lk.unit_ids, lk.unit_dims, strict=True):
+        fwd += I64 * (n + lk.bags) + emb_bytes * d * n + F32 * lk.bags * d
+        bwd += F32 * lk.bags * d + I64 * n
+    for u, d in zip(lk.table_rows, lk.table_dims, strict=True):
+        bwd += 2 * u * (emb_bytes * d + state.get(d, 0))
+    return {"tbe_forward": Work(fwd), "tbe_backward_update": Work(bwd)}
+
+
+def dist_phase_work(
+    local: StepShape, lk: LocalLookup, sent: dict[str, float], state: dict[int, int]
+) -> dict[str, Work]:
+    """Bytes and flops of each phase of one rank's distributed step (``DIST_PHASES``): the
+    dense side as one process with the rank's ``local`` batch; the TBE phases of its shards
+    (``sharded_tbe_work``); each collective's bytes ``sent`` per step (``CommStats`` names)
+    in its phase (``COMM_PHASE``; others are not counted), at the copy bandwidth."""
+    one = phase_work(local)
+    tbe = sharded_tbe_work(lk, local.emb_bytes, state)
+    copy = dict.fromkeys(DIST_PHASES, 0.0)
+    for name, n in sent.items():
+        if name in COMM_PHASE:
+            copy[COMM_PHASE[name]] += n
+    out = {}
+    for p in DIST_PHASES:
+        base = tbe.get(p) or one.get(p) or Work()
+        out[p] = Work(base.bytes, base.flops, copy[p])
+    return out
+
+
 def phase_floor_ms(w: Work, floors: Floors) -> tuple[float, str]:
     """A phase's floor (ms) and what binds it: the larger of its bytes at the triad bandwidth
-    and its flops at the GEMM peak of each dtype (a roofline without overlap credit)."""
+    (plus a collective's bytes at the copy bandwidth) and its flops at the GEMM peak of each
+    dtype (a roofline without overlap credit)."""
     mem = floors.bytes_ms(w.bytes)
+    cp = floors.copy_ms(w.copy) if w.copy else 0.0
     comp = sum(floors.flops_ms(f, dt) for dt, f in (w.flops or {}).items())
-    return (comp, "flops") if comp > mem else (mem, "bytes")
+    if comp > mem + cp:
+        return comp, "flops"
+    return mem + cp, ("copy" if cp > mem else "bytes")
 
 
 def summarize(work: dict[str, Work], ms: dict[str, float], floors: Floors, step_ms: float) -> dict:
@@ -167,7 +251,7 @@ def summarize(work: dict[str, Work], ms: dict[str, float], floors: Floors, step_
                 "floor_ms": _sig(floor),
                 "over_floor": _sig(t / floor) if floor > 0 else None,
                 "bound": bound,
-                "mb": round(w.bytes / 2**20, 2),
+                "mb": round((w.bytes + w.copy) / 2**20, 2),
                 "gflop": round(w.total_flops / 1e9, 3),
             }
         )

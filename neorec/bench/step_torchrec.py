@@ -4,7 +4,8 @@ TorchRec's ``DLRM`` (dot interaction) or ``DLRM_DCN`` (low-rank DCNv2 cross laye
 ``FusedEmbeddingBagCollection``: FBGEMM's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``)
 with its optimizer fused into the backward (row-wise Adagrad -> ``EXACT_ROWWISE_ADAGRAD``). The
 dense part has the same layer widths and interaction as ours (same flops) and the same dense
-optimizer; the step is TorchRec's usual loop: forward, BCE, zero_grad, backward, step. TorchRec
+optimizer; the step is TorchRec's usual loop: forward, BCE, zero_grad, backward, step (the
+forward under bf16 autocast when ours runs a low-precision mode). TorchRec
 is imported here only (the ``[bench]`` extra; see ``docs/performance.md`` for its install).
 """
 
@@ -100,8 +101,9 @@ def to_kjt(batch: Batch, feature_names: list[str]) -> Any:
 class TorchRecPeer:
     """TorchRec's training step on our batches (each converted once, before any timing)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, bf16: bool = False) -> None:
         self.model = torchrec_dlrm(cfg)
+        self.bf16 = bf16  # forward under torch.autocast(bfloat16): FBGEMM's TBE stays fp32
         self.names = [f for t in cfg.embedding.tables for f in t.features]
         dense = [p for n, p in self.model.named_parameters() if "embedding_bag" not in n]
         self.opt = dense_optimizer(cfg.train, dense)
@@ -115,8 +117,9 @@ class TorchRecPeer:
         if kjt is None:
             kjt = self._kjt[id(batch)] = to_kjt(batch, self.names)
         t0 = time.perf_counter()
-        logits = self.model(batch.dense, kjt).squeeze(-1)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(batch.dense, kjt).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -130,4 +133,5 @@ class TorchRecPeer:
             "ms_mean": 1000 * statistics.mean(self.times),
             "backend": "fbgemm",
             "table_mb": 0.0,
+            "bf16_autocast": self.bf16,
         }

@@ -21,6 +21,7 @@ one process with W*b samples (up to float reassociation).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,25 @@ __all__ = ["ShardedEmbeddingBagCollection", "LocalInput"]
 
 _ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 _TWRW = ShardingType.TABLE_ROW_WISE
+
+
+class PhaseMarks(Protocol):
+    """Receives the end of each phase of a step (a benchmark's timer)."""
+
+    def mark(self, phase: str) -> None:
+        """The phase named ``phase`` ends now."""
+
+
+def _mark_backward(marks: PhaseMarks, pooled: Tensor, out: Tensor) -> None:
+    """Mark, in this step's backward, the dense backward's end (the output's gradient is whole:
+    the output was made before any dense op, so autograd reaches it after all of them), the
+    pooled gradients' return to their owners (the lookup's node starts) and the TBE backward
+    with its fused update (the lookup's node ends). Hooks return None: no gradient changes."""
+    if out.grad_fn is not None:
+        out.grad_fn.register_prehook(lambda _g: marks.mark("dense_backward"))
+    if pooled.grad_fn is not None:
+        pooled.grad_fn.register_prehook(lambda _g: marks.mark("grad_dist"))
+        pooled.grad_fn.register_hook(lambda _gi, _go: marks.mark("tbe_backward_update"))
 
 
 def _columns(pooled: Tensor, cols: Tensor) -> Tensor:
@@ -154,6 +174,9 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         """Data-parallel tables of at most this many rows x dim are summed as dense blocks in one
         all-gather (without a codec); larger ones exchange (id, row) pairs. 0: pairs for all."""
         self._staged: list[tuple[SparseFeatures, Chain[LocalInput]]] = []
+        self.marks: PhaseMarks | None = None
+        """Receives the end of each phase of a step (``neorec bench step --breakdown --nproc``);
+        None, the trainer's path: one test per mark, nothing else."""
 
     @property
     def output_dim(self) -> int:
@@ -322,12 +345,23 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [b, sum of dims] for this rank's samples, in feature order."""
+        marks = self.marks
         local = self._take_staged(sparse).wait()
+        if marks is not None:
+            marks.mark("input_dist")
         pooled = self.compute(local)
+        if marks is not None:
+            marks.mark("tbe_forward")
         # A pipeline's next batch had this lookup's time to receive its lengths: start its ids.
         for _, pending in self._staged:
             pending.advance()
-        return self.output_dist(pooled, local).wait()
+        if marks is not None:
+            marks.mark("input_dist")
+        out = self.output_dist(pooled, local).wait()
+        if marks is not None:
+            marks.mark("output_dist")
+            _mark_backward(marks, pooled, out)
+        return out
 
     def compute(self, local: LocalInput) -> Tensor:
         """One fused TBE call over all local model-parallel shards -> [W*b, D_local]."""
