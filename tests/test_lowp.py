@@ -99,7 +99,10 @@ def test_kernels_equal_their_specification():
     x, w, b = torch.randn(33, 17, generator=g), torch.randn(9, 17, generator=g), torch.randn(9)
     assert torch.equal(linear(x, w, b, candidate("fp32")), F.linear(x, w, b))
     y = linear(x, w, b, candidate("bf16"))
-    assert torch.equal(y, F.linear(x.bfloat16(), w.bfloat16()).float() + b)
+    assert torch.equal(y, F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float())
+    assert torch.equal(
+        linear(x, w, None, candidate("bf16")), F.linear(x.bfloat16(), w.bfloat16()).float()
+    )
     t = torch.randn(5, 4, 8, generator=g)
     assert torch.equal(dot_bmm(t, candidate("fp32")), torch.bmm(t, t.transpose(1, 2)))
     ref = torch.bmm(t, t.transpose(1, 2))

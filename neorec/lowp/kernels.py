@@ -3,8 +3,10 @@
 Weights stay fp32 (master weights: the optimizer updates them in fp32); each step the operands are
 cast to the candidate's format, the GEMM accumulates in fp32 where the hardware does (AMX,
 AVX512-BF16, tensor cores) and its output is stored in the format (bf16 for fp8 GEMMs, as
-``torch._scaled_mm`` returns), then widened to fp32; the bias is added in fp32. Autograd carries
-the gradients back through the casts, so the backward GEMMs run in the same format.
+``torch._scaled_mm`` returns), then widened to fp32. A bf16 / fp16 Linear adds its bias inside
+the GEMM, in the format (as ``torch.autocast`` does: one pass over the output instead of two;
+the probe models it so); the fp8 GEMMs add it in fp32 after. Autograd carries the gradients back through the casts, so the backward GEMMs run in the
+same format.
 
 fp8 on CUDA uses ``torch._scaled_mm`` (row-wise or tensor-wise scales) — written to the API but
 not run here (no GPU): its speed is unmeasured. Elsewhere fp8 is emulated exactly
@@ -73,9 +75,9 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None, cand: Candidate) -> Tensor:
     if cand.kind == "fp8":
         x2 = x.reshape(-1, x.shape[-1])
         y = _Fp8Mm.apply(x2, w.t(), cand).view(*x.shape[:-1], w.shape[0])
-    else:
-        y = F.linear(x.to(cand.dtype), w.to(cand.dtype)).float()
-    return y if b is None else y + b
+        return y if b is None else y + b
+    bias = None if b is None else b.to(cand.dtype)
+    return F.linear(x.to(cand.dtype), w.to(cand.dtype), bias).float()
 
 
 def pow2_row_scale(t: Tensor) -> Tensor:
