@@ -282,6 +282,36 @@ def test_install_keeps_parameters_state_dict_and_fp32_function():
     assert all(type(dict(dense.named_modules())[n]) is torch.nn.Linear for n in names)
 
 
+@pytest.mark.bitwise
+def test_inner_mlp_layers_keep_their_format_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 Linear whose ReLU feeds another bf16 Linear keeps its output in bf16: logits and
+    every dense gradient are bit for bit those of the path that widens it to fp32 and back."""
+    cfg = _cfg()
+    batch = next(iter(data_source(cfg).train_batches()))
+    runs = []
+    for keep in (True, False):
+        model = build_dlrm(cfg)  # the same seed: the same weights
+        dense = model.dense_arch
+        names = [n for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear)]
+        install(dense, {n: "bf16" for n in names} | {"interaction": "bf16"})
+        kept = [n for n in names if dense.get_submodule(n).keep_low]
+        if not keep:
+            for n in kept:
+                dense.get_submodule(n).keep_low = False
+        logits = model(batch.dense, batch.sparse)
+        F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+        runs.append((kept, logits.detach(), [p.grad.clone() for p in model.dense_parameters()]))
+    (kept, la, ga), (_, lb, gb) = runs
+    # the inner layers of both MLPs; never the last of one (its output leaves the MLP)
+    assert kept == ["bottom.0", "bottom.2", "top.0", "top.2"]
+    assert torch.equal(la, lb)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+    install(dense, {n: "bf16" for n in names} | {"top.2": "fp32"})  # top.0 feeds an fp32 site
+    assert [n for n in names if getattr(dense.get_submodule(n), "keep_low", False)] == kept[:2]
+    uninstall(dense)
+    assert not any(getattr(m, "keep_low", False) for m in dense.modules())
+
+
 def test_drift_falls_back_to_fp32_and_reprobes(tmp_path):
     cfg = _cfg()
     timings = Timings(tmp_path / "t.json")

@@ -51,14 +51,21 @@ FP32 = candidate("fp32")
 
 
 class LowpLinear(nn.Linear):
-    """An ``nn.Linear`` whose GEMMs run in ``precision`` (fp32 master weights)."""
+    """An ``nn.Linear`` whose GEMMs run in ``precision`` (fp32 master weights).
+
+    ``keep_low`` (set by ``install``): the output stays in the site's bf16 / fp16 format instead
+    of being widened to fp32, because its only consumer is a ReLU whose output feeds a Linear
+    of the same format, which casts it there. A ReLU of a value in the format is exact in it and
+    the casts on the way were exact, so outputs and gradients are bit for bit those of the
+    widened path, with three passes over the activation (and two over its gradient) fewer."""
 
     precision: Candidate = FP32
     watch: Callable[[Tensor], None] | None = None
+    keep_low: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
         """``x W^T + b`` in the site's precision."""
-        y = linear(x, self.weight, self.bias, self.precision)
+        y = linear(x, self.weight, self.bias, self.precision, self.keep_low)
         if self.watch is not None:
             self.watch(y)
         return y
@@ -100,6 +107,27 @@ def install(dense: nn.Module, plan: dict[str, str]) -> None:
         m.__class__ = base if cand.kind == "fp32" else _SWAP[base]
         if cand.kind != "fp32":
             m.precision = cand  # type: ignore[assignment]
+    _keep_low(_root(dense))
+
+
+def _keep_low(root: nn.Module) -> None:
+    """``keep_low`` on each low-precision Linear followed, in an ``nn.Sequential``, by a ReLU
+    and a Linear of the same bf16 / fp16 format (an MLP's inner layers); off elsewhere."""
+    for m in root.modules():
+        m.__dict__.pop("keep_low", None)
+    for seq in root.modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        ch = list(seq)
+        for a, r, c in zip(ch, ch[1:], ch[2:]):
+            if (
+                type(a) is LowpLinear
+                and type(r) is nn.ReLU
+                and type(c) is LowpLinear
+                and a.precision.kind in ("bf16", "fp16")
+                and a.precision.dtype == c.precision.dtype
+            ):
+                a.keep_low = True
 
 
 def uninstall(dense: nn.Module) -> None:
@@ -110,6 +138,7 @@ def uninstall(dense: nn.Module) -> None:
                 m.__class__ = base
                 m.__dict__.pop("precision", None)
                 m.__dict__.pop("watch", None)
+                m.__dict__.pop("keep_low", None)
 
 
 WIRE = ("fp16", "bf16")

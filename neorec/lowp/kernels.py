@@ -68,8 +68,9 @@ def _fp8_mm(a: Tensor, b: Tensor, cand: Candidate) -> Tensor:
     return out_round(qa @ qb, cand)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None, cand: Candidate) -> Tensor:
-    """``F.linear(x, w, b)`` with the GEMM in ``cand``'s precision (fp32 in and out)."""
+def linear(x: Tensor, w: Tensor, b: Tensor | None, cand: Candidate, keep: bool = False) -> Tensor:
+    """``F.linear(x, w, b)`` with the GEMM in ``cand``'s precision (fp32 in and out; ``keep``: a
+    bf16 / fp16 output stays in its format, for a consumer that casts it there anyway)."""
     if cand.kind == "fp32":
         return F.linear(x, w, b)
     if cand.kind == "fp8":
@@ -77,7 +78,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None, cand: Candidate) -> Tensor:
         y = _Fp8Mm.apply(x2, w.t(), cand).view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
     bias = None if b is None else b.to(cand.dtype)
-    return F.linear(x.to(cand.dtype), w.to(cand.dtype), bias).float()
+    y = F.linear(x.to(cand.dtype), w.to(cand.dtype), bias)
+    return y if keep else y.float()
 
 
 def pow2_row_scale(t: Tensor) -> Tensor:
