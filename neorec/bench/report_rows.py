@@ -472,7 +472,7 @@ ENTRIES: tuple[Entry, ...] = (
         "step_torchrec_lowp", "`lowp.mode = auto` vs TorchRec under bf16 autocast, paired by step",
         "—",
         ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--set",
-         "lowp.mode=auto", "--iters", "10"),
+         "lowp.mode=auto", "--warmup", "5", "--iters", "30"),
         ("step", "--config", "configs/dlrm_benchmark.toml", "--compare", "torchrec", "--set",
          "lowp.mode=auto", "--iters", "3", "--rows", "100000"), _vs_torchrec,
     ),
