@@ -60,8 +60,8 @@ def test_dist_phase_model_places_each_collective_and_the_shards() -> None:
 def _train(rank: int, world: int, cfg: Any, marked: bool) -> tuple[list, list]:
     """Three pipeline steps of a fresh model on the rank's slices; with ``marked`` the bench's
     marks on (the timer active, the staging wrapped, the collection's and the step's marks)."""
-    from neorec.bench.step_breakdown import PhaseTimer
-    from neorec.bench.step_dist_breakdown import StepMarks, _fresh, _wrap_staging
+    from neorec.bench.step_breakdown import PhaseTimer, fresh_batches
+    from neorec.bench.step_dist_breakdown import StepMarks, _wrap_staging
     from neorec.build import dense_optimizer, distributed_model, resolve_plan
     from neorec.train.pipeline import make_pipeline
     from neorec.train.steps import train_step
@@ -83,7 +83,7 @@ def _train(rank: int, world: int, cfg: Any, marked: bool) -> tuple[list, list]:
 
     b = cfg.data.batch_size // world
     batches = [x.slice(rank * b, (rank + 1) * b) for x in step.make_batches(cfg, 3, 1.05)]
-    pipe = make_pipeline("overlapped", model, opt, _fresh(batches), fn)
+    pipe = make_pipeline("overlapped", model, opt, fresh_batches(batches), fn)
     losses = []
     for i in range(3):
         timer.begin()

@@ -17,11 +17,11 @@ was seen to move bytes or do flops, so a phase's time over its floor is at least
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from neorec.measure.calibrate_micro import _best_of
 
 __all__ = ["Floors", "measure_floors", "llc_bytes"]
 
@@ -75,16 +75,6 @@ def llc_bytes() -> int:
     return best or 32 * 2**20
 
 
-def _best_s(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm: page faults, thread pool
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _stream_s(n: int, reps: int, allocations: int = ALLOCATIONS) -> tuple[float, float]:
     """Best seconds of a triad and of a copy over fp32 arrays of ``n`` elements, over
     ``allocations`` fresh sets of arrays."""
@@ -97,8 +87,8 @@ def _stream_s(n: int, reps: int, allocations: int = ALLOCATIONS) -> tuple[float,
 
 def _stream_once(n: int, reps: int) -> tuple[float, float]:
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    triad = _best_s(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
-    return triad, _best_s(lambda: a.copy_(b), reps)
+    triad = _best_of(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    return triad, _best_of(lambda: a.copy_(b), reps)
 
 
 def measure_floors(array_mb: float = 0.0, gemm_n: int = 2048, reps: int = 5) -> Floors:
@@ -110,7 +100,7 @@ def measure_floors(array_mb: float = 0.0, gemm_n: int = 2048, reps: int = 5) -> 
     for name, dt in GEMM_DTYPES.items():
         x = torch.randn(gemm_n, gemm_n).to(dt)
         y = torch.randn(gemm_n, gemm_n).to(dt)
-        s = _best_s(functools.partial(torch.matmul, x, y), reps)
+        s = _best_of(functools.partial(torch.matmul, x, y), reps)
         gemm[name] = 2 * gemm_n**3 / s / 1e9
     return Floors(
         triad_gbs=12 * n / triad / 1e9,

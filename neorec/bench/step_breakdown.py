@@ -30,7 +30,15 @@ from neorec.machine import cpu_model_and_flags
 from neorec.train.pipeline import TrainPipeline
 from neorec.train.steps import LossGuard, train_step
 
-__all__ = ["PhaseTimer", "print_table", "result_fields", "run_breakdown", "step_shape"]
+__all__ = [
+    "PhaseTimer",
+    "fresh_batches",
+    "print_table",
+    "result_fields",
+    "row_state_bytes",
+    "run_breakdown",
+    "step_shape",
+]
 
 EMB_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 DENSE_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -99,7 +107,7 @@ def step_shape(cfg: Any, model: Any, batches: list[Batch], plan: dict[str, str])
     b = cfg.data.batch_size
     ids = round(statistics.fmean(int(x.sparse.values.numel()) for x in batches))
     precs = {t.precision for t in tables}
-    state = {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[emb.optimizer]
+    state = row_state_bytes(emb.optimizer, dim)
     return StepShape(
         batch=b,
         features=sum(len(t.features) for t in tables),
@@ -115,15 +123,22 @@ def step_shape(cfg: Any, model: Any, batches: list[Batch], plan: dict[str, str])
     )
 
 
-def _feed(batches: list[Batch], timer: PhaseTimer) -> Iterator[Batch]:
+def fresh_batches(batches: list[Batch], timer: PhaseTimer | None = None) -> Iterator[Batch]:
     """The batches in turn, each as a fresh object (the same tensors): a batch seen before
-    carries the pipeline's "checked" mark, and its checks would be skipped on every later step."""
+    carries the pipeline's "checked" mark, and its checks would be skipped on every later step.
+    ``timer``: its step begins as each batch is taken (the pipeline's step starts there)."""
     i = 0
     while True:
-        timer.begin()  # the pipeline's step starts with taking its batch
+        if timer is not None:
+            timer.begin()
         b = batches[i % len(batches)]
         yield dataclasses.replace(b, sparse=dataclasses.replace(b.sparse))
         i += 1
+
+
+def row_state_bytes(optimizer: str, dim: int) -> int:
+    """Bytes of row optimizer state per row of dimension ``dim``."""
+    return {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[optimizer]
 
 
 def run_breakdown(cfg: Any, a: argparse.Namespace, batches: list[Batch]) -> int:
@@ -159,7 +174,9 @@ def run_breakdown(cfg: Any, a: argparse.Namespace, batches: list[Batch]) -> int:
         timer.end()
         return loss
 
-    pipe = TrainPipeline(model, opt, _feed(batches, timer), stepped, bf16=bf16, device="cpu")
+    pipe = TrainPipeline(
+        model, opt, fresh_batches(batches, timer), stepped, bf16=bf16, device="cpu"
+    )
     warm = max(a.warmup, cfg.lowp.probe_steps + 2 if lowp is not None else 0)
     whole: list[float] = []
     for i in range(warm + 2 * a.iters):

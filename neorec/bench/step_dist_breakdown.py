@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import gc
 import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +33,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from neorec.bench.floors import Floors, measure_floors
-from neorec.bench.step_breakdown import PhaseTimer, print_table, result_fields, step_shape
+from neorec.bench.step_breakdown import (
+    PhaseTimer,
+    fresh_batches,
+    print_table,
+    result_fields,
+    row_state_bytes,
+    step_shape,
+)
 from neorec.bench.step_phases import (
     COMM_PHASE,
     DIST_PHASES,
@@ -119,15 +124,6 @@ def _rank(rank: int, world: int, port: int, cfg: Any, a: argparse.Namespace, q: 
         dist.destroy_process_group()
 
 
-def _fresh(batches: list[Batch]) -> Iterator[Batch]:
-    """The batches in turn, each a fresh object (a batch seen before carries its checked mark)."""
-    i = 0
-    while True:
-        b = batches[i % len(batches)]
-        yield dataclasses.replace(b, sparse=dataclasses.replace(b.sparse))
-        i += 1
-
-
 def _wrap_staging(model: Any, timer: PhaseTimer) -> None:
     """Mark the pipeline's staging of a batch: taken (``batch_prep``), checked (``batch_prep``:
     the checks ``input_dist`` would run, run here first and the batch marked checked, so they
@@ -177,7 +173,7 @@ def measure_rank(cfg: Any, a: argparse.Namespace, rank: int, world: int) -> dict
 
     local = [x.slice(rank * b, (rank + 1) * b) for x in batches]
     bf16 = bool(a.bf16 or cfg.train.bf16_dense)
-    pipe = make_pipeline(cfg.train.pipeline, model, opt, _fresh(local), step, bf16=bf16)
+    pipe = make_pipeline(cfg.train.pipeline, model, opt, fresh_batches(local), step, bf16=bf16)
     whole: list[float] = []
     for i in range(a.warmup + 2 * a.iters):
         timer.active = i >= a.warmup and i % 2 == 0  # phases on every other step
@@ -204,7 +200,7 @@ def measure_rank(cfg: Any, a: argparse.Namespace, rank: int, world: int) -> dict
         "sent": {k: v / steps for k, v in stats.bytes_sent.items()},
         "lookup": local_lookup(ebc, batches),
         "shape": step_shape(_local_cfg(cfg, b), model, local, plan),
-        "state": {d: _row_state(cfg.embedding.optimizer, d) for d in ebc.layout.dims},
+        "state": {d: row_state_bytes(cfg.embedding.optimizer, d) for d in ebc.layout.dims},
         "sharding": sorted({t.sharding_type.value for t in ebc.plan.tables}),
     }
     del model, ebc, opt, pipe
@@ -221,11 +217,6 @@ def _local_cfg(cfg: Any, b: int) -> Any:
     local = copy.deepcopy(cfg)
     local.data.batch_size = b
     return local
-
-
-def _row_state(optimizer: str, dim: int) -> int:
-    """Bytes of row optimizer state per row (``step_shape``'s)."""
-    return {"sgd": 0, "rowwise_adagrad": 4, "adam": 8 * dim}[optimizer]
 
 
 def local_lookup(ebc: Any, batches: list[Batch]) -> LocalLookup:
