@@ -1,5 +1,6 @@
 """Progress of the long phases outside the training loop: building the tables (their random
-initialization), eval, predict, export. Also the switch that builds tables without initializing
+initialization), eval, predict, export. The ``Marks`` protocol through which a benchmark times the
+phases of a training step from outside (its null object marks nothing). Also the switch that builds tables without initializing
 them (a saved model's rows overwrite every one of them).
 
 A ``Phase`` says nothing for its first ``QUIET_S`` seconds (short phases stay quiet). Then, on a
@@ -28,6 +29,8 @@ __all__ = [
     "rows_initialized",
     "no_table_init",
     "table_init_skipped",
+    "Marks",
+    "NO_MARKS",
     "QUIET_S",
     "EVERY_S",
     "REDRAW_S",
@@ -191,3 +194,20 @@ def no_table_init() -> Iterator[None]:
 def table_init_skipped() -> bool:
     """Inside ``no_table_init``."""
     return _skip[0] > 0
+
+
+class Marks:
+    """Receives the end of each phase of a training step. A benchmark's timer (``neorec bench
+    step --breakdown``) attaches a subclass from outside; this class is the null object that
+    production code holds: it marks nothing and costs one call per phase."""
+
+    def mark(self, phase: str) -> None:
+        """The phase named ``phase`` ends now (the null object: nothing)."""
+
+    def watch_backward(self, pooled: Any, out: Any) -> None:
+        """Mark the phases of this step's backward from autograd hooks on the pooled lookup
+        ``pooled`` and the collection's output ``out`` (the null object: nothing, no hook)."""
+
+
+NO_MARKS = Marks()
+"""The null ``Marks``: what every collection and step holds unless a benchmark attaches one."""
