@@ -25,9 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from neorec.bench import provenance
+from neorec.bench.provenance import cpu_label
 from neorec.bench.report_rows import ENTRIES, Entry, render_table
 from neorec.errors import ConfigError
-from neorec.machine import cpu_model_and_flags
 
 __all__ = ["main", "run_entry", "splice", "BEGIN", "END"]
 
@@ -73,17 +74,9 @@ def _selected(only: str) -> list[Entry]:
 
 
 def last_json(stdout: str) -> dict[str, Any]:
-    """The benchmark's JSON line: the last line of its output that parses as a JSON object."""
-    for line in reversed(stdout.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                out = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(out, dict):
-                return out
-    raise ValueError("no JSON line in the benchmark's output")
+    """The benchmark's JSON line: the last line of its output that parses as a JSON object,
+    its provenance line aside."""
+    return provenance.split_output(stdout)[0]
 
 
 @contextlib.contextmanager
@@ -99,20 +92,9 @@ def _locked(path: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def cpu_label() -> str:
-    """This CPU's model and its widest vector ISA (AVX2 / AVX-512 / AMX), as rows name it."""
-    model, flags = cpu_model_and_flags()
-    f = set(flags)
-    isa = (
-        "AMX" if "amx_tile" in f else "AVX-512" if "avx512f" in f else "AVX2" if "avx2" in f else ""
-    )
-    if isa == "AVX-512" and "avx512_bf16" in f:
-        isa += " BF16"
-    return f"{model} ({isa})" if isa else model
-
-
 def run_entry(entry: Entry, quick: bool, lock: str = "") -> dict[str, Any]:
-    """Run one entry's command; return its record (command, CPU, date, seconds, JSON line).
+    """Run one entry's command; return its record (command, CPU, date, seconds, JSON line, and
+    the provenance the benchmark printed; a ``train`` entry's is recorded here around the run).
 
     Raises RuntimeError naming the entry when the command fails or prints no JSON line."""
     argv = list(entry.quick if quick else entry.argv)
@@ -124,6 +106,9 @@ def run_entry(entry: Entry, quick: bool, lock: str = "") -> dict[str, Any]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with _locked(lock):
             load = os.getloadavg()[0]  # at the start, over the last minute: other jobs
+            prov = provenance.begin(
+                [entry.kind, *(entry.quick if quick else entry.argv)], cpu_label()
+            )
             t0 = time.perf_counter()
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env
@@ -142,11 +127,16 @@ def run_entry(entry: Entry, quick: bool, lock: str = "") -> dict[str, Any]:
             if not found:
                 raise RuntimeError(f"entry '{entry.name}': the run wrote no metrics.json")
             result = json.loads(found[-1].read_text())
+            printed: dict[str, Any] | None = provenance.finish(prov, result)
+            printed = {**(printed or {}), "recorded_by": "bench report"}
+            printed["digest"] = provenance.digest(result, printed)
         else:
             try:
-                result = last_json("".join(lines))
+                result, printed = provenance.split_output("".join(lines))
             except ValueError as e:
                 raise RuntimeError(f"entry '{entry.name}': {e}") from None
+            if printed is None:
+                raise RuntimeError(f"entry '{entry.name}': the benchmark printed no provenance")
     return {
         "command": entry.command(quick),
         "quick": quick,
@@ -154,32 +144,39 @@ def run_entry(entry: Entry, quick: bool, lock: str = "") -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "seconds": round(seconds, 1),
         "load": round(load, 1),
-        "cores": os.cpu_count(),
+        "cores": printed.get("cores", os.cpu_count()),
         "result": result,
+        "provenance": printed,
     }
 
 
 def ingest(entry: Entry, log: Path) -> dict[str, Any]:
-    """The record of ``entry`` from ``log``, the output of its exact full command run elsewhere;
-    the date is the log's, the CPU this machine's (run it where the log was made)."""
+    """The record of ``entry`` from ``log``, the output of its exact full command run elsewhere
+    (by hand on a quiet machine): refused unless the log ends with the provenance its benchmark
+    printed, whose argv is the entry's command and whose digest matches its result. The CPU,
+    cores, load and date are the provenance's."""
     try:
-        result = last_json(log.read_text())
+        result, prov = provenance.split_output(log.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"bench report --ingest: {log}: {e}") from None
-    if result.get("bench") not in (None, entry.argv[0] if entry.argv else None):
-        raise ConfigError(f"bench report --ingest: {log} holds a '{result['bench']}' result")
-    mtime = datetime.date.fromtimestamp(log.stat().st_mtime)
-    rec = {
+    bad = provenance.verify(result, prov, [entry.kind, *entry.argv])
+    if bad:
+        raise ConfigError(
+            f"bench report --ingest: {log} is not the output of `{entry.command()}`: "
+            + "; ".join(bad)
+        )
+    assert prov is not None
+    return {
         "command": entry.command(),
         "quick": False,
-        "cpu": cpu_label(),
-        "date": mtime.isoformat(),
+        "cpu": prov["cpu"],
+        "date": str(prov["date"])[:10],
         "seconds": result.get("seconds"),
+        "load": float(prov["load_before"]),
+        "cores": int(prov["cores"]),
         "result": result,
+        "provenance": prov,
     }
-    if result.get("load_avg_1m") is not None:  # the load the benchmark itself recorded
-        rec.update(load=float(result["load_avg_1m"]), cores=result.get("cores") or os.cpu_count())
-    return rec
 
 
 def load_results(path: Path) -> dict[str, Any]:

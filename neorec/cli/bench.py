@@ -36,10 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def passthrough(argv: list[str]) -> int | None:
-    """``bench NAME ...``: the benchmark's flags go to it unparsed; None for anything else."""
+    """``bench NAME ...``: the benchmark's flags go to it unparsed; None for anything else. A
+    benchmark's JSON line is followed by its provenance (``neorec.bench.provenance``)."""
     if not argv or argv[0] not in BENCHES:
         return None
-    return int(importlib.import_module(f"neorec.bench.{argv[0]}").main(argv[1:]))
+    main = importlib.import_module(f"neorec.bench.{argv[0]}").main
+    if argv[0] == "report":  # it runs the others: its own output is no result
+        return int(main(argv[1:]) or 0)
+    from neorec.bench.provenance import run_recorded
+
+    return run_recorded(main, ["bench", *argv])
 
 
 def run(args: argparse.Namespace) -> int:
