@@ -3,6 +3,7 @@ carries checksums that loading verifies, and predict refuses non-finite dense fe
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import shutil
@@ -206,3 +207,77 @@ def test_predict_refuses_non_finite_dense(art: SimpleNamespace, bad: float) -> N
         ("column 5", "row 6"),  # the second batch's row 2: sample 6 of the data
     )
     c.check()
+
+
+class _FullDisk:
+    """``open`` for ``neorec.serve.export`` on a disk that holds ``budget`` more bytes: a write
+    past it stores what fits, then raises ``ENOSPC``."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def __call__(self, path: Any, mode: str = "r", *a: Any, **kw: Any) -> Any:
+        fh = open(path, mode, *a, **kw)  # noqa: SIM115 - wrapped, closed by the caller
+        return fh if "w" not in mode else _Capped(fh, self)
+
+
+class _Capped:
+    def __init__(self, fh: Any, disk: _FullDisk) -> None:
+        self.fh, self.disk = fh, disk
+
+    def write(self, data: Any) -> int:
+        n = len(memoryview(data).cast("B"))
+        if n > self.disk.left:
+            self.fh.write(memoryview(data).cast("B")[: self.disk.left])
+            self.disk.left = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.disk.left -= n
+        return int(self.fh.write(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fh, name)
+
+    def __enter__(self) -> _Capped:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.fh.close()
+
+
+def test_export_onto_a_full_disk_is_one_line(art: SimpleNamespace, tmp_path: Path) -> None:
+    """The disk fills at every file of the export in turn (tables, dense program, manifest,
+    serving.py): one ``NeorecError`` line naming the file and the OS error, nothing exported, no
+    partial folder left; with room, the same export succeeds."""
+    import neorec.serve.export as export_mod
+
+    size = {p.name: p.stat().st_size for p in art.out["int8"].iterdir()}
+    full = sum(size.values())
+    # written in this order: dense.pt2, the tables, manifest.json, serving.py (the last)
+    last = full - size["serving.py"]
+    budgets = {0, 1, size["dense.pt2"] // 2, last - size["manifest.json"] // 2, full - 1}
+    budgets |= {full * k // 12 for k in range(1, 12)}
+    named = set()
+    c = campaign("export onto a full disk")
+    for budget in sorted(budgets):
+        out = tmp_path / f"art-{budget}"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(export_mod, "open", _FullDisk(budget), raising=False)
+            try:
+                export_model(art.root, out, "int8")
+            except NeorecError as e:
+                msg = str(e)
+                ok = "cannot write (No space left on device" in msg and "\n" not in msg
+                ok = ok and "nothing was exported" in msg and not out.exists()
+                ok = ok and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+                named.add(msg.split(": ")[1])
+                c.record(f"budget {budget}", "handled" if ok else "silently accepted", msg)
+            except Exception as e:  # noqa: BLE001 - a crash is the finding
+                c.record(f"budget {budget}", "crash", f"{type(e).__name__}: {e}")
+            else:
+                c.record(f"budget {budget}", "silently accepted", "exported on a full disk")
+    c.check()
+    assert {"dense.pt2", "manifest.json", "serving.py"} <= named, named
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export_mod, "open", _FullDisk(2 * full), raising=False)
+        export_model(art.root, tmp_path / "roomy", "int8")
+    assert (tmp_path / "roomy" / "manifest.json").exists()

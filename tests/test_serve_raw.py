@@ -95,7 +95,7 @@ def test_raw_rows_match_neorec_predict(criteo: SimpleNamespace) -> None:
     assert main(argv) == 0
     want = np.load(out)
     predictor = _serving(criteo.art).load(str(criteo.art))
-    got_text = predictor.predict_raw(criteo.lines)  # log lines, label first
+    got_text = predictor.predict_raw(criteo.lines, labels=True)  # log lines, label first
     got_fields = predictor.predict_raw([ln.rstrip("\n").split("\t")[1:] for ln in criteo.lines])
     assert got_text.shape == want.shape == (40,)
     assert np.abs(got_text - want).max() <= 1e-6
@@ -105,7 +105,7 @@ def test_raw_rows_match_neorec_predict(criteo: SimpleNamespace) -> None:
 def test_transforms_equal_the_training_reader(criteo: SimpleNamespace) -> None:
     """The loader's dense values and ids are bitwise the Criteo reader's (what training saw)."""
     predictor = _serving(criteo.art).load(str(criteo.art))
-    dense, sparse = predictor.inputs_from_raw(criteo.lines)
+    dense, sparse = predictor.inputs_from_raw(criteo.lines, labels=True)
     ds = CriteoTSVDataset(criteo.held, criteo.cfg.embedding.tables, batch_size=len(criteo.lines))
     (batch,) = list(ds)
     assert dense.dtype == np.float32 and np.array_equal(dense, batch.dense.numpy())
@@ -123,9 +123,11 @@ def test_multi_hot_rows_equal_preprocessing() -> None:
         assert np.array_equal(standalone.multi_hot_rows(ids, feature, size, rows, seed), want)
 
 
-def _inputs(transforms: dict[str, Any], rows: Any) -> tuple[np.ndarray, dict[str, Any]]:
+def _inputs(
+    transforms: dict[str, Any], rows: Any, labels: bool = False
+) -> tuple[np.ndarray, dict[str, Any]]:
     fake = SimpleNamespace(manifest={"transforms": transforms})
-    return standalone.Predictor.inputs_from_raw(fake, rows)  # type: ignore[arg-type]
+    return standalone.Predictor.inputs_from_raw(fake, rows, labels)  # type: ignore[arg-type]
 
 
 def test_preprocessed_multi_hot_transforms_equal_the_reader(tmp_path: Path) -> None:
@@ -148,7 +150,7 @@ def test_preprocessed_multi_hot_transforms_equal_the_reader(tmp_path: Path) -> N
     )  # fmt: skip
     tf = feature_transforms(cfg)
     assert tf["multi_hot"]["seed"] == 7 and tf["categorical"][1]["multi_hot"] == 3
-    dense, sparse = _inputs(tf, lines)
+    dense, sparse = _inputs(tf, lines, labels=True)
     keys = [t.features[0] for t in cfg.embedding.tables]
     (batch,) = list(ShardedReader(ShardSet(pre), 30, keys=keys, shuffle=False, workers=0))
     assert np.array_equal(dense, batch.dense.numpy())
@@ -187,5 +189,14 @@ def test_bad_rows_and_models_without_transforms(tmp_path: Path) -> None:
             _inputs(tf, [good, bad])
     with pytest.raises(ValueError, match="row 0: 38 fields, want 39"):
         _inputs(tf, [good[1:]])
+    # a labelled row that lost a field, or a label-less row with a trailing tab, would be read
+    # with every field shifted: refused unless the caller says the rows carry labels
+    trailing_tab = "\t".join(good) + "\t"
+    with pytest.raises(ValueError, match="row 0: 40 fields, want 39 .*labels=True"):
+        _inputs(tf, [trailing_tab])
+    with pytest.raises(ValueError, match="row 0: 39 fields, want 40"):
+        _inputs(tf, [good], labels=True)
+    dense, _ = _inputs(tf, ["1\t" + "\t".join(good)], labels=True)
+    assert np.array_equal(dense, _inputs(tf, [good])[0])
     gone = tiny_cfg(tmp_path, "data.source='criteo'", "data.path='/nonexistent/criteo'")
     assert "not found" in feature_transforms(gone)["why"]

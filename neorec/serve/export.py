@@ -28,11 +28,15 @@ int4 with Check-N-Run's greedy range search.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import os
 import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +82,24 @@ def _export_dense(plain: nn.Module, num_dense: int, width: int, out: Path) -> di
     try:
         batch = torch.export.Dim("batch", min=1)
         program = torch.export.export(plain, example, dynamic_shapes=({0: batch}, {0: batch}))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch's notes on weight storage
-            torch.export.save(program, str(out / "dense.pt2"))
-        fmt, file = "torch.export", "dense.pt2"
-        why = ""
     except Exception as e:  # noqa: BLE001 - an export failure falls back to TorchScript
         why = f"torch.export failed: {type(e).__name__}: {str(e).strip()[:200]}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is the fallback
             traced = torch.jit.trace(plain, example, check_trace=False)
-            traced.save(str(out / "dense.ts"))  # type: ignore[no-untyped-call]
         fmt, file = "torchscript", "dense.ts"
+        buf = io.BytesIO()
+        torch.jit.save(traced, buf)
+    else:
+        fmt, file, why = "torch.export", "dense.pt2", ""
+        buf = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's notes on weight storage
+            torch.export.save(program, buf)
+    # Serialized in memory, written by Python: torch's zip writer on a full disk raises, then
+    # aborts the process from its destructor.
+    with _writing(out / file), open(out / file, "wb") as fh:
+        fh.write(buf.getbuffer())
     return {
         "format": fmt,
         "file": file,
@@ -97,6 +107,27 @@ def _export_dense(plain: nn.Module, num_dense: int, width: int, out: Path) -> di
         "inputs": [f"dense [B, {num_dense}] float32", f"pooled [B, {width}] float32"],
         "output": "logits [B] float32",
     }
+
+
+class ExportWriteError(DataError):
+    """A file of the export could not be written (a full disk, a read-only folder)."""
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Writing ``path``: an ``OSError`` becomes one ``ExportWriteError`` naming the file, the
+    OS error and the space left."""
+    try:
+        yield
+    except OSError as e:
+        why = e.strerror or str(e)
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = -1
+        if free >= 0 and e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+            why += f"; {free:,} bytes free there"
+        raise ExportWriteError(f"{path.name}: cannot write ({why})") from None
 
 
 def _quantized(w: Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -111,7 +142,7 @@ def _quantized(w: Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _save(path: Path, a: np.ndarray) -> int:
-    with open(path, "wb") as fh:
+    with _writing(path), open(path, "wb") as fh:
         np.save(fh, np.ascontiguousarray(a), allow_pickle=False)
     return path.stat().st_size
 
@@ -256,8 +287,9 @@ def export_model(
     model, cfg = load_model(src, dense_blocks=False)
     step = int(read_model_info(src)["step"])
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        with _writing(tmp):
+            tmp.mkdir()
         plain, width = dense_program(model, cfg)
         dense = _export_dense(plain, cfg.model.num_dense, width, tmp)
         tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp, progress)
@@ -278,11 +310,20 @@ def export_model(
             "torch": torch.__version__,
         }
         manifest["files"] = _file_table(tmp, [dense["file"], *_table_files(tables)])
-        (tmp / "manifest.json").write_bytes(seal_manifest(manifest))
-        shutil.copyfile(standalone.__file__, tmp / "serving.py")
+        for name, data in (
+            ("manifest.json", seal_manifest(manifest)),
+            ("serving.py", Path(standalone.__file__).read_bytes()),
+        ):
+            with _writing(tmp / name), open(tmp / name, "wb") as fh:
+                fh.write(data)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
+    except ExportWriteError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportWriteError(
+            f"{out}: {e}; nothing was exported (the partial files are removed)"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,8 +25,9 @@ checksums are neorec's checkpoint checksums (``neorec.checkpoint.format``), comp
 with the standard library.
 
 Raw Criteo rows (a model trained on Criteo data): ``predict.predict_raw(rows)`` takes each row as
-its tab-separated text or a sequence of its fields, ``I1..I13 C1..C26`` (39 fields) or a log line
-``label I1..I13 C1..C26`` (40; the label is not read), and applies the training-side transforms the
+its tab-separated text or a sequence of its fields, ``I1..I13 C1..C26`` (39 fields), or with
+``labels=True`` a log line ``label I1..I13 C1..C26`` (40; the label is not read): a row of any other
+count is refused, never read shifted. It applies the training-side transforms the
 manifest records (``transforms``): dense ``log(max(x, 0) + 1)`` (empty = 0), each category's hex
 value mapped as training mapped it (``v % rows``; a dynamic table's raw id; a bounded index; the
 multi-hot draws of preprocessed data), empty = 0. ``predict.inputs_from_raw(rows)`` gives the
@@ -227,9 +228,11 @@ def multi_hot_rows(
     return out
 
 
-def criteo_fields(row: Any, index: int) -> list[str]:
+def criteo_fields(row: Any, index: int, labels: bool = False) -> list[str]:
     """The 39 fields ``I1..I13 C1..C26`` of a raw row: its tab-separated text (one trailing
-    newline dropped) or a sequence of its fields; a leading label (40 fields) is dropped."""
+    newline dropped) or a sequence of its fields; with ``labels`` the row has 40, a leading label
+    (dropped). Any other count is refused: a row that lost or gained a field would be read with
+    every field shifted."""
     if isinstance(row, bytes):
         try:
             row = row.decode("utf-8")
@@ -241,13 +244,15 @@ def criteo_fields(row: Any, index: int) -> list[str]:
         fields = ["" if f is None else str(f) for f in row]
     else:
         raise ValueError(f"row {index}: a str or a sequence of fields, got {type(row).__name__}")
-    if len(fields) == 40:
-        fields = fields[1:]
-    if len(fields) != 39:
-        raise ValueError(
-            f"row {index}: {len(fields)} fields, want 39 (I1..I13 C1..C26) or 40 (a label first)"
+    want = 40 if labels else 39
+    if len(fields) != want:
+        hint = (
+            "label I1..I13 C1..C26 (labels=True)"
+            if labels
+            else "I1..I13 C1..C26; rows with a label first: labels=True"
         )
-    return fields
+        raise ValueError(f"row {index}: {len(fields)} fields, want {want} ({hint})")
+    return fields[1:] if labels else fields
 
 
 def _dense_int(s: str, index: int, col: int) -> int:
@@ -465,8 +470,9 @@ class Predictor:
         """Click probabilities float32 [B]."""
         return torch.sigmoid(self.logits(dense, sparse)).numpy()
 
-    def inputs_from_raw(self, rows: Any) -> tuple[np.ndarray, dict[str, Any]]:
-        """``(dense, sparse)`` of raw Criteo rows, through the manifest's ``transforms``."""
+    def inputs_from_raw(self, rows: Any, labels: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
+        """``(dense, sparse)`` of raw Criteo rows, through the manifest's ``transforms``
+        (``labels``: each row starts with a label, which is not read)."""
         tf = self.manifest.get("transforms")
         if not isinstance(tf, dict) or tf.get("kind") != "criteo":
             why = tf.get("why") if isinstance(tf, dict) else "exported without transforms"
@@ -474,7 +480,7 @@ class Predictor:
                 f"this artifact cannot read raw rows ({why}); use predict(dense, sparse)"
             )
         cats = tf["categorical"]
-        fields = [criteo_fields(r, i) for i, r in enumerate(rows)]
+        fields = [criteo_fields(r, i, labels) for i, r in enumerate(rows)]
         n = len(fields)
         ints = np.zeros((n, 13), dtype=np.int64)
         ids = np.zeros((n, len(cats)), dtype=np.int64)
@@ -491,9 +497,10 @@ class Predictor:
             sparse[str(spec["feature"])] = (np.full(n, size, dtype=np.int64), bags.reshape(-1))
         return dense, sparse
 
-    def predict_raw(self, rows: Any) -> np.ndarray:
-        """Click probabilities float32 [B] of raw Criteo rows (see the module docstring)."""
-        return self(*self.inputs_from_raw(rows))
+    def predict_raw(self, rows: Any, labels: bool = False) -> np.ndarray:
+        """Click probabilities float32 [B] of raw Criteo rows (see the module docstring;
+        ``labels``: each row is a log line with its label first)."""
+        return self(*self.inputs_from_raw(rows, labels))
 
 
 def load(path: str, verify: bool = True) -> Predictor:
