@@ -105,6 +105,8 @@ def _damages(a: Path) -> list[tuple[str, Any, str]]:
         ("truncated dense.pt2", lambda a: _truncate(a / "dense.pt2"), "dense.pt2"),
         ("bit flip in dense.pt2", lambda a: _flip(a / "dense.pt2", at=-200), "dense.pt2"),
         ("dense.pt2 removed", lambda a: (a / "dense.pt2").unlink(), "dense.pt2"),
+        # a flip inside the loader's docstring: the code still runs, and checks itself
+        ("bit flip in serving.py", lambda a: _flip(a / "serving.py", at=200), "serving.py"),
     ]  # fmt: skip
 
 
@@ -134,6 +136,10 @@ def test_damaged_artifact_names_the_file(art: SimpleNamespace, tmp_path: Path) -
         _flip(_table(a, key))
         rel = str(_table(a, key).relative_to(a))
         c.expect_error(f"int8: bit flip in {key}", lambda a=a: load_artifact(a), rel)
+    # a loader cut short cannot run at all; neorec's loader names it
+    a = _copy(art, "none", tmp_path, "cut-loader")
+    _truncate(a / "serving.py")
+    c.expect_error("truncated serving.py", lambda a=a: load_artifact(a), (str(a), "serving.py"))
     c.check()
 
 
@@ -245,16 +251,16 @@ class _Capped:
 
 
 def test_export_onto_a_full_disk_is_one_line(art: SimpleNamespace, tmp_path: Path) -> None:
-    """The disk fills at every file of the export in turn (tables, dense program, manifest,
-    serving.py): one ``NeorecError`` line naming the file and the OS error, nothing exported, no
+    """The disk fills at every file of the export in turn (dense program, tables, serving.py,
+    manifest): one ``NeorecError`` line naming the file and the OS error, nothing exported, no
     partial folder left; with room, the same export succeeds."""
     import neorec.serve.export as export_mod
 
-    size = {p.name: p.stat().st_size for p in art.out["int8"].iterdir()}
+    size = {p.name: p.stat().st_size for p in art.out["int8"].rglob("*") if p.is_file()}
     full = sum(size.values())
-    # written in this order: dense.pt2, the tables, manifest.json, serving.py (the last)
-    last = full - size["serving.py"]
-    budgets = {0, 1, size["dense.pt2"] // 2, last - size["manifest.json"] // 2, full - 1}
+    # written in this order: dense.pt2, the tables, serving.py, manifest.json (the last)
+    last = full - size["manifest.json"]
+    budgets = {0, 1, size["dense.pt2"] // 2, last - size["serving.py"] // 2, full - 1}
     budgets |= {full * k // 12 for k in range(1, 12)}
     named = set()
     c = campaign("export onto a full disk")
@@ -278,6 +284,11 @@ def test_export_onto_a_full_disk_is_one_line(art: SimpleNamespace, tmp_path: Pat
     c.check()
     assert {"dense.pt2", "manifest.json", "serving.py"} <= named, named
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(export_mod, "open", _FullDisk(2 * full), raising=False)
+        mp.setattr(export_mod, "open", _FullDisk(full), raising=False)
         export_model(art.root, tmp_path / "roomy", "int8")
     assert (tmp_path / "roomy" / "manifest.json").exists()
+
+
+def test_no_samples_names_the_data(art: SimpleNamespace) -> None:
+    with pytest.raises(NeorecError, match=r"^held\.csv: holds no samples to eval; check --data"):
+        predict_batches(art.model, iter([]), what="eval", source="held.csv")

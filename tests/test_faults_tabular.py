@@ -280,3 +280,33 @@ def test_files_and_configs_refused(tmp_path: Path) -> None:
         "CLI: Criteo flag with a tabular config", "clear error" if ok else "crash", r.stderr[-300:]
     )
     TAB.check()
+
+
+def _batches(d: Path) -> list[Any]:
+    return list(data_source(config(path=str(d))).train_batches())
+
+
+def test_csv_with_a_byte_order_mark_reads_like_without(tmp_path: Path) -> None:
+    """A UTF-8 byte-order mark (as spreadsheet programs write) is not part of the header."""
+    plain, bom = tmp_path / "plain", tmp_path / "bom"
+    write_example(plain, "csv", 20, 10)
+    write_example(bom, "csv", 20, 10)
+    for f in bom.iterdir():
+        f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    want, got = _batches(plain), _batches(bom)
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.dense.equal(b.dense) and a.labels.equal(b.labels)
+        assert a.sparse.values.equal(b.sparse.values)
+
+
+def test_unterminated_quote_names_the_line_it_opens(tmp_path: Path) -> None:
+    d = tmp_path / "csv"
+    write_example(d, "csv", 5, 10)
+    cols = _cols()
+    write_csv(d / "part-0.csv", cols)
+    lines = (d / "part-0.csv").read_text().splitlines(keepends=True)
+    lines[6] = lines[6].replace(",", ',"x', 1)  # line 7: a quote that never ends
+    (d / "part-0.csv").write_text("".join(lines))
+    _both("csv: unterminated quote", d, ("part-0.csv:7", "unterminated quote"))
+    TAB.check()

@@ -73,11 +73,9 @@ def count_rows(path: Path, schema: SchemaConfig) -> int:
         return int(_parquet_file(path).metadata.num_rows)
     with _open_text(path) as f:
         try:
-            n = sum(1 for _ in csv.reader(f, delimiter=_delim(schema, path)))
+            n = sum(1 for _ in _records(path, _reader(f, schema, path)))
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except csv.Error as e:
-            raise DataError(f"{path}: not readable as CSV ({e})") from None
     if n == 0:
         raise DataError(f"{path}: empty file (no header line)")
     return n - 1
@@ -99,17 +97,45 @@ def _delim(schema: SchemaConfig, path: Path) -> str:
 
 
 def _open_text(path: Path) -> io.TextIOWrapper:
+    """UTF-8 text; a leading byte-order mark (as spreadsheet programs write) is not data."""
     try:
-        return open(path, encoding="utf-8", newline="")  # noqa: SIM115 - the caller closes it
+        return open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - the caller closes it
     except OSError as e:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
 
 
+def _reader(f: io.TextIOWrapper, schema: SchemaConfig, path: Path) -> Any:
+    """A strict CSV reader: a quote that does not end is an error, not the rest of the file."""
+    return csv.reader(f, delimiter=_delim(schema, path), strict=True)
+
+
+def _records(path: Path, reader: Any) -> Iterator[tuple[int, list[str]]]:
+    """``(line where the record starts, its fields)``; a malformed record is one ``DataError``
+    naming the file and that line (a quote left open names the line it was opened on)."""
+    start = 1
+    while True:
+        try:
+            rec = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            msg = str(e)
+            if "field limit" in msg or "unexpected end of data" in msg:
+                msg = (
+                    f"a quoted field opened in this record does not end before "
+                    f"{'the end of the file' if 'end of data' in msg else 'the field limit'} "
+                    f"(an unterminated quote?; {msg})"
+                )
+            raise DataError(f"{path.name}:{start}: {msg}") from None
+        yield start, rec
+        start = reader.line_num + 1
+
+
 def _csv_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
     with _open_text(path) as f:
-        reader = csv.reader(f, delimiter=_delim(schema, path))
+        reader = _records(path, _reader(f, schema, path))
         try:
-            header = next(reader, None)
+            _, header = next(reader, (0, None))
             if header is None:
                 raise DataError(f"{path}: empty file (no header line)")
             missing = [c for c in schema.columns if c not in header]
@@ -121,14 +147,13 @@ def _csv_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
             index = {c: header.index(c) for c in schema.columns}
             recs: list[list[str]] = []
             lines: list[int] = []
-            for rec in reader:
+            for line, rec in reader:
                 if len(rec) != len(header):
                     raise DataError(
-                        f"{path.name}:{reader.line_num}: {len(rec)} fields, the header has "
-                        f"{len(header)}"
+                        f"{path.name}:{line}: {len(rec)} fields, the header has {len(header)}"
                     )
                 recs.append(rec)
-                lines.append(reader.line_num)
+                lines.append(line)
                 if len(recs) == rows:
                     yield _csv_block(path, schema, index, recs, lines)
                     recs, lines = [], []
@@ -136,8 +161,6 @@ def _csv_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
                 yield _csv_block(path, schema, index, recs, lines)
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except csv.Error as e:
-            raise DataError(f"{path.name}:{reader.line_num}: {e}") from None
 
 
 def _csv_block(

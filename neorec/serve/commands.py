@@ -84,7 +84,7 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
     src, cfg, data = _prepare(args)
     model, _ = load_model(src)
     probs, _labels = predict_batches(
-        model, data.batches(), cfg.train.bf16_dense, "predict", data.total
+        model, data.batches(), cfg.train.bf16_dense, "predict", data.total, data.describe
     )
     arr = probs.numpy().astype(np.float32, copy=False)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")

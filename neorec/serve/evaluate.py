@@ -154,10 +154,12 @@ def predict_batches(
     bf16: bool = False,
     what: str = "predict",
     total: int | None = None,
+    source: str = "the data",
 ) -> tuple[Tensor, Tensor]:
     """(probabilities, labels) float32 over ``batches``, in order: the trainer's eval loop (the
     same per-block sigmoid), so the same model and batches give bitwise its predictions. A
-    progress line (``what``; ``total`` batches when known) when it takes a while."""
+    progress line (``what``; ``total`` batches when known) when it takes a while; ``source``
+    names the data in errors."""
     from neorec.distributed.dense_blocks import blocks_of, per_block
 
     model.train(False)
@@ -177,11 +179,13 @@ def predict_batches(
             labels.append(batch.labels.detach().float().cpu())
             phase.advance(1)
     if not probs:
-        raise DataError("the data holds no samples to predict; check --data or the eval split")
+        raise DataError(f"{source}: holds no samples to {what}; check --data or the eval split")
     return torch.cat(probs), torch.cat(labels)
 
 
 def evaluate_model(model: Any, cfg: Config, data: EvalData) -> dict[str, float]:
     """AUC, log loss, NE, calibration of ``model`` on ``data`` (the trainer's metrics)."""
-    probs, labels = predict_batches(model, data.batches(), cfg.train.bf16_dense, "eval", data.total)
+    probs, labels = predict_batches(
+        model, data.batches(), cfg.train.bf16_dense, "eval", data.total, data.describe
+    )
     return binary_metrics(probs, labels)

@@ -309,13 +309,12 @@ def export_model(
             "source": {"model": str(src.resolve()), "step": step},
             "torch": torch.__version__,
         }
-        manifest["files"] = _file_table(tmp, [dense["file"], *_table_files(tables)])
-        for name, data in (
-            ("manifest.json", seal_manifest(manifest)),
-            ("serving.py", Path(standalone.__file__).read_bytes()),
-        ):
-            with _writing(tmp / name), open(tmp / name, "wb") as fh:
-                fh.write(data)
+        with _writing(tmp / "serving.py"), open(tmp / "serving.py", "wb") as fh:
+            fh.write(Path(standalone.__file__).read_bytes())
+        files = [dense["file"], *_table_files(tables), "serving.py"]
+        manifest["files"] = _file_table(tmp, files)  # serving.py too: a damaged loader is named
+        with _writing(tmp / "manifest.json"), open(tmp / "manifest.json", "wb") as fh:
+            fh.write(seal_manifest(manifest))
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
