@@ -88,6 +88,11 @@ class SchemaConfig:
     """CSV/TSV: the separator of ids (and weights) inside a list field (``3|17|5``)."""
     hash_seed: int = field(default=0, metadata=rule(0, MAX_SEED))
     """Seed of the id hash (``ids = "hash"``)."""
+    max_field_bytes: int = field(default=65536, metadata=rule(16, 1 << 30))
+    """The longest field a row may hold, in bytes (a string id, a CSV field): a longer one is
+    refused naming its file, row and column (memory stays bounded whatever the input)."""
+    max_ids_per_field: int = field(default=65536, metadata=rule(1, 1 << 30))
+    """The most ids one row's list feature may hold; more are refused like a long field."""
     features: list[FeatureSpec] = field(default_factory=list)
     """The features, in order: dense ones give the dense input's columns in this order."""
 

@@ -69,20 +69,19 @@ class Block:
 
 
 def str_keys(values: Sequence[str]) -> np.ndarray:
-    """int64 keys of string ids (8 bytes of BLAKE2b of the UTF-8 text), each unique one once."""
-    if not len(values):
-        return np.zeros(0, np.int64)
-    uniq, inv = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
-    keys = np.array(
-        [
-            int.from_bytes(
-                hashlib.blake2b(u.encode(), digest_size=8).digest(), "little", signed=True
-            )
-            for u in uniq.tolist()
-        ],
-        dtype=np.int64,
-    )
-    return keys[inv.reshape(-1)]
+    """int64 keys of string ids (8 bytes of BLAKE2b of the UTF-8 text), each unique one hashed
+    once. Memory grows with the ids' total length, never with rows x the longest id (no
+    fixed-width string array)."""
+    out = np.empty(len(values), np.int64)
+    seen: dict[str, int] = {}
+    for i, v in enumerate(values):
+        s = v if isinstance(v, str) else str(v)
+        k = seen.get(s)
+        if k is None:
+            digest = hashlib.blake2b(s.encode(), digest_size=8).digest()
+            k = seen[s] = int.from_bytes(digest, "little", signed=True)
+        out[i] = k
+    return out
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

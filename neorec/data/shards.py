@@ -18,7 +18,7 @@ import numpy as np
 
 from neorec.config import ConfigError
 from neorec.data.blocks import ParsedBlock, dense_transform, empty_block, parse_block
-from neorec.data.criteo import GZ_ERRORS, NUM_SPARSE, gz_chunks
+from neorec.data.criteo import GZ_ERRORS, LONG_LINE, MAX_LINE_BYTES, NUM_SPARSE, gz_chunks
 
 __all__ = [
     "PreprocessOptions",
@@ -202,8 +202,10 @@ def plan_units(paths: Sequence[Path], chunk_bytes: int) -> list[Unit]:
         with open(p, "rb") as f:
             while cuts[-1] + chunk_bytes < size:
                 f.seek(cuts[-1] + chunk_bytes - 1)
-                rest = f.readline()  # to the end of the line holding that byte
-                nxt = cuts[-1] + chunk_bytes - 1 + len(rest)
+                rest = 0  # to the end of the line holding that byte, read in pieces
+                while (piece := f.readline(1 << 16)) and not piece.endswith(b"\n"):
+                    rest += len(piece)
+                nxt = cuts[-1] + chunk_bytes - 1 + rest + len(piece)
                 if nxt >= size:
                     break
                 cuts.append(nxt)
@@ -222,12 +224,19 @@ def _plain_chunks(unit: Unit) -> Iterator[bytes]:
 
 
 def _blocks(unit: Unit) -> Iterator[tuple[bytes, str | None]]:
-    """(whole-line blocks, error) of a unit; a gzip error ends the stream with its message."""
+    """(whole-line blocks, error) of a unit; a line longer than ``MAX_LINE_BYTES`` is
+    ``(b"", LONG_LINE)`` (one bad line, skipped without being held); a gzip error ends the stream
+    with its message."""
     chunks = gz_chunks(unit.path) if unit.end < 0 else _plain_chunks(unit)
     pieces: list[bytes] = []
-    size = 0
+    size, skipping = 0, False
     try:
         for chunk in chunks:
+            if skipping:  # the rest of a line too long to hold
+                nl = chunk.find(b"\n")
+                if nl < 0:
+                    continue
+                chunk, skipping = chunk[nl + 1 :], False
             pieces.append(chunk)
             size += len(chunk)
             if size < _READ_BYTES:
@@ -237,6 +246,9 @@ def _blocks(unit: Unit) -> Iterator[tuple[bytes, str | None]]:
             if cut:
                 yield carry[:cut], None
                 carry = carry[cut:]
+            if len(carry) > MAX_LINE_BYTES:
+                yield b"", LONG_LINE
+                carry, skipping = b"", True
             pieces, size = [carry], len(carry)
     except GZ_ERRORS as e:
         carry = b"".join(pieces)
@@ -247,7 +259,9 @@ def _blocks(unit: Unit) -> Iterator[tuple[bytes, str | None]]:
         yield b"", f"truncated or corrupt gzip stream ({type(e).__name__}: {e})"
         return
     carry = b"".join(pieces)
-    if carry:
+    if len(carry) > MAX_LINE_BYTES:
+        yield b"", LONG_LINE
+    elif carry:
         yield carry, None
 
 
@@ -274,7 +288,7 @@ def _parsed(unit: Unit, res: UnitResult, fail: bool) -> Iterator[ParsedBlock]:
         bad = [(res.lines + i, m) for i, m in block.bad]
         if err is not None:
             bad.append((res.lines + block.lines, err))  # the line the stream was cut in
-        res.lines += block.lines
+        res.lines += block.lines + (err == LONG_LINE)  # a long line is a line
         res.bad_count += len(bad)
         res.bad += bad[: max(0, _MAX_EXAMPLES - len(res.bad))]
         if bad and fail:

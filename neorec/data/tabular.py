@@ -104,31 +104,104 @@ def _open_text(path: Path) -> io.TextIOWrapper:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
 
 
+LINE_FIELDS = 64
+"""A physical CSV line may hold ``LINE_FIELDS`` x ``max_field_bytes`` characters: a longer one is
+refused without being held (the csv module reads whole lines)."""
+
+
+class _LongLine(Exception):
+    def __init__(self, line: int) -> None:
+        self.line = line
+
+
+def _capped_lines(f: io.TextIOWrapper, cap: int) -> Iterator[str]:
+    """The lines of ``f``; one longer than ``cap`` characters raises ``_LongLine``."""
+    n = 0
+    while line := f.readline(cap + 1):
+        n += 1
+        if len(line) > cap and not line.endswith("\n"):
+            raise _LongLine(n)
+        yield line
+
+
 def _reader(f: io.TextIOWrapper, schema: SchemaConfig, path: Path) -> Any:
-    """A strict CSV reader: a quote that does not end is an error, not the rest of the file."""
-    return csv.reader(f, delimiter=_delim(schema, path), strict=True)
+    """A strict CSV reader: a quote that does not end is an error, not the rest of the file; no
+    field longer than ``max_field_bytes`` characters, no line longer than ``LINE_FIELDS`` of
+    them, is ever held."""
+    csv.field_size_limit(schema.max_field_bytes)
+    lines = _capped_lines(f, schema.max_field_bytes * LINE_FIELDS)
+    return csv.reader(lines, delimiter=_delim(schema, path), strict=True)
 
 
 def _records(path: Path, reader: Any) -> Iterator[tuple[int, list[str]]]:
     """``(line where the record starts, its fields)``; a malformed record is one ``DataError``
     naming the file and that line (a quote left open names the line it was opened on)."""
-    start = 1
+    start, header = 1, None
     while True:
         try:
             rec = next(reader)
         except StopIteration:
             return
-        except csv.Error as e:
+        except (csv.Error, _LongLine) as e:
             msg = str(e)
-            if "field limit" in msg or "unexpected end of data" in msg:
+            if isinstance(e, _LongLine):
+                start, msg = e.line, "field limit"
+            if "unexpected end of data" in msg:
+                msg = f"a quoted field opened in this record does not end (an unterminated quote; {msg})"
+            elif "field limit" in msg:
+                limit = csv.field_size_limit()
+                col = _long_field(path, reader.dialect.delimiter, start, limit)
+                what = f"column {col + 1}" if col is not None else "a field"
+                if col is not None and header:
+                    what = f"column '{header[col]}'" if col < len(header) else what
                 msg = (
-                    f"a quoted field opened in this record does not end before "
-                    f"{'the end of the file' if 'end of data' in msg else 'the field limit'} "
-                    f"(an unterminated quote?; {msg})"
+                    f"{what}: a field of more than {limit:,} characters "
+                    "(data.schema.max_field_bytes), or a quote that does not end"
                 )
             raise DataError(f"{path.name}:{start}: {msg}") from None
+        if header is None:
+            header = rec
         yield start, rec
         start = reader.line_num + 1
+
+
+def _long_field(path: Path, delimiter: str, line: int, limit: int) -> int | None:
+    """The 0-based column of the first field longer than ``limit`` characters in the record that
+    starts on ``line`` (streamed in pieces: never holds the field); None if none is found."""
+    col = size = 0
+    quoted = False
+    with _open_text(path) as f:
+        for _ in range(line - 1):
+            while True:  # skip a line without holding it
+                piece = f.readline(1 << 16)
+                if not piece or piece.endswith("\n"):
+                    break
+        while piece := f.read(1 << 16):
+            for ch in piece:
+                if ch == '"':
+                    quoted = not quoted
+                elif ch == delimiter and not quoted:
+                    col, size = col + 1, 0
+                    continue
+                elif ch == "\n" and not quoted:
+                    return None
+                size += 1
+                if size > limit:
+                    return col
+    return None
+
+
+def _check_lengths(
+    texts: list[str], column: str, where: Callable[[int], str], limit: int
+) -> list[str]:
+    """``texts``, each at most ``limit`` bytes of UTF-8, else one ``DataError`` naming it."""
+    for i, t in enumerate(texts):
+        if len(t) * 4 > limit and len(t.encode()) > limit:
+            raise DataError(
+                f"{where(i)}: column '{column}': a field of {len(t.encode()):,} bytes, over "
+                f"data.schema.max_field_bytes ({limit:,})"
+            )
+    return texts
 
 
 def _csv_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
@@ -173,14 +246,31 @@ def _csv_block(
 
     def col(c: str) -> list[str]:
         k = index[c]
-        return [r[k] for r in recs]
+        return _check_lengths([r[k] for r in recs], c, where, schema.max_field_bytes)
 
     labels = _labels(
         _floats(col(schema.label), schema.label, where, missing_ok=False), schema.label, where
     )
     dense = {f.column: _dense(col(f.column), f.column, where) for f in schema.dense}
     sparse = {f.name: _csv_sparse(f, col, schema.list_sep, where) for f in schema.sparse}
+    _check_ids_per_field(sparse, schema, where)
     return Block(len(recs), labels, dense, sparse, where)
+
+
+def _check_ids_per_field(
+    sparse: dict[str, SparseColumn], schema: SchemaConfig, where: Callable[[int], str]
+) -> None:
+    """No row's list feature holds more than ``max_ids_per_field`` ids."""
+    limit = schema.max_ids_per_field
+    for f in schema.sparse:
+        lengths = sparse[f.name].lengths
+        over = np.flatnonzero(lengths > limit)
+        if len(over):
+            i = int(over[0])
+            raise DataError(
+                f"{where(i)}: column '{f.column}': {int(lengths[i]):,} ids, over "
+                f"data.schema.max_ids_per_field ({limit:,})"
+            )
 
 
 def _floats(
@@ -386,7 +476,9 @@ def _int_keys(flat: Any, column: str, where: Callable[[int], str]) -> np.ndarray
     return np.asarray(flat.to_numpy(zero_copy_only=False)).astype(np.int64)
 
 
-def _parquet_sparse(f: FeatureSpec, rb: Any, where: Callable[[int], str]) -> SparseColumn:
+def _parquet_sparse(
+    f: FeatureSpec, rb: Any, where: Callable[[int], str], max_bytes: int
+) -> SparseColumn:
     import pyarrow.compute as pc
 
     arr = rb.column(f.column)
@@ -409,6 +501,15 @@ def _parquet_sparse(f: FeatureSpec, rb: Any, where: Callable[[int], str]) -> Spa
     def at(k: int) -> str:
         return where(int(rows_of[k]))
 
+    if f.dtype == "str" and len(flat):
+        sizes = np.asarray(pc.binary_length(flat).to_numpy(zero_copy_only=False), np.int64)
+        over = np.flatnonzero(sizes > max_bytes)
+        if len(over):
+            k = int(over[0])
+            raise DataError(
+                f"{at(k)}: column '{f.column}': an id of {int(sizes[k]):,} bytes, over "
+                f"data.schema.max_field_bytes ({max_bytes:,})"
+            )
     keys = _int_keys(flat, f.column, at) if f.dtype == "int" else str_keys(flat.to_pylist())
     weights = None
     if f.weights:
@@ -443,5 +544,6 @@ def _parquet_block(path: Path, schema: SchemaConfig, rb: Any, first: int) -> Blo
         _numbers(rb.column(schema.label), schema.label, where, False), schema.label, where
     )
     dense = {f.column: _numbers(rb.column(f.column), f.column, where, True) for f in schema.dense}
-    sparse = {f.name: _parquet_sparse(f, rb, where) for f in schema.sparse}
+    sparse = {f.name: _parquet_sparse(f, rb, where, schema.max_field_bytes) for f in schema.sparse}
+    _check_ids_per_field(sparse, schema, where)
     return Block(rb.num_rows, labels, dense, sparse, where)
