@@ -313,3 +313,35 @@ def test_new_slots_are_not_read_from_the_store(tmp_path: Path) -> None:
     assert st["a"]["total"]["evicted"] > 0 and st["b"]["total"]["evicted"] > 0
     assert all(s.bytes_read == 0 for s in got.stores().values())
     assert st["misses"] == 2 * 10  # each slot filled once, fresh
+
+
+def test_mixed_collection_forwards_flush_and_close(tmp_path: Path) -> None:
+    """A fixed + dynamic collection flushes and closes both parts (it did neither)."""
+    from neorec.build import build_dlrm
+    from neorec.config import load_config
+
+    cfg = load_config(
+        overrides=[
+            "embedding.tables=[{name='x', rows=10, dim=4, storage='dram', cache_rows=4}, "
+            "{name='a', rows=16, dim=4, kind='dynamic', capacity=8, storage='ssd', "
+            "cache_fraction=0.5}]",
+            "model.bottom_mlp=[8, 4]",
+            "model.top_mlp=[8, 1]",
+            f"storage.dir='{tmp_path}'",
+        ]
+    )
+    ebc: Any = build_dlrm(cfg).ebc
+    calls: list[tuple[str, str]] = []
+    for name in ("fixed", "dynamic"):
+        part = getattr(ebc, name)
+        for what in ("flush", "close"):
+            inner = getattr(part, what)
+            setattr(part, what, lambda w=what, n=name, f=inner: (calls.append((w, n)), f()))
+    ebc.flush()
+    ebc.close()
+    assert calls == [
+        ("flush", "fixed"),
+        ("flush", "dynamic"),
+        ("close", "fixed"),
+        ("close", "dynamic"),
+    ]

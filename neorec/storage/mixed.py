@@ -93,3 +93,13 @@ class MixedEmbeddingBagCollection(EmbeddingCollection):
         sparse = checked_batch(self, sparse)
         outs = [g(sparse.select(g.feature_names)) for g in self._parts]
         return torch.cat(outs, dim=1).index_select(1, self._perm)
+
+    def flush(self) -> None:
+        """Both parts' slower stores complete (a row cache writes back its dirty rows)."""
+        for g in self._parts:
+            g.flush()
+
+    def close(self) -> None:
+        """Both parts release their files and threads (after ``flush``)."""
+        for g in self._parts:
+            g.close()
