@@ -334,7 +334,7 @@ def _sharded_rank(rank: int, world: int, precision: str, rounding: str) -> None:
     import test_distributed as td
 
     from neorec.build import distributed_model
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     cfg = td.make_cfg("rowwise_adagrad")
     cfg.embedding.rounding = rounding
