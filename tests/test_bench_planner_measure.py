@@ -149,9 +149,9 @@ def test_top_table_wise_scores_every_plan_within_memory() -> None:
     import dataclasses
     import itertools
 
-    from neorec.bench.planner import _tw_bytes
     from neorec.bench.planner_measure import CEILING_MAX_TABLES, top_table_wise
     from neorec.sharding.cost_model import CostModel
+    from neorec.sharding.planner_baselines import _tw_bytes
     from neorec.sharding.tables import TableSpec
     from neorec.sharding.topology import Topology
     from neorec.sharding.types import ShardingPlan, table_wise

@@ -11,7 +11,7 @@ from dist_util import run_ranks
 from neorec.build import build_dlrm, dense_optimizer, distributed_model
 from neorec.checkpoint import CheckpointManager
 from neorec.config import load_config
-from neorec.sharding.types import plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.train.trainer import Trainer
 
 # DP, CW (row-wise Adagrad across column slices), RW with uneven rows, TW: every path of the

@@ -186,7 +186,7 @@ def _dp_codec_run(rank: int, world: int) -> None:
         ModelConfig,
         TableConfig,
     )
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     tables = [TableConfig(name="a", rows=40, dim=8), TableConfig(name="b", rows=3, dim=8)]
     results = {}

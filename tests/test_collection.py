@@ -23,7 +23,7 @@ from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.modules.collection import STATE_NAMES, EmbeddingCollection
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
-from neorec.sharding.types import plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.storage.cached import CachedEmbeddingBagCollection
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection

@@ -51,7 +51,7 @@ from neorec.data.batch import Batch
 from neorec.distributed.comm import process_group_backend, rank_device
 from neorec.ops.cuda import CudaBackend
 from neorec.ops.tbe_checks import device_checks_on_cpu
-from neorec.sharding.types import plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.train.pipeline import make_pipeline
 from neorec.train.steps import LossGuard, TrainingDiverged, train_step

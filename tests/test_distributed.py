@@ -11,7 +11,8 @@ from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, Tabl
 from neorec.data.batch import Batch
 from neorec.distributed.model_parallel import DistributedModel
 from neorec.modules.dlrm import DLRM
-from neorec.sharding.types import ShardingPlan, plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
+from neorec.sharding.types import ShardingPlan
 from neorec.sparse import SparseFeatures
 from neorec.train.trainer import train_step
 

@@ -10,7 +10,8 @@ from dist_util import run_ranks
 from neorec.config import TableConfig
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
-from neorec.sharding.types import DENSE_DP_MAX_ELEMS, dense_dp, plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
+from neorec.sharding.types import DENSE_DP_MAX_ELEMS, dense_dp
 from neorec.sparse import SparseFeatures
 
 # a, b: dense blocks by default; c: larger than DENSE_DP_MAX_ELEMS, so (id, row) pairs.

@@ -31,7 +31,7 @@ from neorec.errors import NeorecError
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.id_map import mix64
 from neorec.ops.row_optim import RowOptimizer
-from neorec.sharding.types import plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.storage.dynamic import (
     DynamicEmbeddingBagCollection,

@@ -128,7 +128,7 @@ def test_restarts_exhausted_is_one_line(tmp_path: Path) -> None:
 
 def test_an_error_in_the_input_is_not_restarted(tmp_path: Path) -> None:
     from neorec.config import load_config
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     plan = tmp_path / "plan4.json"
     plan_by_type(load_config(overrides=TINY).embedding.tables, 4).save(plan)

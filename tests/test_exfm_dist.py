@@ -150,7 +150,7 @@ def _reference(cfg: Config, fast: bool):
 
 def _ranks(rank: int, world: int) -> None:
     from neorec.build import distributed_model, towered_model
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     b = B // world
     lo, hi = rank * b, (rank + 1) * b

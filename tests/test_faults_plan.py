@@ -19,6 +19,8 @@ from faults import campaign, run_cli
 
 from neorec.config import TableConfig
 from neorec.errors import NeorecError
+from neorec.sharding.plan_checks import validate_plan
+from neorec.sharding.plan_json import load_plan, parse_plan_dict, parse_plan_text
 from neorec.sharding.types import (
     PlanValidationError,
     ShardingPlan,
@@ -57,7 +59,7 @@ def base_plan() -> ShardingPlan:
         ],
         {"source": "test"},
     )
-    plan.validate()
+    validate_plan(plan)
     return plan
 
 
@@ -82,7 +84,7 @@ def try_plan(
         path.write_text(content)
     base = expect or base_plan()
     try:
-        plan = ShardingPlan.load(path, tables=TABLES, world_size=WORLD)
+        plan = load_plan(path, tables=TABLES, world_size=WORLD)
     except PlanValidationError as e:
         msg = str(e)
         wanted = (str(path), *must_name)
@@ -219,12 +221,12 @@ def test_plan_json_garbage_and_truncation(tmp_path: Path) -> None:
         try_plan(f"byte {pos} -> {ch!r}", path, mutated)
     missing = tmp_path / "missing.json"
     try:
-        ShardingPlan.load(missing)
+        load_plan(missing)
         C.record("missing file", "silently accepted")
     except PlanValidationError as e:
         C.record("missing file", "clear error" if str(missing) in str(e) else "crash", str(e))
     try:
-        ShardingPlan.load(tmp_path)
+        load_plan(tmp_path)
         C.record("a directory", "silently accepted")
     except PlanValidationError as e:
         C.record("a directory", "clear error" if str(tmp_path) in str(e) else "crash", str(e))
@@ -275,9 +277,9 @@ def test_plan_json_valid_variants(tmp_path: Path) -> None:
 def test_plan_from_dict_and_json_name_no_file_but_stay_one_line() -> None:
     base = base_plan().to_dict()
     for name, fn in [
-        ("from_dict of a list", lambda: ShardingPlan.from_dict([])),  # type: ignore[arg-type]
-        ("from_json garbage", lambda: ShardingPlan.from_json("{nope")),
-        ("from_dict rank 0.5", lambda: ShardingPlan.from_dict(_set_rank(base, 0.5))),
+        ("from_dict of a list", lambda: parse_plan_dict([])),  # type: ignore[arg-type]
+        ("from_json garbage", lambda: parse_plan_text("{nope")),
+        ("from_dict rank 0.5", lambda: parse_plan_dict(_set_rank(base, 0.5))),
     ]:
         C.expect_error(name, fn, match="invalid sharding plan")
     C.check()
@@ -344,7 +346,7 @@ def test_plan_cli_plan_out_round_trips(tmp_path: Path) -> None:
     else:
         cfg = load_config(cfg_path)
         try:
-            ShardingPlan.load(out, tables=cfg.embedding.tables, world_size=2)
+            load_plan(out, tables=cfg.embedding.tables, world_size=2)
             C.record("neorec plan --out round trip", "handled", "loads against the model")
         except NeorecError as e:
             C.record("neorec plan --out round trip", "crash", str(e))

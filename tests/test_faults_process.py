@@ -41,7 +41,7 @@ from test_launch import TINY as LAUNCH_TINY
 
 from neorec.cli import build_parser
 from neorec.config import load_config
-from neorec.sharding.types import plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
 
 C = campaign("processes")
 GONE_S = 10.0  # a worker must be gone this long after its launcher

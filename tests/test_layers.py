@@ -1,9 +1,10 @@
 """The house's structure, checked: the layer order docs/DESIGN.md states, no import cycle between
-packages, a planner without torch, a command line that starts without torch, files of at most
-600 lines.
+packages nor between the files of one package, a planner without torch, a command line that
+starts without torch, files of at most 600 lines.
 
 Every ``import`` counts, at module level or inside a function (a lazy import is still a
-dependence: it only moves the cycle to run time).
+dependence: it only moves the cycle to run time); imports under ``if TYPE_CHECKING:`` (for
+annotations only, never run) do not count between the files of a package.
 """
 
 from __future__ import annotations
@@ -69,6 +70,88 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return [(t, ln) for t, ln in out if t == "neorec" or t.startswith("neorec.")]
 
 
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``), never run."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            out.update(id(n) for sub in node.body for n in ast.walk(sub))
+    return out
+
+
+def file_imports(path: Path, modules: set[str]) -> list[tuple[str, int]]:
+    """The files of ``neorec`` (modules in ``modules``) that ``path`` runs when it imports, with
+    the line: ``import a.b`` and ``from a.b import x`` import ``a.b``, ``from a import b`` the
+    submodule ``a.b`` when there is one (as ``import a.b`` does: a package's parent is not
+    counted), and a package's ``__init__`` only for names it defines (or re-exports). An
+    import under ``if TYPE_CHECKING:`` is not run, so not counted."""
+    mod = module_name(path)
+    is_pkg = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_nodes(tree)
+    out: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".")[: None if is_pkg else -1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append((sub if sub in modules else target, node.lineno))
+    resolved = []
+    for target, line in out:
+        while target and target not in modules:  # ``import a.b.func``-like: the module a.b
+            target = target.rpartition(".")[0]
+        if target and target != mod:
+            resolved.append((target, line))
+    return resolved
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
 def source_files() -> list[Path]:
     return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -102,6 +185,25 @@ def test_imports_point_down() -> None:
                     f"{target} ({dst}, layer {layers[dst]})"
                 )
     assert not bad, "imports that point up or sideways:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    """No two files of one part import each other, directly or through others: a package's files
+    form layers of their own. A submodule imports its siblings directly, not through its
+    package's ``__init__`` (which may import it)."""
+    paths = {module_name(p): p for p in source_files()}
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        part = part_of(mod)
+        graph[mod] = {t for t, _ in file_imports(path, set(paths)) if part_of(t) == part}
+    cycles = _cycles(graph)
+
+    def rel(m: str) -> str:
+        return str(paths[m].relative_to(ROOT))
+
+    assert not cycles, "files of one package that import each other (in a cycle):\n" + "\n".join(
+        " <-> ".join(rel(m) for m in c) for c in cycles
+    )
 
 
 def _modules_under(part: str) -> list[str]:

@@ -13,6 +13,7 @@ import pytest
 
 from neorec.bench.planner import make_pool
 from neorec.sharding.cost_model import CostModel, TableSpec
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.sharding.learned_features import FEATURES, plan_features
 from neorec.sharding.learned_fit import fit, predict_job, sample_from_job, samples_from_rows
 from neorec.sharding.learned_placements import (
@@ -22,11 +23,13 @@ from neorec.sharding.learned_placements import (
     designed_jobs,
     speed_of,
 )
+from neorec.sharding.plan_checks import validate_plan
+from neorec.sharding.plan_json import parse_plan_dict
 from neorec.sharding.planner import Planner, plan_tables
 from neorec.sharding.planner_baselines import BASELINES, baseline_candidates, greedy_baseline
 from neorec.sharding.tables import pool_table
 from neorec.sharding.topology import Topology
-from neorec.sharding.types import ShardingPlan, ShardingType, plan_by_type
+from neorec.sharding.types import ShardingType
 
 
 def test_designed_jobs_cover_the_checked_kinds_with_repeats() -> None:
@@ -55,7 +58,7 @@ def test_designed_jobs_cover_the_checked_kinds_with_repeats() -> None:
     assert not {j["mix"] for j in other if j["design"] != "reference"} & mixes
     # every plan is valid for its tables
     for j in jobs[:: max(1, len(jobs) // 30)]:
-        ShardingPlan.from_dict(j["plan"]).validate()
+        validate_plan(parse_plan_dict(j["plan"]))
     with pytest.raises(ValueError, match="repeats"):
         designed_jobs(topo, 2, 2, 10, repeats=0)
 
@@ -79,7 +82,7 @@ def test_pool_blocks_are_the_planner_bench_tasks() -> None:
         assert designs["planner"] == 1 and any(k in designs for k in BASELINES)
         for j in mine:
             if j["design"] == "partition":
-                plan = ShardingPlan.from_dict(j["plan"])
+                plan = parse_plan_dict(j["plan"])
                 assert {t.sharding_type for t in plan.tables} == {ShardingType.TABLE_WISE}
 
 
@@ -142,7 +145,7 @@ def _typed_truth(job: dict[str, Any], base: dict[str, float], topo: Topology) ->
     """A machine where row-split work costs 0.6x the analytical model's and column-wise 1.4x,
     the rest as predicted, plus 0.3 ms per step: the typed model's form, not one factor."""
     specs = [TableSpec(**t) for t in job["tables"]]
-    plan = ShardingPlan.from_dict(job["plan"])
+    plan = parse_plan_dict(job["plan"])
     cm = CostModel(topo.with_world(2, 2), int(job["batch"]), job["optimizer"])
     x, _ = plan_features(cm, plan, specs)
     f = {n: i for i, n in enumerate(FEATURES)}

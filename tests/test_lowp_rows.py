@@ -14,15 +14,8 @@ from neorec.checkpoint import CheckpointManager
 from neorec.config import ConfigError, EmbeddingConfig, TableConfig, load_config
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
-from neorec.ops.lowp_rows import (
-    LowpRowsBackend,
-    RowFormat,
-    _bits_stochastic,
-    _hash32,
-    _hash_uniform,
-    bytes_per_row,
-    stochastic_round,
-)
+from neorec.ops.lowp_format import _bits_stochastic, _hash32, _hash_uniform
+from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, bytes_per_row, stochastic_round
 from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import Lookup, PoolingMode, TBEIdError, TBELayout, get_backend
 from neorec.sharding.cost_model import CostModel, TableSpec, Topology
@@ -341,7 +334,7 @@ def _sharded_rank(rank: int, world: int, precision: str, rounding: str) -> None:
     import test_distributed as td
 
     from neorec.build import distributed_model
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     cfg = td.make_cfg("rowwise_adagrad")
     cfg.embedding.rounding = rounding

@@ -18,6 +18,7 @@ from neorec.cli.plan import main as plan_main
 from neorec.measure.plan_tune import tune
 from neorec.sharding.cost_model import TableSpec
 from neorec.sharding.learned_fit import fit
+from neorec.sharding.plan_json import parse_plan_dict
 from neorec.sharding.planner import Planner
 from neorec.sharding.planner_baselines import baseline_candidates, plan_key
 from neorec.sharding.planner_shortlist import (
@@ -161,9 +162,8 @@ def test_tune_refuses_what_the_runtime_would_not_run() -> None:
     cached = plan.to_dict()
     cached["tables"][0]["storage"] = "dram"
     cached["tables"][0]["cache_fraction"] = 0.1
-    from neorec.sharding.types import ShardingPlan
 
-    bad = Shortlisted("x", ShardingPlan.from_dict(cached), 1.0)
+    bad = Shortlisted("x", parse_plan_dict(cached), 1.0)
     with pytest.raises(PlanValidationError, match="storage 'dram"):
         tune([ok, bad], tables, 64, "sgd", measure=lambda *a: [])
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from neorec.bench.planner import _tw_bytes, make_pool
+from neorec.bench.planner import make_pool
 from neorec.bench.planner_measure import POOL_MAX_DIM, POOL_MAX_ROWS, _pool_task
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.planner import Planner
-from neorec.sharding.planner_baselines import BASELINES, greedy_baseline
+from neorec.sharding.planner_baselines import BASELINES, _tw_bytes, greedy_baseline
 from neorec.sharding.topology import GB, Topology
 
 # The constants a calibration measured on a 2-core AMD EPYC VM: with them the time-first order

@@ -23,7 +23,7 @@ from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.schedule import LrSchedule
 from neorec.ops.row_optim import RowOptimizer
-from neorec.sharding.types import plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.sparse import SparseFeatures
 from neorec.train.trainer import Trainer
 

@@ -7,6 +7,9 @@ import json
 import pytest
 
 from neorec.config import TableConfig
+from neorec.sharding.fixed_plan import plan_by_type
+from neorec.sharding.plan_checks import check_model, check_storage, validate_plan
+from neorec.sharding.plan_json import load_plan, parse_plan_dict, parse_plan_text
 from neorec.sharding.types import (
     PlanValidationError,
     Shard,
@@ -15,7 +18,6 @@ from neorec.sharding.types import (
     TablePlan,
     column_wise,
     data_parallel,
-    plan_by_type,
     row_wise,
     split_evenly,
     table_row_wise,
@@ -42,13 +44,13 @@ def test_row_wise_uneven_split() -> None:
         (2, 7, 10),
     ]
     assert all((s.col_start, s.col_end) == (0, 8) for s in tp.shards)
-    ShardingPlan(4, 4, [tp]).validate()
+    validate_plan(ShardingPlan(4, 4, [tp]))
 
 
 def test_row_wise_fewer_rows_than_ranks_gives_fewer_shards() -> None:
     tp = row_wise(_t(rows=2), [0, 1, 2, 3])
     assert [(s.rank, s.rows) for s in tp.shards] == [(0, 1), (1, 1)]
-    ShardingPlan(4, 2, [tp]).validate()
+    validate_plan(ShardingPlan(4, 2, [tp]))
 
 
 def test_column_wise_slices_round_robin() -> None:
@@ -58,7 +60,7 @@ def test_column_wise_slices_round_robin() -> None:
         (3, 4, 7),
         (1, 7, 10),
     ]
-    ShardingPlan(4, 2, [tp]).validate()
+    validate_plan(ShardingPlan(4, 2, [tp]))
     with pytest.raises(ValueError, match="n_slices"):
         column_wise(_t(dim=4), [0], n_slices=5)
 
@@ -69,7 +71,7 @@ def test_table_row_wise_stays_on_host() -> None:
     assert [s.rows for s in tp.shards] == [2, 2, 2, 1]
     small = table_row_wise(_t(rows=3), host=1, ranks_per_host=4)
     assert [s.rank for s in small.shards] == [4, 5, 6]
-    ShardingPlan(8, 4, [tp]).validate()
+    validate_plan(ShardingPlan(8, 4, [tp]))
 
 
 def test_json_round_trip_and_shards_on_rank(tmp_path) -> None:
@@ -85,12 +87,12 @@ def test_json_round_trip_and_shards_on_rank(tmp_path) -> None:
         ],
         {"note": "hand"},
     )
-    plan.validate()
-    again = ShardingPlan.from_json(plan.to_json())
+    validate_plan(plan)
+    again = parse_plan_text(plan.to_json())
     assert again == plan
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert ShardingPlan.load(path) == plan
+    assert load_plan(path) == plan
     on3 = [(t.name, s) for t, s in plan.shards_on_rank(3)]
     assert [n for n, _ in on3] == ["dp", "tw", "rw", "cw", "twrw"]
     assert plan.table("tw").storage == "host"
@@ -114,15 +116,15 @@ def test_hand_written_plan_short_type_names() -> None:
             },
         ],
     }
-    plan = ShardingPlan.from_dict(d)
-    plan.validate()
+    plan = parse_plan_dict(d)
+    validate_plan(plan)
     assert plan.tables[0].sharding_type is ShardingType.ROW_WISE
     assert plan.ranks_per_host == 2
 
 
 def _bad(tp: TablePlan, world: int = 4, rph: int = 2) -> str:
     with pytest.raises(PlanValidationError) as e:
-        ShardingPlan(world, rph, [tp]).validate()
+        validate_plan(ShardingPlan(world, rph, [tp]))
     return str(e.value)
 
 
@@ -160,10 +162,10 @@ def test_validation_dp_twrw_and_plan_level() -> None:
     )
     assert "one host" in _bad(twrw)
     with pytest.raises(PlanValidationError, match="divide"):
-        ShardingPlan(4, 3, []).validate()
+        validate_plan(ShardingPlan(4, 3, []))
     dup = table_wise(_t("x"), 0)
     with pytest.raises(PlanValidationError, match="more than once"):
-        ShardingPlan(2, 2, [dup, dup]).validate()
+        validate_plan(ShardingPlan(2, 2, [dup, dup]))
 
 
 def test_plan_by_type_from_config_types() -> None:
@@ -181,21 +183,21 @@ def test_cached_storage_json_round_trip_validation_and_runtime_check(tmp_path) -
     dram.cache_fraction = 0.25
     plain = table_wise(_t("dev"), 2)
     plan = ShardingPlan(4, 2, [ssd, dram, plain])
-    plan.validate()
+    validate_plan(plan)
     d = plan.to_dict()
     assert d["tables"][0]["cache_fraction"] == 0.05 and "cache_fraction" not in d["tables"][2]
-    again = ShardingPlan.from_json(plan.to_json())
+    again = parse_plan_text(plan.to_json())
     assert again == plan and again.table("ssd").cache_fraction == 0.05
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert ShardingPlan.load(path) == plan
+    assert load_plan(path) == plan
     assert [t.name for t in plan.cached_tables()] == ["ssd", "dram"]
     text = plan.format_table()
     assert "ssd@5%" in text and "dram@25%" in text
     # The distributed runtime runs device / host only: a cached tier is refused, not ignored.
     with pytest.raises(PlanValidationError, match="storage 'ssd@5%' is not supported"):
-        plan.check_storage(who="the distributed runtime")
-    ShardingPlan(4, 2, [plain]).check_storage()
+        check_storage(plan, who="the distributed runtime")
+    check_storage(ShardingPlan(4, 2, [plain]))
     # ... also when it arrives as a hand-written plan file (sharding.plan).
     from neorec.build import resolve_plan
     from neorec.config import Config, EmbeddingConfig, ModelConfig
@@ -238,7 +240,7 @@ def test_load_names_the_file_table_and_field_on_one_line(tmp_path) -> None:
     ]:
         path.write_text(text)
         with pytest.raises(PlanValidationError) as e:
-            ShardingPlan.load(path)
+            load_plan(path)
         msg = str(e.value)
         assert "\n" not in msg and str(path) in msg and wanted in msg, msg
 
@@ -248,12 +250,12 @@ def test_load_checks_the_model_and_world_size(tmp_path) -> None:
     ShardingPlan(2, 2, [row_wise(_t("a", rows=4), [0, 1]), table_wise(_t("x"), 1)]).save(path)
     tables = [_t("a", rows=4), _t("b")]
     with pytest.raises(PlanValidationError) as e:
-        ShardingPlan.load(path, tables=tables, world_size=1)
+        load_plan(path, tables=tables, world_size=1)
     msg = str(e.value)
     assert "world_size 2, but 1 rank is running" in msg
     assert "['x'] are in the plan but not in the model" in msg
     assert "['b'] of the model have no entry" in msg
-    plan = ShardingPlan.load(path, tables=[_t("a", rows=4), _t("x")], world_size=2)
+    plan = load_plan(path, tables=[_t("a", rows=4), _t("x")], world_size=2)
     assert plan.source == str(path) and [t.name for t in plan.tables] == ["a", "x"]
     with pytest.raises(PlanValidationError, match="the plan has 4 rows x 8 dims, the model 5 x 8"):
-        plan.check_model([_t("a", rows=5), _t("x")])
+        check_model(plan, [_t("a", rows=5), _t("x")])

@@ -139,7 +139,7 @@ def _sharded(rank: int, world: int) -> None:
     from neorec.config import TableConfig
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
     from neorec.ops.row_optim import RowOptimizer
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
     from neorec.sparse import SparseFeatures
 
     tables = [

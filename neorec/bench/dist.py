@@ -42,7 +42,8 @@ from neorec.distributed.comm import (
 )
 from neorec.measure.jobs import free_port, prepare_embedding, time_embedding
 from neorec.ops.memory import keep_freed_heap
-from neorec.sharding.types import ShardingPlan, plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
+from neorec.sharding.types import ShardingPlan
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import train_step
 

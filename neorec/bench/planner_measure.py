@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from neorec.bench.planner import make_pool, mem_limit_gb
+from neorec.bench.planner_tasks import make_pool, mem_limit_gb
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.learned_cost import LearnedCostModel
 from neorec.sharding.learned_placements import POOL_MAX_DIM, POOL_MAX_ROWS

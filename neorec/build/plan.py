@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from neorec.config import Config, ConfigError
-from neorec.sharding.types import ShardingPlan, plan_by_type
+from neorec.sharding.fixed_plan import plan_by_type
+from neorec.sharding.plan_checks import check_storage
+from neorec.sharding.plan_json import load_plan
+from neorec.sharding.types import ShardingPlan
 
 __all__ = ["resolve_plan"]
 
@@ -15,8 +18,8 @@ def resolve_plan(cfg: Config, world_size: int, ranks_per_host: int | None = None
     if sh.plan:
         # Checked against the model's tables and the ranks running: a table the model lacks,
         # or one it has that the plan misses, is an error naming it.
-        plan = ShardingPlan.load(sh.plan, tables=cfg.embedding.tables, world_size=world_size)
-        plan.check_storage(who="the distributed runtime")  # no cached tier it would ignore
+        plan = load_plan(sh.plan, tables=cfg.embedding.tables, world_size=world_size)
+        check_storage(plan, who="the distributed runtime")  # no cached tier it would ignore
         return plan
     unknown = sorted(set(sh.types) - {t.name for t in cfg.embedding.tables})
     if unknown:

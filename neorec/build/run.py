@@ -24,6 +24,7 @@ from neorec.modules.embedding import check_tables_memory
 from neorec.ops import settings
 from neorec.ops.memory import keep_freed_heap
 from neorec.phases import Phase, watch_init
+from neorec.sharding.plan_json import load_plan
 from neorec.sharding.types import ShardingPlan
 from neorec.storage.cache_table import CacheCapacityError, cache_capacity
 
@@ -94,7 +95,7 @@ def check_run(cfg: Config, world: int = 1, one_host: bool = True) -> None:
     if world == 1 and cfg.sharding.plan:
         # Read and checked although one process shards nothing: a plan for N ranks is refused
         # (it says to run --nproc N), not ignored.
-        ShardingPlan.load(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
+        load_plan(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
 
 
 def check_cache_capacity(cfg: Config, source: DataSource) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from neorec.data.batch import Batch
 from neorec.data.encode import jagged_batch
-from neorec.data.loader import ShardSet
+from neorec.data.shard_set import ShardSet
 from neorec.errors import ConfigError, DataError
 
 __all__ = ["JaggedShardSet", "check_jagged_tables"]

@@ -65,6 +65,7 @@ from neorec.ops.tbe import (
     tbe_lookup,
 )
 from neorec.ops.tbe_checks import on_device
+from neorec.sharding.plan_checks import validate_plan
 from neorec.sharding.types import DENSE_DP_MAX_ELEMS, Shard, ShardingPlan, ShardingType
 from neorec.sparse import SparseFeatures
 
@@ -138,7 +139,7 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         if plan.world_size != self.world:
             raise ValueError(f"plan is for {plan.world_size} ranks, running on {self.world}")
-        plan.validate()
+        validate_plan(plan)
         self.plan = plan
         self.comm_stats = stats if stats is not None else CommStats()
         self.validate_ids = validate_ids

@@ -115,7 +115,7 @@ def measure_overhead(tables: int = 8, batch: int = 512, repeat: int = 15) -> dic
 def _overhead(tables: int, batch: int, repeat: int) -> dict[str, float]:
     from neorec.config import TableConfig
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
     from neorec.sparse import SparseFeatures
 
     world = dist.get_world_size()
@@ -148,7 +148,7 @@ def _row_split(
 ) -> dict[str, float]:
     from neorec.config import TableConfig
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
     from neorec.sparse import SparseFeatures
 
     g = torch.Generator().manual_seed(0)

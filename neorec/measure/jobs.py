@@ -24,6 +24,7 @@ from neorec.config import load_config
 from neorec.data.synthetic import zipf_batches
 from neorec.distributed.comm import close_host_transports, init_host_transport
 from neorec.ops.memory import keep_freed_heap
+from neorec.sharding.plan_json import parse_plan_dict
 from neorec.sharding.types import ShardingPlan
 
 __all__ = [
@@ -158,7 +159,7 @@ def _jobs_rank(
                 cfg.embedding.tables, cfg.data.batch_size, cfg.model.num_dense, 2,
                 float(job["alpha"]), seed=int(job.get("seed", i)),
             )  # fmt: skip
-            plan = ShardingPlan.from_dict(job["plan"])
+            plan = parse_plan_dict(job["plan"])
             run = prepare_embedding(cfg, plan, batches, rank, world)
             if key is not None:
                 built[key] = run

@@ -29,8 +29,9 @@ from typing import Any
 
 from neorec.sharding.cost_model import TableSpec
 from neorec.sharding.learned_placements import plan_job
+from neorec.sharding.plan_checks import check_storage
+from neorec.sharding.plan_json import parse_plan_dict
 from neorec.sharding.planner_shortlist import TUNE_ROUNDS, Shortlisted
-from neorec.sharding.types import ShardingPlan
 
 __all__ = ["PASSES", "ITERS", "tune", "main"]
 
@@ -94,7 +95,7 @@ def tune(
     if len(alphas) > 1:
         raise ValueError(f"tune draws every table's ids from one Zipf alpha, not {alphas}")
     for c in cands:
-        c.plan.check_storage(who="--tune (the distributed runtime)")
+        check_storage(c.plan, who="--tune (the distributed runtime)")
     run = measure or _run_passes
     jobs = [plan_job(tables, batch, optimizer, c.plan) for c in cands]
     figures: list[list[float]] = [[] for _ in cands]
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             req = json.load(f)
         tables = [TableSpec(**t) for t in req["tables"]]
         cands = [
-            Shortlisted(c["label"], ShardingPlan.from_dict(c["plan"]), float(c["predicted_ms"]))
+            Shortlisted(c["label"], parse_plan_dict(c["plan"]), float(c["predicted_ms"]))
             for c in req["plans"]
         ]
         rec = tune(

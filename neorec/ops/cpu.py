@@ -30,7 +30,8 @@ from torch import Tensor
 from neorec.ops.fastpath import ran
 from neorec.ops.memory import table_empty
 from neorec.ops.row_optim import RowOptimizer, state_shapes
-from neorec.ops.tbe import Lookup, PoolingMode, TBEIdError, TBEInputError, TBELayout
+from neorec.ops.tbe_checks import TBEIdError, TBEInputError
+from neorec.ops.tbe_types import Lookup, PoolingMode, TBELayout
 
 __all__ = ["CpuBackend", "load_kernel", "cache_dir"]
 

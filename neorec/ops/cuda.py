@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neorec.ops.padded_rows import PaddedRows, pad_heads, put_valid, rows_by_table
+from neorec.ops.padded_rows import PaddedRows, pad_heads, put_valid, rows_by_table, segments
 from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
-from neorec.ops.tbe import Lookup, PoolingMode, TBELayout
 from neorec.ops.tbe_checks import (
     TBEInputError,
     assert_inputs_async,
@@ -39,23 +38,9 @@ from neorec.ops.tbe_checks import (
     check_shapes,
     on_device,
 )
+from neorec.ops.tbe_types import Lookup, PoolingMode, TBELayout
 
-__all__ = ["CudaBackend", "segments"]
-
-
-def segments(sorted_key: Tensor, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Runs of equal keys in ``sorted_key`` [n] without a host read: (the length of the run that
-    starts at each position, 0 elsewhere; whether a position starts a run of a key below
-    ``sentinel``; the start of each position's run). Lengths sum to n."""
-    n = sorted_key.numel()
-    pos = torch.arange(n, device=sorted_key.device)
-    new = torch.ones(n, dtype=torch.bool, device=sorted_key.device)
-    new[1:] = sorted_key[1:] != sorted_key[:-1]
-    starts = torch.where(new, pos, n)
-    nxt = torch.cat([starts[1:], starts.new_full((1,), n)]).flip(0).cummin(0).values.flip(0)
-    count = torch.where(new, nxt - pos, 0)
-    first = torch.where(new, pos, 0).cummax(0).values
-    return count, new & (sorted_key < sentinel), first
+__all__ = ["CudaBackend"]
 
 
 class CudaBackend:

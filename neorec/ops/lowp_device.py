@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from neorec.ops.cuda import segments
-from neorec.ops.lowp_rows import (
+from neorec.ops.lowp_format import (
     FP8_MAX,
     RowFormat,
     _bits_stochastic,
@@ -30,9 +29,9 @@ from neorec.ops.lowp_rows import (
     _step_key,
     pow2_scale,
 )
-from neorec.ops.padded_rows import put_valid
-from neorec.ops.tbe import TBELayout
+from neorec.ops.padded_rows import put_valid, segments
 from neorec.ops.tbe_checks import _indices_shape, _offsets_shape, assert_inputs_async
+from neorec.ops.tbe_types import TBELayout
 
 __all__ = ["DeviceSet", "device_working_set", "device_gather_state", "device_write_back"]
 
@@ -122,7 +121,7 @@ def _group_bits(
     seed: int,
     keys: Sequence[tuple[int, int, int, int]] | None,
 ) -> Tensor:
-    """``lowp_rows._element_bits`` of each compact row, with its own table's key and seed."""
+    """``lowp_format._element_bits`` of each compact row, with its own table's key and seed."""
     dev = g.keys.device
     kk, row0, chs = [], [], []
     for t in range(layout.num_tables):

@@ -8,7 +8,8 @@ data-parallel exchange all-gathers such blocks (``replicas.gather_dp_grads_padde
 ``apply_padded_row_grads`` applies the valid (id, gradient) pairs, masked on the device: the same
 sums in the same order as ``apply_row_grads`` of the valid pairs alone. ``put_valid`` and
 ``update_table_rows_padded`` write only a block's valid entries (column-wise tables under row-wise
-Adagrad: ``distributed.cw_rowwise``).
+Adagrad: ``distributed.cw_rowwise``). ``segments`` finds the runs of equal keys of a sorted
+tensor, also without a host read (the GPU backends' and ``lowp_device``'s grouping).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 from neorec.ops.row_optim import RowOptimizer, apply_rows
-from neorec.ops.tbe import Lookup, PoolingMode, TBELayout, group_calls
+from neorec.ops.tbe_rows import group_calls
+from neorec.ops.tbe_types import Lookup, PoolingMode, TBELayout
 
 __all__ = [
     "PaddedRows",
@@ -28,10 +30,26 @@ __all__ = [
     "apply_padded_row_grads",
     "put_valid",
     "update_table_rows_padded",
+    "segments",
 ]
 
 PaddedRows = tuple[int, Tensor, Tensor, Tensor]
 """(table, ids [bound], row sums [bound, dim], count [1] int64): the first ``count`` are rows."""
+
+
+def segments(sorted_key: Tensor, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Runs of equal keys in ``sorted_key`` [n] without a host read: (the length of the run that
+    starts at each position, 0 elsewhere; whether a position starts a run of a key below
+    ``sentinel``; the start of each position's run). Lengths sum to n."""
+    n = sorted_key.numel()
+    pos = torch.arange(n, device=sorted_key.device)
+    new = torch.ones(n, dtype=torch.bool, device=sorted_key.device)
+    new[1:] = sorted_key[1:] != sorted_key[:-1]
+    starts = torch.where(new, pos, n)
+    nxt = torch.cat([starts[1:], starts.new_full((1,), n)]).flip(0).cummin(0).values.flip(0)
+    count = torch.where(new, nxt - pos, 0)
+    first = torch.where(new, pos, 0).cummax(0).values
+    return count, new & (sorted_key < sentinel), first
 
 
 def pad_heads(

@@ -27,7 +27,7 @@ from torch import Tensor
 from neorec.errors import NeorecError
 
 if TYPE_CHECKING:
-    from neorec.ops.tbe import TBELayout
+    from neorec.ops.tbe_types import TBELayout
 
 __all__ = [
     "TBEInputError",

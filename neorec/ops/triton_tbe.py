@@ -42,18 +42,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from neorec.ops.cuda import segments
 from neorec.ops.fastpath import ran
-from neorec.ops.padded_rows import PaddedRows, pad_heads, rows_by_table
+from neorec.ops.padded_rows import PaddedRows, pad_heads, rows_by_table, segments
 from neorec.ops.row_optim import RowOptimizer, state_shapes
-from neorec.ops.tbe import Lookup, PoolingMode, ReferenceBackend, TBEInputError, TBELayout
 from neorec.ops.tbe_checks import (
+    TBEInputError,
     assert_inputs_async,
     bag_of_ids,
     check_grad_shape,
     check_shapes,
     on_device,
 )
+from neorec.ops.tbe_reference import ReferenceBackend
+from neorec.ops.tbe_types import Lookup, PoolingMode, TBELayout
 
 __all__ = ["TritonBackend", "INTERPRET"]
 

@@ -2,6 +2,7 @@
 
 from neorec.sharding.cost_model import CostModel, TableSpec, load_tables
 from neorec.sharding.cost_types import PlanCost, ShardCost
+from neorec.sharding.fixed_plan import plan_by_type
 from neorec.sharding.planner import Planner, PlanningError, PlanResult, format_report, plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import (
@@ -12,7 +13,6 @@ from neorec.sharding.types import (
     TablePlan,
     column_wise,
     data_parallel,
-    plan_by_type,
     row_wise,
     table_row_wise,
     table_wise,

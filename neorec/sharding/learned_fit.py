@@ -30,8 +30,8 @@ from neorec.sharding.learned_features import EPS_MS as _EPS_MS
 from neorec.sharding.learned_features import plan_features
 from neorec.sharding.learned_features import predict as _predict
 from neorec.sharding.learned_placements import REFERENCE_KINDS, reference_ms, speed_of
+from neorec.sharding.plan_json import parse_plan_dict
 from neorec.sharding.topology import Topology
-from neorec.sharding.types import ShardingPlan
 
 __all__ = [
     "samples_from_rows",
@@ -104,7 +104,7 @@ def predict_job(
     """Predicted ms per target of a job (learned when ``model``, at the machine's ``speed`` (see
     ``reference_jobs``), else analytical)."""
     specs = [TableSpec(**t) for t in job["tables"]]
-    plan = ShardingPlan.from_dict(job["plan"])
+    plan = parse_plan_dict(job["plan"])
     cm = CostModel(
         topo.with_world(plan.world_size, plan.ranks_per_host), int(job["batch"]), job["optimizer"]
     )
@@ -124,7 +124,7 @@ def _sample_arrays(
     for i, s in enumerate(samples):
         try:
             specs = [TableSpec(**t) for t in s["tables"]]
-            plan = ShardingPlan.from_dict(s["plan"])
+            plan = parse_plan_dict(s["plan"])
             cm = CostModel(
                 topo.with_world(plan.world_size, plan.ranks_per_host), int(s["batch"]),
                 str(s["optimizer"]),

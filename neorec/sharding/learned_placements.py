@@ -33,6 +33,7 @@ from typing import Any
 
 from neorec.sharding.cost_model import TableSpec
 from neorec.sharding.learned_cost import specs_dicts
+from neorec.sharding.plan_checks import validate_plan
 from neorec.sharding.planner_baselines import plan_key
 from neorec.sharding.tables import OPTIMIZERS, pool_table
 from neorec.sharding.topology import Topology
@@ -106,7 +107,7 @@ def table_wise_partition(rng: Any, tables: Sequence[TableSpec], world: int) -> S
 
     out = [table_wise(t, rng.randrange(world)) for t in tables]
     plan = ShardingPlan(world, 1, out, {"source": "neorec.sharding.learned_cost partition"})
-    plan.validate()
+    validate_plan(plan)
     return plan
 
 
@@ -139,7 +140,7 @@ def random_placement(rng: Any, tables: Sequence[TableSpec], world: int, rph: int
         else:
             out.append(table_row_wise(t, rng.randrange(world // rph), rph))
     plan = ShardingPlan(world, rph, out, {"source": "neorec.sharding.learned_cost random"})
-    plan.validate()
+    validate_plan(plan)
     return plan
 
 
@@ -203,7 +204,7 @@ def kind_plans(
     """Whole-plan kinds as ``bench costcheck`` places them (``plan_by_type``): every table
     table-wise (round robin), row-wise, column-wise (one slice per rank), table-row-wise (when
     hosts have > 1 rank), data-parallel, and a mixed cycle of types from a random offset."""
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     kinds = ["table_wise", "row_wise", "column_wise", "data_parallel"]
     kinds += ["table_row_wise"] if rph > 1 else []
@@ -338,7 +339,7 @@ def reference_jobs(world: int, rph: int) -> list[dict[str, Any]]:
     say how fast this machine is at that moment relative to the calibration's median: the learned
     model is fitted on times divided by that speed and predicts at the calibration's speed, and
     a check that measured the references multiplies by its own speed (``speed_of``)."""
-    from neorec.sharding.types import plan_by_type
+    from neorec.sharding.fixed_plan import plan_by_type
 
     tables = [
         TableSpec(name=f"ref_t{i}", rows=40_000, dim=32, pooling_factor=15.0, zipf_alpha=1.05)

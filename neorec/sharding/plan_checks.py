@@ -1,8 +1,8 @@
 """Validation of a sharding plan: every table's shards tile it exactly once, as its type requires.
 
-``ShardingPlan.validate``, ``check_model`` and ``check_storage`` (``neorec.sharding.types``) run
-these; each problem names the table, the shard and the field, and all of a plan's problems are
-raised together in one ``PlanValidationError``.
+``validate_plan`` (the tiling), ``check_model`` (the plan is for this model and world) and
+``check_storage`` (the runtime executes its tiers): each problem names the table, the shard and
+the field, and all of a plan's problems are raised together in one ``PlanValidationError``.
 """
 
 from __future__ import annotations

@@ -4,26 +4,31 @@ A hand-written plan is user input: a field of the wrong JSON type (``"rows": "0:
 ``"rank": 0.5``, ``true`` for a count), a missing or unknown field, a duplicate key or a file that
 is not JSON at all each become a ``PlanValidationError`` naming the file, the table, the shard and
 the field. Nothing is converted: ``int(0.5)`` would silently put a shard on rank 0.
+``load_plan`` reads a plan file and validates it (``plan_checks``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from neorec.sharding.plan_checks import check_model, validate_plan
 from neorec.sharding.types import (
     PLAN_FORMAT_VERSION,
     PlanValidationError,
     Shard,
     ShardingPlan,
     ShardingType,
+    TableLike,
     TablePlan,
     parse_sharding_type,
 )
 
 __all__ = [
+    "load_plan",
     "read_plan_file",
     "parse_plan_text",
     "parse_plan_dict",
@@ -36,6 +41,22 @@ _TABLE_KEYS = ("name", "rows", "dim", "type", "storage", "cache_fraction", "shar
 _SHARD_KEYS = ("rank", "rows", "cols")
 _REQUIRED = object()
 _INT_MAX = 2**63 - 1
+
+
+def load_plan(
+    path: str | Path,
+    validate: bool = True,
+    tables: Iterable[TableLike] | None = None,
+    world_size: int | None = None,
+) -> ShardingPlan:
+    """Read a JSON plan: validated unless ``validate=False``, and checked against the model's
+    ``tables`` and the running ``world_size`` when given (see ``plan_checks.check_model``)."""
+    plan = read_plan_file(path)
+    if tables is not None or world_size is not None:
+        check_model(plan, tables, world_size)  # first: a plan for another model or world
+    if validate:
+        validate_plan(plan)
+    return plan
 
 
 def read_plan_file(path: str | Path) -> ShardingPlan:
@@ -87,7 +108,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_plan_dict(d: Any, source: str = "") -> ShardingPlan:
-    """``ShardingPlan`` from its JSON form, refusing every field of the wrong type or range."""
+    """``ShardingPlan`` from its JSON form (``ShardingPlan.to_dict``'s), refusing every field of
+    the wrong type or range: a missing, unknown or mistyped field is a ``PlanValidationError``
+    naming it; ``ranks_per_host`` defaults to ``world_size`` (one host)."""
     p = _Problems()
     if not isinstance(d, dict):
         raise PlanValidationError([f"the plan must be a JSON object, got {_show(d)}"], source)

@@ -56,6 +56,7 @@ from typing import Any
 
 from neorec.sharding.cost_model import CACHE_MIN_BATCHES, CostModel, TableSpec, cache_rows
 from neorec.sharding.learned_cost import resolve
+from neorec.sharding.plan_checks import validate_plan
 from neorec.sharding.planner_baselines import baseline_candidates
 from neorec.sharding.planner_local import _Search
 from neorec.sharding.planner_parts import (
@@ -202,7 +203,7 @@ class Planner:
                     best, top = (obj, iters, b), obj
         assert best is not None
         plan = best[2]
-        plan.validate()
+        validate_plan(plan)
         cost = self.cm.evaluate(plan, tables)
         if not cost.fits:  # the search only accepts fitting placements; guard the invariant
             raise AssertionError(f"planner produced an overflowing plan: {cost.overflows()}")

@@ -47,6 +47,7 @@ from typing import Any
 from neorec.errors import NeorecError
 from neorec.sharding.cost_model import CostModel, TableSpec
 from neorec.sharding.cost_types import PHASES
+from neorec.sharding.plan_checks import validate_plan
 from neorec.sharding.planner import Planner, PlanningError
 from neorec.sharding.planner_report import SIMULATION_NOTE, PlanResult
 from neorec.sharding.topology import GB, Topology
@@ -427,7 +428,7 @@ def plan_towers(
         [placed[t.name] for t in tables],
         {"source": "neorec.sharding.towers_cost", "towers": [list(g) for g in groups]},
     )
-    plan.validate()
+    validate_plan(plan)
     times = _dmt_times(topology, cm, out, batch_size, dmt)
     return TowerPlanResult(out, module, plan, flat, plan_traffic(cm, flat.plan, tables), dmt, times)
 

@@ -17,16 +17,18 @@ Conventions (the runtime relies on them):
   memory (MTrainS; ``neorec.storage.cached``). ``cache_fraction`` is in (0, 1] for the cached
   tiers and 0 otherwise; plans without cached tables read and write exactly as before. The
   distributed runtime executes ``device`` and ``host`` only (``RUNTIME_STORAGES``); see
-  ``ShardingPlan.check_storage``.
+  ``plan_checks.check_storage``.
 
-The plan's methods call two modules built on this one: ``plan_json`` (reading JSON strictly) and
-``plan_checks`` (validation: the shards tile each table as its type requires).
+The plan is data: reading JSON strictly is ``plan_json``'s (``parse_plan_dict``, ``load_plan``),
+validation ``plan_checks``' (``validate_plan``: the shards tile each table as its type requires;
+``check_model``, ``check_storage``), both built on this module; ``fixed_plan.plan_by_type`` builds
+a whole validated plan with a fixed type per table.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -53,7 +55,6 @@ __all__ = [
     "row_wise",
     "column_wise",
     "table_row_wise",
-    "plan_by_type",
     "parse_sharding_type",
 ]
 
@@ -145,13 +146,6 @@ class Shard:
             "cols": [self.col_start, self.col_end],
         }
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Shard:
-        """Inverse of ``to_dict`` (strict, as ``ShardingPlan.from_dict``)."""
-        from neorec.sharding.plan_json import parse_shard_dict
-
-        return parse_shard_dict(d)
-
     def __str__(self) -> str:
         return f"r{self.rank}[{self.row_start}:{self.row_end},{self.col_start}:{self.col_end}]"
 
@@ -198,14 +192,6 @@ class TablePlan:
             out["cache_fraction"] = self.cache_fraction
         out["shards"] = [s.to_dict() for s in self.shards]
         return out
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TablePlan:
-        """Inverse of ``to_dict``; the type may be given by value (``row_wise``) or short (``RW``).
-        Strict, as ``ShardingPlan.from_dict``."""
-        from neorec.sharding.plan_json import parse_table_dict
-
-        return parse_table_dict(d)
 
 
 def parse_sharding_type(text: str) -> ShardingType:
@@ -257,49 +243,13 @@ class ShardingPlan:
             "meta": self.meta,
         }
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "") -> ShardingPlan:
-        """Inverse of ``to_dict``; ``ranks_per_host`` defaults to ``world_size`` (one host).
-
-        Strict: a missing, unknown or mistyped field is a ``PlanValidationError`` naming it.
-        """
-        from neorec.sharding.plan_json import parse_plan_dict  # (it builds on this module)
-
-        return parse_plan_dict(d, source)
-
     def to_json(self, indent: int | None = 1) -> str:
         """JSON text (stable key order)."""
         return json.dumps(self.to_dict(), indent=indent)
 
-    @classmethod
-    def from_json(cls, text: str, source: str = "") -> ShardingPlan:
-        """Plan from JSON text (``PlanValidationError`` if it is not a plan's JSON)."""
-        from neorec.sharding.plan_json import parse_plan_text
-
-        return parse_plan_text(text, source)
-
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""
         Path(path).write_text(self.to_json() + "\n")
-
-    @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        validate: bool = True,
-        tables: Iterable[TableLike] | None = None,
-        world_size: int | None = None,
-    ) -> ShardingPlan:
-        """Read a JSON plan: validated unless ``validate=False``, and checked against the model's
-        ``tables`` and the running ``world_size`` when given (see ``check_model``)."""
-        from neorec.sharding.plan_json import read_plan_file
-
-        plan = read_plan_file(path)
-        if tables is not None or world_size is not None:
-            plan.check_model(tables, world_size)  # first: a plan for another model or world
-        if validate:
-            plan.validate()
-        return plan
 
     # ---- printing -----------------------------------------------------------------------------
     def format_table(self, max_shards: int = 8) -> str:
@@ -325,33 +275,10 @@ class ShardingPlan:
             )
         return "\n".join(lines)
 
-    # ---- validation ---------------------------------------------------------------------------
+    # ---- tiers --------------------------------------------------------------------------------
     def cached_tables(self) -> list[TablePlan]:
         """Tables placed in a cached tier (``dram`` / ``ssd`` behind a row cache)."""
         return [t for t in self.tables if t.cached]
-
-    def check_storage(self, supported: Sequence[str] = RUNTIME_STORAGES, who: str = "") -> None:
-        """Raise ``PlanValidationError`` naming every table whose storage is not in ``supported``
-        (the distributed runtime executes ``RUNTIME_STORAGES`` only; a cached tier it would ignore
-        must not pass silently)."""
-        from neorec.sharding.plan_checks import check_storage
-
-        check_storage(self, supported, who)
-
-    def validate(self) -> None:
-        """Raise ``PlanValidationError`` unless every table's shards tile it exactly once."""
-        from neorec.sharding.plan_checks import validate_plan
-
-        validate_plan(self)
-
-    def check_model(
-        self, tables: Iterable[TableLike] | None = None, world_size: int | None = None
-    ) -> None:
-        """Raise ``PlanValidationError`` unless the plan is for exactly these ``tables`` (names,
-        rows, dims) and ``world_size`` ranks: a table the model lacks is refused, not ignored."""
-        from neorec.sharding.plan_checks import check_model
-
-        check_model(self, tables, world_size)
 
 
 # ---- constructors ---------------------------------------------------------------------------
@@ -430,38 +357,3 @@ def table_row_wise(
     return TablePlan(
         table.name, table.rows, table.dim, ShardingType.TABLE_ROW_WISE, shards, storage
     )
-
-
-def plan_by_type(
-    tables: Iterable[TableLike],
-    world_size: int,
-    ranks_per_host: int | None = None,
-    default_type: ShardingType | str = ShardingType.TABLE_WISE,
-    types: dict[str, str] | None = None,
-) -> ShardingPlan:
-    """A plan with a fixed type per table (``types`` overrides ``default_type``), no cost model.
-
-    Table-wise tables go round-robin over ranks, table-row-wise ones round-robin over hosts;
-    row-wise and column-wise tables use every rank. This is the ``sharding.default_type`` /
-    ``sharding.types`` path of the config, for when the planner is not wanted.
-    """
-    rph = ranks_per_host or world_size
-    hosts = max(1, world_size // rph)
-    all_ranks = list(range(world_size))
-    default = default_type.value if isinstance(default_type, ShardingType) else default_type
-    out = []
-    for i, t in enumerate(tables):
-        st = parse_sharding_type((types or {}).get(t.name, default))
-        if st is ShardingType.DATA_PARALLEL:
-            out.append(data_parallel(t, world_size))
-        elif st is ShardingType.TABLE_WISE:
-            out.append(table_wise(t, i % world_size))
-        elif st is ShardingType.ROW_WISE:
-            out.append(row_wise(t, all_ranks))
-        elif st is ShardingType.COLUMN_WISE:
-            out.append(column_wise(t, all_ranks, min(world_size, t.dim)))
-        else:
-            out.append(table_row_wise(t, i % hosts, rph))
-    plan = ShardingPlan(world_size, rph, out, {"source": "plan_by_type"})
-    plan.validate()
-    return plan
