@@ -3,7 +3,8 @@
 Every command module registers itself the same way: it is named in ``COMMANDS`` and defines
 ``HELP`` (its line in ``neorec --help``), ``add_arguments(parser)`` and ``run(args) -> int``. At
 module level it imports nothing heavier than the standard library and the config, so ``neorec
---help`` and ``neorec <command> --help`` never load torch; ``run`` imports the work. A command
+--help`` and ``neorec <command> --help`` never load torch; ``run`` imports the work, and
+``add_arguments`` what its flags need (``neorec <command>`` adds the flags of that command only). A command
 whose flags belong to a tool of its own (``bench NAME ...``, ``data preprocess ...``) also
 defines ``passthrough(argv) -> int | None``, which gets them unparsed.
 """

@@ -146,7 +146,8 @@ def _inputs(args: argparse.Namespace) -> Any:
     from neorec.config.planner_file import read_plan_config
     from neorec.sharding.plan_inputs import plan_inputs
 
-    cfg, planner, base = Config(), {}, Path(".")
+    cfg, base = Config(), Path(".")
+    planner: dict[str, Any] = {}
     if args.config:
         cfg, planner = read_plan_config(args.config)
         base = Path(args.config).parent
