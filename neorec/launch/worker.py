@@ -149,9 +149,6 @@ def _consequence(rank: int, grace_s: float = _GRACE_S) -> bool:
         time.sleep(0.1)
 
 
-# gloo's messages (tcp transport) when a peer stopped answering / went away mid-collective
-
-
 def _is_transport(e: BaseException) -> bool:
     """The shared-memory transport's error (a peer gone mid-collective), by its class's name:
     ``distributed.shm`` is a lower layer this one does not reach into."""
