@@ -524,7 +524,7 @@ def test_cuda_refused_without_a_gpu(tmp_path):
     with pytest.raises(ConfigError, match="train.device = 'cuda'"):
         Trainer(cfg)
     assert not (tmp_path / "r").exists()  # refused before the run folder was made
-    from neorec.launch import init_rank_group
+    from neorec.launch.worker import init_rank_group
 
     with pytest.raises(ConfigError, match="no CUDA device"):
         init_rank_group("cuda", 5)

@@ -95,7 +95,7 @@ def test_different_configs_detected():
 # ---- the launcher's pieces, in process (the processes themselves: test_faults_process.py) ------
 def test_resume_command_round_trips_and_drops_old_resume():
     from neorec.cli import build_parser
-    from neorec.launch import resume_command
+    from neorec.launch.messages import resume_command
 
     sets_ = ["train.run_dir='/tmp/a b'", "checkpoint.resume='/x/ckpt-1'", "model.top_mlp=[8, 1]"]
     cmd = resume_command("configs/dcn_small.toml", sets_, 2)
@@ -106,7 +106,7 @@ def test_resume_command_round_trips_and_drops_old_resume():
 
 
 def test_step_of_reads_the_trainer_in_the_traceback():
-    from neorec.launch import step_of
+    from neorec.launch.messages import step_of
 
     class Trainer:
         step = 17
@@ -122,7 +122,7 @@ def test_step_of_reads_the_trainer_in_the_traceback():
 
 
 def test_interrupted_line_without_checkpoint(tmp_path):
-    from neorec.launch import interrupted_line
+    from neorec.launch.messages import interrupted_line
 
     cfg = load_config(overrides=[f"train.run_dir='{tmp_path}'"])
     assert interrupted_line(cfg, "cmd", 5) == (
@@ -134,47 +134,47 @@ def test_interrupted_line_without_checkpoint(tmp_path):
 def test_failure_line_prefers_the_first_reported_error(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from neorec import launch
+    from neorec.launch import messages
 
-    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(messages.ERROR_DIR_ENV, str(tmp_path))
     fail = {
         0: SimpleNamespace(timestamp=5, exitcode=1),
         1: SimpleNamespace(timestamp=3, exitcode=-9),
     }
     # Nothing reported: the agent's first failure (a signal: exit 1).
-    assert launch.failure_line(fail, str(tmp_path)) == (
+    assert messages.failure_line(fail, str(tmp_path)) == (
         "neorec: error: rank 1 was killed by SIGKILL; the other ranks were stopped",
         1,
     )
-    assert launch._report(1, "RuntimeError: boom", kind="defect")
-    line, code = launch.failure_line(fail, str(tmp_path))
+    assert messages.write_report(1, "RuntimeError: boom", kind="defect")
+    line, code = messages.failure_line(fail, str(tmp_path))
     assert line.startswith("neorec: error: rank 1 failed: RuntimeError: boom (traceback above)")
     assert code == 1
     time.sleep(0.01)
-    assert launch._report(0, "bad plan")  # later than rank 1's: rank 1 stays the first
-    assert launch.failure_line(fail, str(tmp_path))[0].startswith("neorec: error: rank 1 failed")
+    assert messages.write_report(0, "bad plan")  # later than rank 1's: rank 1 stays the first
+    assert messages.failure_line(fail, str(tmp_path))[0].startswith("neorec: error: rank 1 failed")
     (tmp_path / "rank-1.json").unlink()
-    assert launch.failure_line(fail, str(tmp_path)) == ("neorec: error: rank 0: bad plan", 2)
-    assert launch._peer_failed(1) and not launch._peer_failed(0)
+    assert messages.failure_line(fail, str(tmp_path)) == ("neorec: error: rank 0: bad plan", 2)
+    assert messages.peer_reported(1) and not messages.peer_reported(0)
     (tmp_path / "rank-0.json").unlink()
     fail[1].exitcode = 130  # a SIGINT sent to that worker alone
-    assert launch.failure_line(fail, str(tmp_path)) == (
+    assert messages.failure_line(fail, str(tmp_path)) == (
         "neorec: rank 1 was interrupted; the other ranks were stopped",
         130,
     )
 
 
 def test_expected_parent(monkeypatch):
-    from neorec import launch
+    from neorec.launch import worker
 
-    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(os.getppid()))
-    assert launch._expected_parent() == os.getppid()
-    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(os.getpid()))  # alive, not the parent: stale
-    assert launch._expected_parent() == os.getppid()
+    monkeypatch.setenv(worker.LAUNCHER_PID_ENV, str(os.getppid()))
+    assert worker._expected_parent() == os.getppid()
+    monkeypatch.setenv(worker.LAUNCHER_PID_ENV, str(os.getpid()))  # alive, not the parent: stale
+    assert worker._expected_parent() == os.getppid()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    monkeypatch.setenv(launch.LAUNCHER_PID_ENV, str(dead.pid))  # the launcher died before us
-    assert launch._expected_parent() == dead.pid != os.getppid()
+    monkeypatch.setenv(worker.LAUNCHER_PID_ENV, str(dead.pid))  # the launcher died before us
+    assert worker._expected_parent() == dead.pid != os.getppid()
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_expected_parent(monkeypatch):
 )  # fmt: skip
 def test_peer_lost_names_the_peer(message, world, want):
     from neorec.errors import NeorecError
-    from neorec.launch import peer_lost
+    from neorec.launch.messages import peer_lost
 
     got = peer_lost(RuntimeError(message), 0, world)
     if want is None:
@@ -205,22 +205,22 @@ def test_peer_lost_names_the_peer(message, world, want):
 def test_failure_line_names_a_stopped_rank(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from neorec import launch
+    from neorec.launch import messages
 
-    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(messages.ERROR_DIR_ENV, str(tmp_path))
     fail = {
         0: SimpleNamespace(timestamp=5, exitcode=2),
         1: SimpleNamespace(timestamp=5, exitcode=-15),
     }
-    assert launch._report(0, "rank 1 did not answer a collective (gloo: x)", kind="peer")
-    assert launch.failure_line(fail, str(tmp_path), [1]) == (
+    assert messages.write_report(0, "rank 1 did not answer a collective (gloo: x)", kind="peer")
+    assert messages.failure_line(fail, str(tmp_path), [1]) == (
         "neorec: error: rank 1 was stopped (SIGSTOP?) and its peers' collectives timed out; "
         "the other ranks were stopped",
         1,
     )
     # Not stopped: a peer's report gives way to the end the agent saw of the rank it names.
     fail[1].exitcode = -9
-    assert launch.failure_line(fail, str(tmp_path), [], "restarts exhausted: 1 of 1") == (
+    assert messages.failure_line(fail, str(tmp_path), [], "restarts exhausted: 1 of 1") == (
         "neorec: error: rank 1 was killed by SIGKILL; the other ranks were stopped "
         "(restarts exhausted: 1 of 1)",
         1,

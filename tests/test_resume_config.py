@@ -199,7 +199,7 @@ def test_runs_keeps_the_first_start_and_shows_the_last_resume(tmp_path, monkeypa
 def test_nproc_ranks_get_the_restored_config(tmp_path, monkeypatch, capsys):
     """The launcher hands its ranks the resumed run's whole config (what an elastic restart
     starts again, with its own checkpoint.resume appended)."""
-    import neorec.cli.train as cli_train
+    import neorec.launch.agent as agent
 
     root = tmp_path / "runs"
     first_run(root)
@@ -211,7 +211,7 @@ def test_nproc_ranks_get_the_restored_config(tmp_path, monkeypatch, capsys):
         seen["rest"], seen["env"] = rest, env
         return 0
 
-    monkeypatch.setattr(cli_train, "launch", fake_launch)
+    monkeypatch.setattr(agent, "launch", fake_launch)
     argv = ["train", "--nproc", "2", "--resume", "latest"]
     assert main([*argv, *sets(f"train.runs_dir='{root}'", "train.steps=6")]) == 0
     cfg = seen["cfg"]

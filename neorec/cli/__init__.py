@@ -3,7 +3,8 @@
 Every command module registers itself the same way: it is named in ``COMMANDS`` and defines
 ``HELP`` (its line in ``neorec --help``), ``add_arguments(parser)`` and ``run(args) -> int``. At
 module level it imports nothing heavier than the standard library and the config, so ``neorec
---help`` and ``neorec <command> --help`` never load torch; ``run`` imports the work. A command
+--help`` and ``neorec <command> --help`` never load torch; ``run`` imports the work, and
+``add_arguments`` what its flags need (``neorec <command>`` adds the flags of that command only). A command
 whose flags belong to a tool of its own (``bench NAME ...``, ``data preprocess ...``) also
 defines ``passthrough(argv) -> int | None``, which gets them unparsed.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
 from types import ModuleType
 
 from neorec.errors import NeorecError
@@ -42,14 +44,18 @@ def command(name: str) -> ModuleType:
     return importlib.import_module(f"neorec.cli.{name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every command."""
+def build_parser(flags_of: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every command, with the flags of the commands ``flags_of`` names
+    (default: all; the others parse no flags: ``neorec --help`` lists the commands without
+    loading what their flags need)."""
+    wanted = set(COMMANDS if flags_of is None else flags_of)
     p = argparse.ArgumentParser(prog="neorec", description="Train DLRMs at scale.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         mod = command(name)
         sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__)
-        mod.add_arguments(sp)
+        if name in wanted:
+            mod.add_arguments(sp)
         sp.set_defaults(func=mod.run)
     return p
 
@@ -82,13 +88,13 @@ def main(argv: list[str] | None = None) -> int:
             code = passthrough(argv[1:]) if passthrough is not None else None
             if code is not None:
                 return int(code)
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[:1]).parse_args(argv)
         return int(args.func(args))
     except NeorecError as e:
         print(f"neorec: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        from neorec.launch import is_worker
+        from neorec.launch.worker import is_worker
 
         if not is_worker():
             print("neorec: interrupted", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """``neorec plan``: read tables and topology, plan, print the report or JSON.
 
-A config file is a neorec TOML config; an optional ``[planner]`` section (read only here) adds
-what the planner needs beyond it::
+A config file is a neorec TOML config; an optional ``[planner]`` section (read by this command
+only: ``neorec.sharding.plan_inputs``) adds what the planner needs beyond it::
 
     [planner]
     tables_file = "paper_scale_tables.csv"   # relative to the TOML; replaces embedding.tables
@@ -41,75 +41,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from neorec.errors import ConfigError, NeorecError
 
-from neorec.config import (
-    CheckpointConfig,
-    CommConfig,
-    Config,
-    ConfigError,
-    DataConfig,
-    EmbeddingConfig,
-    LowpConfig,
-    ModelConfig,
-    ShardingConfig,
-    StorageConfig,
-    TowersConfig,
-    TrainConfig,
-    load_config,
-)
-from neorec.errors import NeorecError
-from neorec.sharding.cost_model import TableSpec, load_tables, tables_from_config
-from neorec.sharding.gpu_topology import add_preset_argument, apply_preset
-from neorec.sharding.learned_cost import (
-    COST_MODEL_MODES,
-    LearnedModelError,
-    resolve,
-    specs_dicts,
-)
-from neorec.sharding.planner import Planner, PlanResult, format_report
-from neorec.sharding.planner_shortlist import TUNE_ROUNDS, check_tune, shortlist, with_plan
-from neorec.sharding.topology import Topology
-from neorec.sharding.towers_cost import (
-    TOWER_MODULE_KINDS,
-    TOWER_PARTITIONS,
-    TowerPlanError,
-    check_towers,
-    format_tower_report,
-    plan_towers,
-)
-from neorec.sharding.types import CACHED_STORAGES
-
-__all__ = ["HELP", "add_arguments", "run", "main", "PlanInputs", "load_plan_inputs"]
+__all__ = ["HELP", "add_arguments", "run", "main"]
 
 HELP = "plan how tables are sharded over ranks"
-
-_SECTIONS = {
-    "model": ModelConfig,
-    "embedding": EmbeddingConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "sharding": ShardingConfig,
-    # read by training, not by the planner; accepted so one config serves both
-    "storage": StorageConfig,
-    "checkpoint": CheckpointConfig,
-    "comm": CommConfig,
-    "lowp": LowpConfig,
-    "towers": TowersConfig,
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``neorec plan``."""
+    from neorec.sharding.gpu_topology import add_preset_argument
+    from neorec.sharding.learned_cost import COST_MODEL_MODES
+    from neorec.sharding.planner_shortlist import TUNE_ROUNDS
+    from neorec.sharding.towers_cost import TOWER_MODULE_KINDS, TOWER_PARTITIONS
+
     parser.add_argument("--config", help="neorec TOML config (tables, batch size, [planner])")
     parser.add_argument("--tables", help="CSV/JSON table list instead of the config's tables")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
@@ -191,151 +140,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class PlanInputs:
-    """Everything ``neorec plan`` needs: tables, topology, batch, optimizer and planner options."""
+def _inputs(args: argparse.Namespace) -> Any:
+    """The plan's inputs (``neorec.sharding.plan_inputs``) from ``--config`` and the flags."""
+    from neorec.config import Config
+    from neorec.config.planner_file import read_plan_config
+    from neorec.sharding.plan_inputs import plan_inputs
 
-    def __init__(
-        self,
-        tables: list[TableSpec],
-        topology: Topology,
-        batch_size: int,
-        optimizer: str,
-        options: dict[str, Any],
-    ) -> None:
-        self.tables = tables
-        self.topology = topology
-        self.batch_size = batch_size
-        self.optimizer = optimizer
-        self.options = options
-
-
-def _config_from_dict(data: dict[str, Any], where: str) -> Config:
-    """A Config from TOML data without the ``[planner]`` section (same checks as load_config)."""
-    unknown = sorted(set(data) - set(_SECTIONS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(_SECTIONS)}")
-    try:
-        sections = {k: cls(**data.get(k, {})) for k, cls in _SECTIONS.items()}
-        return Config(**sections)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def load_plan_inputs(args: argparse.Namespace) -> PlanInputs:
-    """Resolve tables, topology and batch size from the config, files and flags."""
+    cfg, base = Config(), Path(".")
     planner: dict[str, Any] = {}
-    cfg = Config()
-    base = Path(".")
     if args.config:
-        path = Path(args.config)
-        if not path.exists():
-            raise ConfigError(f"config file not found: {path}")
-        base = path.parent
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        planner = data.pop("planner", {})
-        cfg = _config_from_dict(data, str(path)) if planner else load_config(path)
-    topo_over = dict(planner.pop("topology", {}))
-    tables_file = args.tables or (
-        str(base / planner.pop("tables_file")) if "tables_file" in planner else ""
+        cfg, planner = read_plan_config(args.config)
+        base = Path(args.config).parent
+    return plan_inputs(
+        cfg.embedding,
+        cfg.data,
+        cfg.sharding,
+        planner,
+        world_size=args.world_size,
+        ranks_per_host=args.ranks_per_host,
+        batch_size=args.batch_size,
+        tables=args.tables or "",
+        topology=args.topology or "",
+        preset=getattr(args, "topology_preset", None),
+        cached_tiers=not getattr(args, "no_cached_tiers", False),
+        base=base,
+        source=args.config,
     )
-    planner.pop("tables_file", None)
-    sh = cfg.sharding
-    cached = bool(planner.get("allow_cached_tiers", True)) and not getattr(
-        args, "no_cached_tiers", False
-    )
-    planner["allow_cached_tiers"] = cached
-    if tables_file:
-        tables = load_tables(tables_file)
-    else:
-        # Synthetic Zipf ids: skew lowers the rows a batch touches (other distributions: uniform).
-        d = cfg.data
-        synthetic = d.source in ("synthetic", "stream")
-        alpha = d.zipf_alpha if synthetic and d.id_distribution == "zipf" else 0.0
-        dist = d.id_distribution if synthetic else ""
-        tables = tables_from_config(cfg.embedding.tables, sh.types, sh.default_type, alpha, dist)
-        if cached:
-            _config_storage(tables, cfg)
-    batch = args.batch_size or int(planner.pop("batch_size", cfg.data.batch_size))
-    planner.pop("batch_size", None)
-    optimizer = str(planner.pop("optimizer", cfg.embedding.optimizer))
-    topo_file = str(planner.pop("topology_file", "") or "")
-    if topo_file and not args.topology:
-        tpath = base / topo_file
-        if not tpath.exists():
-            raise ConfigError(
-                f"{args.config}: planner.topology_file {str(tpath)!r} does not exist; write one "
-                "with neorec plan --calibrate --topology PATH, or drop the key"
-            )
-        topo = Topology.load(tpath).with_world(args.world_size, args.ranks_per_host or None)
-    elif args.topology:  # written just now by --calibrate, or given: missing is an error
-        topo = Topology.load(args.topology)
-        topo = topo.with_world(args.world_size, args.ranks_per_host or None)
-    else:
-        fields = {"world_size": args.world_size, **topo_over}
-        fields["world_size"] = args.world_size
-        if args.ranks_per_host:
-            fields["ranks_per_host"] = args.ranks_per_host
-        if topo_over:
-            topo = Topology.from_dict(fields)
-        else:
-            topo = Topology.local_cpu(args.world_size).with_world(
-                args.world_size, args.ranks_per_host or args.world_size
-            )
-    topo = apply_preset(args, topo)  # --topology-preset: a GPU host preset instead
-    if "cache_fractions" in planner:
-        planner["cache_fractions"] = tuple(float(f) for f in planner["cache_fractions"])
-    known = {"weight_bytes", "allow_host", "max_cw_slices", "allow_cached_tiers", "cache_fractions"}
-    bad = sorted(set(planner) - known)
-    if bad:
-        raise ConfigError(f"unknown [planner] key(s) {bad}; known: {sorted(known)}")
-    return PlanInputs(tables, topo, batch, optimizer, planner)
-
-
-def _config_storage(tables: list[TableSpec], cfg: Config) -> None:
-    """Config tables with ``storage = "dram" | "ssd"`` keep that tier and cache size."""
-    by_name = {t.name: t for t in cfg.embedding.tables}
-    for spec in tables:
-        t = by_name[spec.name]
-        if t.storage not in CACHED_STORAGES:
-            continue
-        spec.storage = t.storage
-        spec.cache_policy = t.cache_policy
-        # cache_rows / cache_fraction as the runtime sizes the cache (default 10%; of a dynamic
-        # table's slots, spec.rows)
-        rows = t.cache_rows or math.ceil((t.cache_fraction or 0.1) * spec.rows)
-        spec.cache_fraction = min(1.0, max(1, rows) / spec.rows)
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    """Run ``neorec.measure.calibrate`` in a subprocess (keeps torch out of the planner); its
-    progress goes to stderr, its one-line error becomes ours."""
-    out = args.topology or "topology.json"
-    args.topology = out
-    cmd = [sys.executable, "-m", "neorec.measure.calibrate", "--out", out]
-    cmd += ["--world-size", str(args.world_size)]
-    if args.ranks_per_host:
-        cmd += ["--ranks-per-host", str(args.ranks_per_host)]
+    """``--calibrate``: measure this machine into ``--topology`` (default topology.json)."""
+    from neorec.measure.spawn import calibrate
+
+    args.topology = args.topology or "topology.json"
     budget = getattr(args, "budget_s", None)
-    if budget is not None:
-        if budget < 0:
-            raise LearnedModelError(f"--budget-s must be >= 0 seconds, got {budget}")
-        cmd += ["--budget-s", str(budget)]
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    errs = [x for x in proc.stderr.splitlines() if x.startswith("neorec: error: ")]
-    if proc.returncode and errs:
-        raise LearnedModelError(errs[-1].removeprefix("neorec: error: "))
-    if proc.returncode:
-        sys.stderr.write(proc.stderr)
-        raise LearnedModelError(
-            f"--calibrate: the calibration crashed (exit {proc.returncode}); its output is above"
-        )
+    calibrate(args.topology, args.world_size, args.ranks_per_host, budget)
 
 
 def _tune_flags(args: argparse.Namespace) -> tuple[int, int]:
     """(K, rounds) of ``--tune`` (0 without it), the flags checked together."""
+    from neorec.sharding.planner_shortlist import TUNE_ROUNDS
+
     k = getattr(args, "tune", 0) or 0
     rounds = getattr(args, "tune_rounds", None)
     if not k:
@@ -350,61 +195,17 @@ def _tune_flags(args: argparse.Namespace) -> tuple[int, int]:
     return k, rounds
 
 
-def _tune(planner: Planner, result: PlanResult, inp: PlanInputs, k: int, rounds: int) -> PlanResult:
-    """``--tune``: measure ``result``'s shortlist in ``neorec.measure.plan_tune`` (a subprocess:
-    torch stays out of the planner; its progress goes to stderr) and return the result with the
-    fastest plan and the tuning record."""
-    import tempfile
-
-    cands = shortlist(planner, result, k)
-    req = {
-        "tables": specs_dicts(result.tables),
-        "batch": inp.batch_size,
-        "optimizer": inp.optimizer,
-        "rounds": rounds,
-        "plans": [
-            {"label": c.label, "plan": c.plan.to_dict(), "predicted_ms": c.predicted_ms}
-            for c in cands
-        ],
-    }
-    with tempfile.TemporaryDirectory(prefix="neorec-tune-") as tmp:
-        rq, out = Path(tmp) / "request.json", Path(tmp) / "tuning.json"
-        rq.write_text(json.dumps(req))
-        cmd = [sys.executable, "-m", "neorec.measure.plan_tune", "--request", str(rq)]
-        try:  # progress straight to our stderr; captured and copied there when it has no fd
-            sink: Any = sys.stderr.fileno()
-        except (AttributeError, OSError, ValueError):
-            sink = subprocess.PIPE
-        proc = subprocess.run(
-            [*cmd, "--out", str(out)], stdout=sink, stderr=subprocess.PIPE, text=True
-        )
-        if proc.stdout:
-            sys.stderr.write(proc.stdout)
-        errs = [x for x in proc.stderr.splitlines() if x.startswith("neorec: error: ")]
-        if proc.returncode:
-            if errs:
-                raise ConfigError(errs[-1].removeprefix("neorec: error: "))
-            sys.stderr.write(proc.stderr)
-            raise ConfigError(f"--tune: the measurement crashed (exit {proc.returncode})")
-        rec = json.loads(out.read_text())
-    picked = next(c for c in cands if c.label == rec["picked"])
-    tuned = with_plan(planner, result, picked.plan)
-    tuned.tuning = rec
-    tuned.plan.meta["tuning"] = {
-        "picked": rec["picked"],
-        "measured_ms": {m["label"]: round(m["ms_per_step"], 3) for m in rec["measured"]},
-        "rounds": rec["rounds"],
-        "world": rec["world"],
-        "note": "measured here with neorec plan --tune (neorec.measure.plan_tune)",
-    }
-    return tuned
-
-
 def run(args: argparse.Namespace) -> int:
     """``neorec plan``: print the report (or JSON), optionally write the plan.
 
     Bad input and an infeasible plan print ``neorec: error: ...`` on stderr and return 2.
     """
+    from neorec.measure.spawn import tune
+    from neorec.sharding.learned_cost import resolve
+    from neorec.sharding.planner import Planner, format_report
+    from neorec.sharding.planner_shortlist import check_tune
+    from neorec.sharding.towers_cost import check_towers
+
     try:
         _check_tower_flags(args)
         if getattr(args, "topology_preset", None) and args.topology:  # flags before any reading
@@ -412,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         k, rounds = _tune_flags(args)
         if args.calibrate:
             _calibrate(args)
-        inp = load_plan_inputs(args)
+        inp = _inputs(args)
         if k:
             check_tune(inp.tables, inp.topology.world_size, k, rounds)  # before any planning
             inp.options["allow_cached_tiers"] = False  # the runtime runs no cached tier
@@ -434,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         if towers:
             return _run_towers(args, inp, result)
         if k:
-            result = _tune(planner, result, inp, k, rounds)
+            result = tune(planner, result, inp.batch_size, inp.optimizer, k, rounds)
     except (NeorecError, ValueError) as e:  # PlanningError, ConfigError, bad table/topology files
         print(f"neorec: error: {e}", file=sys.stderr)
         return 2
@@ -454,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_tower_flags(args: argparse.Namespace) -> None:
     """The DMT flags make sense together (checked before any planning)."""
+    from neorec.sharding.towers_cost import TowerPlanError
+
     towers = getattr(args, "towers", 0)
     k = getattr(args, "tower_out_vectors", None)
     if towers < 0:
@@ -472,8 +275,11 @@ def _check_tower_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _run_towers(args: argparse.Namespace, inp: PlanInputs, flat: Any) -> int:
+def _run_towers(args: argparse.Namespace, inp: Any, flat: Any) -> int:
     """``neorec plan --towers N``: the tower plan next to the flat plan."""
+    from neorec.sharding.planner import format_report
+    from neorec.sharding.towers_cost import format_tower_report, plan_towers
+
     k = getattr(args, "tower_out_vectors", None) or 1
     res = plan_towers(
         inp.tables,

@@ -12,18 +12,6 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from neorec.launch import (
-    EXIT_INTERRUPTED,
-    Nodes,
-    Recovery,
-    interrupted_line,
-    is_worker,
-    launch,
-    resume_command,
-    run_worker,
-    step_of,
-)
-
 HELP = "train and evaluate a model"
 
 
@@ -87,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train: one process, ``--nproc`` local ranks, or one rank of a torchrun job."""
     from neorec.config import ConfigError, load_config
+    from neorec.launch.messages import EXIT_INTERRUPTED, interrupted_line, resume_command, step_of
+    from neorec.launch.worker import is_worker, run_worker
     from neorec.train.resume import finished_line, locating_overrides
 
     if is_worker():  # one rank of a --nproc / torchrun job
@@ -223,24 +213,12 @@ def _check_nodes(args: argparse.Namespace) -> None:
 
 def _train_worker(args: argparse.Namespace) -> int:
     from neorec.config import load_config
-    from neorec.launch import LAUNCHER_PID_ENV
+    from neorec.launch.worker import attempt_overrides, train_rank
 
     if args.resume:
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        # A restarted group: fault injection fires in the first attempt only, and under a bare
-        # torchrun --max-restarts (no neorec launcher to name the checkpoint) the run resumes
-        # its latest checkpoint when it has one.
-        args.set.append("system.fail_at=''")
-        if LAUNCHER_PID_ENV not in os.environ and not args.resume:
-            args.set.append('checkpoint.resume="auto"')
-    cfg = load_config(args.config, args.set)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _train_distributed(cfg)
-    from neorec.train.trainer import train
-
-    train(cfg)
-    return 0
+    args.set += attempt_overrides(bool(args.resume))
+    return train_rank(load_config(args.config, args.set))
 
 
 def _launch(
@@ -252,6 +230,8 @@ def _launch(
 ) -> int:
     """Start ``--nproc`` local ranks through PyTorch's elastic agent (what torchrun runs);
     ``env`` hands them the run folder; ``config_file``: the whole config (a resumed run's)."""
+    from neorec.launch.agent import Nodes, Recovery, launch
+    from neorec.launch.messages import interrupted_line
     from neorec.train.checkpoints import checkpoint_root
 
     rest = ["train"]
@@ -272,24 +252,3 @@ def _launch(
         return launch(args.nproc, rest, on_signal, env, nodes=nodes)
     recovery = Recovery(checkpoint_root(cfg), cfg.train.run_dir or None)
     return launch(args.nproc, rest, on_signal, env, args.max_restarts, recovery)
-
-
-def _train_distributed(cfg: Any) -> int:
-    """One rank of a torchrun-launched job: gloo on CPU, NCCL on GPU.
-
-    The process group is destroyed only after a clean run: after a failure the process exits
-    right away, once its error has been handed on (so that a peer whose collective breaks first
-    can tell it was not the cause).
-    """
-    import torch.distributed as dist
-
-    from neorec.distributed.comm import close_host_transports
-    from neorec.launch import init_rank_group
-    from neorec.train.trainer import train
-
-    # nccl on cuda, else gloo
-    init_rank_group(cfg.train.device, cfg.train.collective_timeout_s, cfg.system.keep_heap)
-    train(cfg)
-    close_host_transports()
-    dist.destroy_process_group()
-    return 0

@@ -15,22 +15,20 @@ replaced while ``run_agent`` runs:
   rank's ``NeorecError``: bad input; Ctrl-C of a rank) is not restarted; otherwise the launcher
   prints one line naming the cause, notes it for ``events.jsonl`` and starts the group again
   with ``checkpoint.resume`` set to the newest complete checkpoint this job wrote (the run's own
-  lineage; none yet: the run's original start).
+  lineage; none yet: the run's original start). What the job knows across restarts is
+  ``neorec.launch.agent.Job``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed.elastic.multiprocessing.api as mp_api
 import torch.distributed.launcher.api as launcher_api
@@ -40,9 +38,12 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_han
     SubprocessHandler,
 )
 
-from neorec.launch import EXIT_INTERRUPTED, Recovery, cause_of, proc_state, reports
+from neorec.launch.worker import proc_state
 
-__all__ = ["Job", "run_agent"]
+if TYPE_CHECKING:
+    from neorec.launch.agent import Job
+
+__all__ = ["run_agent"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -89,115 +90,6 @@ class _Worker(SubprocessHandler):
         super().close(death_sig)
         with contextlib.suppress(OSError):  # a stopped worker acts on the signal now
             os.killpg(self.proc.pid, signal.SIGCONT)
-
-
-class Job:
-    """What the launcher knows of its job across restarts (a failure's cause, the restarts)."""
-
-    def __init__(self, errdir: str, max_restarts: int, recovery: Recovery | None) -> None:
-        self.errdir = errdir
-        self.max_restarts = max_restarts
-        self.recovery = recovery
-        self.restarts: list[dict[str, Any]] = []  # the events.jsonl records, written at the end
-        self.stopped: list[int] = []  # ranks found stopped (state T) when the group failed
-        self.failures: dict[int, Any] = {}
-        self.no_restart = ""  # why a failure is not restarted ("" = it may be)
-        self.before = self._checkpoints() if recovery is not None else set()
-
-    def _storage(self) -> Any:
-        from neorec.checkpoint import open_storage
-
-        assert self.recovery is not None
-        return open_storage(self.recovery.checkpoint_root, fsync=False)
-
-    def _checkpoints(self) -> set[str]:
-        from neorec.checkpoint.catalog import scan
-
-        try:
-            return {e.name for e in scan(self._storage())}
-        except (OSError, ValueError):
-            return set()
-
-    def failed(self, failures: dict[int, Any], pids: dict[int, int]) -> None:
-        """The group failed (``failures``: global rank -> failure; ``pids``: its ranks' pids)."""
-        self.failures = dict(failures)
-        found = self.stopped + [r for r, p in pids.items() if proc_state(p) in ("T", "t")]
-        self.stopped[:] = sorted(set(found))  # (in place: the workers' close() appends to it)
-        errors = [r for r in reports(self.errdir) if r["kind"] == "error"]
-        if errors and not self.stopped:
-            self.no_restart = "not restarted: the same error would recur"
-        elif any(int(getattr(f, "exitcode", 0)) == EXIT_INTERRUPTED for f in failures.values()):
-            self.no_restart = "not restarted: a rank was interrupted"
-        else:
-            self.no_restart = ""
-
-    def newest(self) -> dict[str, Any] | None:
-        """The newest complete, restorable checkpoint this job wrote, if any."""
-        from neorec.checkpoint.catalog import chain_problem, order_key, scan
-
-        try:
-            entries = scan(self._storage())
-        except (OSError, ValueError):
-            return None
-        by_name = {e.name: e for e in entries}
-        done = [
-            e.manifest
-            for e in entries
-            if e.manifest is not None and e.name not in self.before
-            if not chain_problem(by_name, e.manifest)
-        ]
-        return max(done, key=order_key, default=None)
-
-    def restart(self, spec: Any, attempt: int, base_args: tuple[Any, ...]) -> None:
-        """Before restart ``attempt``: one line, a record for events.jsonl, the resume target."""
-        cause = cause_of(self.failures, self.errdir, self.stopped)[0]
-        target = self.newest() if self.recovery is not None else None
-        args = base_args
-        if target is not None:
-            path = self._storage().path(str(target["name"]))
-            args = (*base_args, "--set", f"checkpoint.resume={json.dumps(path)}")
-            where = f"from the checkpoint of step {target['step']}"
-        else:
-            where = "from its start (no checkpoint of this run yet)"
-        print(
-            f"neorec: {cause}; restarting the group ({attempt} of {self.max_restarts}) {where}",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.restarts.append(
-            {
-                "step": int(target["step"]) if target is not None else 0,
-                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "restart": attempt,
-                "max_restarts": self.max_restarts,
-                "cause": cause,
-                "resumed_from": None if target is None else str(target["name"]),
-            }
-        )
-        for p in Path(self.errdir).glob("rank-*.json"):  # this attempt's reports are dealt with
-            p.unlink(missing_ok=True)
-        self.stopped.clear()
-        spec.args = args
-
-    def write_events(self) -> None:
-        """Insert the restart records into the run's events.jsonl, each after its step."""
-        if not self.restarts or self.recovery is None or self.recovery.run_dir is None:
-            return
-        path = Path(self.recovery.run_dir) / "events.jsonl"
-        try:
-            lines = path.read_text().splitlines() if path.exists() else []
-            for rec in self.restarts:
-                at = 0
-                for i, line in enumerate(lines):
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        if int(json.loads(line)["step"]) <= rec["step"]:
-                            at = i + 1
-                lines.insert(at, json.dumps(rec))
-            tmp = path.with_name(path.name + ".restarts.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in lines))
-            os.replace(tmp, path)
-        except OSError as e:
-            print(f"neorec: events.jsonl: the restarts not recorded: {e}", file=sys.stderr)
 
 
 def _agent_class(job: Job) -> type[LocalElasticAgent]:
