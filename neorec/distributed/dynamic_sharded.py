@@ -25,7 +25,7 @@ ids) x row`` to their partial sums, and the row's gradient is summed over ranks 
 before one fused update, so the replicas stay identical and train as the unsharded row does.
 
 Tables on dram / ssd: a rank's part is a ``DynamicCachedEmbeddingBagCollection`` whose slot rows
-live in the rank's own stores (``<storage_dir>/rank<r>``) behind a row cache over the rank's slots
+live in the rank's own stores (``<storage.dir>/rank<r>``) behind a row cache over the rank's slots
 (``neorec.distributed.dynamic_parts``); everything above is unchanged (bitwise the in-memory form).
 """
 

@@ -101,6 +101,8 @@ class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
     """The fused row optimizer (every part has the same)."""
     pooling: PoolingMode
     """How a bag's rows are pooled (sum or mean)."""
+    validate_ids: bool = True
+    """Batches' ids are checked against their tables' rows (``collection_parts.checked_batch``)."""
     comm_stats: Any = None
     """A distributed collection's ``CommStats`` (bytes and waits per collective); else None."""
     host_resident: bool = False

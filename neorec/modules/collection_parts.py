@@ -42,7 +42,7 @@ INIT_CHUNK_ROWS = 8192
 
 
 def init_rows(
-    spec: TableConfig,
+    table: TableConfig,
     seed: int,
     row_start: int,
     row_end: int,
@@ -54,17 +54,17 @@ def init_rows(
     Each chunk of ``INIT_CHUNK_ROWS`` rows has its own generator seeded from (seed, table name,
     chunk), so a shard, a cache fill or a checkpoint test can build any slice without the rest.
     """
-    bound = init_scale or math.sqrt(1.0 / spec.rows)
+    bound = init_scale or math.sqrt(1.0 / table.rows)
     if out is None:
-        out = torch.empty(row_end - row_start, spec.dim)
-    name_key = zlib.crc32(spec.name.encode())
+        out = torch.empty(row_end - row_start, table.dim)
+    name_key = zlib.crc32(table.name.encode())
     gen = torch.Generator(device="cpu")
     first = row_start // INIT_CHUNK_ROWS
     last = (row_end - 1) // INIT_CHUNK_ROWS if row_end > row_start else first - 1
     for c in range(first, last + 1):
-        lo, hi = c * INIT_CHUNK_ROWS, min(spec.rows, (c + 1) * INIT_CHUNK_ROWS)
+        lo, hi = c * INIT_CHUNK_ROWS, min(table.rows, (c + 1) * INIT_CHUNK_ROWS)
         gen.manual_seed((seed * 1_000_003 + name_key * 7_919 + c) % (1 << 63))
-        vals = torch.rand(hi - lo, spec.dim, generator=gen).mul_(2 * bound).sub_(bound)
+        vals = torch.rand(hi - lo, table.dim, generator=gen).mul_(2 * bound).sub_(bound)
         a, b = max(lo, row_start), min(hi, row_end)
         out[a - row_start : b - row_start].copy_(vals[a - lo : b - lo])
         rows_initialized(b - a)

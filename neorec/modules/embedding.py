@@ -34,6 +34,7 @@ from neorec.sparse import SparseFeatures
 
 __all__ = ["EmbeddingBagCollection", "table_precision"]
 
+
 class EmbeddingBagCollection(EmbeddingCollection):
     """Pooled lookups of every table in one TBE call; trained by a fused row optimizer.
 

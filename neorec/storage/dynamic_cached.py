@@ -16,7 +16,7 @@ is filled from its fresh initial row by the batch's ``prepare`` (no store read) 
 Export, ``table_weight`` and the checkpoints read the store after ``flush()``.
 
 Sharded: ``ShardedDynamicEmbeddingBagCollection`` builds one of these per rank (of the rank's
-``ceil(capacity / W)`` slots, its stores in ``<storage_dir>/rank<r>``;
+``ceil(capacity / W)`` slots, its stores in ``<storage.dir>/rank<r>``;
 ``neorec.distributed.dynamic_parts``).
 """
 
