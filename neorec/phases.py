@@ -9,8 +9,9 @@ file, CI) a plain line at most every ``EVERY_S`` seconds; and one closing line w
 time. With a known total the line has the fraction done and an ETA. Lines go to stderr: stdout
 keeps what a command prints as its result.
 
-The tables' initializer (``neorec.modules.embedding.init_rows``) reports the rows it generates to
-the observers ``watch_init`` installs, whatever collection calls it (in memory, cached, sharded).
+The tables' initializer (``neorec.modules.collection_parts.init_rows``) reports the rows it
+generates to the observers ``watch_init`` installs, whatever collection calls it (in memory,
+cached, sharded).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _train(rank: int, world: int, cfg: Any, marked: bool) -> tuple[list, list]:
     """Three pipeline steps of a fresh model on the rank's slices; with ``marked`` the bench's
     marks on (the timer active, the staging wrapped, the collection's and the step's marks)."""
     from neorec.bench.step_breakdown import PhaseTimer, fresh_batches
-    from neorec.bench.step_dist_breakdown import StepMarks, _wrap_staging
+    from neorec.bench.step_dist_breakdown import CollectionMarks, StepMarks, _wrap_staging
     from neorec.build import dense_optimizer, distributed_model, resolve_plan
     from neorec.train.pipeline import make_pipeline
     from neorec.train.steps import train_step
@@ -72,7 +72,7 @@ def _train(rank: int, world: int, cfg: Any, marked: bool) -> tuple[list, list]:
     timer.active = marked
     if marked:
         _wrap_staging(model, timer)
-        model.ebc.marks = timer
+        model.ebc.marks = CollectionMarks(timer)
     seen: list[set[str]] = []
 
     def fn(model: Any, opt: Any, batch: Any, i: int, bf16: bool) -> torch.Tensor:

@@ -143,7 +143,7 @@ def test_name_lists_agree_with_their_owners():
 
 
 def test_tables_memory_checked_from_the_config():
-    from neorec.modules.embedding import check_tables_memory
+    from neorec.modules.collection_parts import check_tables_memory
 
     cfg = load_config(overrides=["embedding.rows=1000000000000"])
     with pytest.raises(ConfigError, match="the tables need .* GiB of memory"):

@@ -533,10 +533,13 @@ def test_cuda_refused_without_a_gpu(tmp_path):
 def test_one_process_step_counter_host_mirror_follows_writes():
     """The one-process collection counts steps on the host after one read; a write to the
     buffer (a restore, a reset) or a new buffer (a move) is read again."""
+    from neorec.modules.collection import CollectionSpec
     from neorec.modules.embedding import EmbeddingBagCollection
     from neorec.ops.row_optim import RowOptimizer
 
-    ebc = EmbeddingBagCollection(TABLES, RowOptimizer(kind="adam"), backend="reference")
+    ebc = EmbeddingBagCollection(
+        TABLES, CollectionSpec(RowOptimizer(kind="adam"), backend="reference")
+    )
     batch = _batch(0, 1, 0)
 
     def step() -> int:

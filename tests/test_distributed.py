@@ -126,10 +126,11 @@ def test_every_sharding_type_equals_single_process(world):
 
 def _dp_hooks_see_every_rank(rank: int, world: int) -> None:
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+    from neorec.modules.collection import CollectionSpec
 
     table = TableConfig(name="a", rows=10, dim=4)
     plan = plan_by_type([table], world, world, "data_parallel")
-    ebc = ShardedEmbeddingBagCollection([table], plan)
+    ebc = ShardedEmbeddingBagCollection([table], CollectionSpec(), plan=plan)
     seen: list[int] = []
     ebc.add_update_hook(lambda lay, idx, off: seen.extend(idx.tolist()))
     before = ebc.gather_table("a").clone()

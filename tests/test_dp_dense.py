@@ -8,6 +8,7 @@ import torch
 from dist_util import run_ranks
 
 from neorec.config import TableConfig
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sharding.fixed_plan import plan_by_type
@@ -47,7 +48,8 @@ def _run(rank: int, world: int, opt: str) -> None:
     plan = plan_by_type(TABLES, world, world, "data_parallel")
     tables: dict[str, list[torch.Tensor]] = {}
     for name, cap in (("default", DENSE_DP_MAX_ELEMS), ("pairs", 0), ("dense", 1 << 30)):
-        ebc = ShardedEmbeddingBagCollection(TABLES, plan, RowOptimizer(kind=opt, lr=0.1), seed=3)
+        spec = CollectionSpec(RowOptimizer(kind=opt, lr=0.1), seed=3)
+        ebc = ShardedEmbeddingBagCollection(TABLES, spec, plan=plan)
         ebc.dp_dense_max_elems = cap
         for step in range(3):
             sparse, grad = _batch(step, rank, world)
@@ -68,7 +70,7 @@ def _run(rank: int, world: int, opt: str) -> None:
     torch.distributed.all_gather(everyone, flat)
     assert all(torch.equal(e, flat) for e in everyone), "replicas differ across ranks"
     # The specification: one process, the whole batch.
-    ref = EmbeddingBagCollection(TABLES, RowOptimizer(kind=opt, lr=0.1), seed=3)
+    ref = EmbeddingBagCollection(TABLES, CollectionSpec(RowOptimizer(kind=opt, lr=0.1), seed=3))
     for step in range(3):
         sparse, grad = _batch(step, rank, world)
         # Data-parallel gradients are averaged over ranks (each rank's loss is its mean share).

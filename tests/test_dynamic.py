@@ -11,6 +11,7 @@ import torch
 from faults import campaign
 
 from neorec.config import TableConfig
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.id_map import IdMap, mix64, native_lib
 from neorec.ops.row_optim import RowOptimizer
@@ -191,8 +192,9 @@ def _batches(seed: int, steps: int, pool: int = 40, b: int = 6):
 def test_training_equals_plain_table(opt: str) -> None:
     optim = RowOptimizer(kind=opt, lr=0.1)
     pooling = "mean" if opt == "adam" else "sum"
+    backend = "cpu" if HAVE_C else "reference"
     dyn = DynamicEmbeddingBagCollection(
-        [_dyn_table()], optim, pooling, backend="cpu" if HAVE_C else "reference", seed=3
+        [_dyn_table()], CollectionSpec(optim, pooling, backend=backend, seed=3)
     )
     batches = list(_batches(0, 6))
     g = torch.Generator().manual_seed(1)
@@ -207,9 +209,7 @@ def test_training_equals_plain_table(opt: str) -> None:
     # the plain table: row s starts as the init row of the id in slot s
     plain = EmbeddingBagCollection(
         [TableConfig(name="a", rows=64, dim=8, features=["f", "g"])],
-        optim,
-        pooling,
-        backend="cpu" if HAVE_C else "reference",
+        CollectionSpec(optim, pooling, backend=backend),
     )
     rows = torch.zeros(64, 8)
     slots, ids = m.live_items()
@@ -232,7 +232,9 @@ def _one(ids: list[int]) -> SparseFeatures:
 
 def test_readmitted_id_starts_fresh() -> None:
     t = _dyn_table(capacity=2, features=["f"])
-    dyn = DynamicEmbeddingBagCollection([t], RowOptimizer(kind="adam", lr=0.5), seed=5)
+    dyn = DynamicEmbeddingBagCollection(
+        [t], CollectionSpec(RowOptimizer(kind="adam", lr=0.5), seed=5)
+    )
     a, b, c = -(2**62), 12345, 2**63 - 1
     first = dyn(_one([a]))
     first.backward(torch.ones_like(first))
@@ -253,7 +255,7 @@ def test_readmitted_id_starts_fresh() -> None:
 def test_unadmitted_zeros_and_default_row() -> None:
     opt = RowOptimizer(kind="sgd", lr=1.0)
     t = _dyn_table(admission="threshold", admit_threshold=2, features=["f"])
-    z = DynamicEmbeddingBagCollection([t], opt)
+    z = DynamicEmbeddingBagCollection([t], CollectionSpec(opt))
     out = z(SparseFeatures.from_lists({"f": [[7], [7, 8], [9]]}))
     s7 = int(z.slots_of("a", _t(7))[0])  # seen twice in the batch: admitted for both
     assert torch.equal(out[0], z.table_weight("a")[s7])
@@ -262,7 +264,8 @@ def test_unadmitted_zeros_and_default_row() -> None:
     assert z.stats()["a"]["step"]["unadmitted"] == 2
     d = DynamicEmbeddingBagCollection([_dyn_table(unadmitted="default_row", features=["f"],
                                                    admission="probability",
-                                                   admit_probability=0.0)], opt)  # fmt: skip
+                                                   admit_probability=0.0)],
+                                      CollectionSpec(opt))  # fmt: skip
     before = d.table_weight("a")[64].clone()
     out = d(SparseFeatures.from_lists({"f": [[1, 2]]}))
     assert torch.equal(out[0], 2 * before)
@@ -343,7 +346,7 @@ def test_config_errors() -> None:
     fixed = TableConfig(**base)
     c.expect_error(
         "fixed table in dynamic collection",
-        lambda: DynamicEmbeddingBagCollection([fixed]),
+        lambda: DynamicEmbeddingBagCollection([fixed], CollectionSpec()),
         ("'a'", "kind"),
     )
     c.expect_error("IdMap capacity 0", lambda: IdMap(0), "capacity")

@@ -12,11 +12,13 @@ import torch
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
+from neorec.modules.collection import CollectionSpec
 from neorec.ops.id_map import native_lib
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection, DynamicTableState
 from neorec.storage.dynamic_cached import DynamicCachedEmbeddingBagCollection
+from neorec.storage.store import StoreSettings
 
 BACKEND = "cpu" if native_lib() is not None else "reference"
 POLICIES = {
@@ -54,10 +56,11 @@ def _batches(seed: int, steps: int, pool: int = 30, b: int = 2) -> list[SparseFe
 
 
 def _make(storage: str, opt: str, pooling: str, root: Path, **kw: Any) -> Any:
-    args = (_tables(storage, **kw), RowOptimizer(kind=opt, lr=0.1), pooling, BACKEND)
+    spec = CollectionSpec(RowOptimizer(kind=opt, lr=0.1), pooling, BACKEND, seed=3)
     if storage == "memory":
-        return DynamicEmbeddingBagCollection(*args, seed=3)
-    return DynamicCachedEmbeddingBagCollection(*args, seed=3, storage_dir=root)
+        return DynamicEmbeddingBagCollection(_tables(storage, **kw), spec)
+    stores = StoreSettings(dir=root)
+    return DynamicCachedEmbeddingBagCollection(_tables(storage, **kw), spec, storage=stores)
 
 
 def _train(dyn: Any, batches: list[SparseFeatures], start: int = 0) -> list[torch.Tensor]:
@@ -125,9 +128,11 @@ def test_resets_reach_resident_and_stored_slots(tmp_path: Path, script: str) -> 
     opt = RowOptimizer(kind="rowwise_adagrad", lr=0.5)
     for cache_rows in (cap, small):
         t = TableConfig(name="a", rows=8, dim=4, kind="dynamic", capacity=cap, features=["f"], **kw)
-        ref = DynamicEmbeddingBagCollection([t], opt, seed=1)
+        ref = DynamicEmbeddingBagCollection([t], CollectionSpec(opt, seed=1))
         ct = TableConfig(**{**t.__dict__, "storage": "ssd", "cache_rows": cache_rows})
-        got = DynamicCachedEmbeddingBagCollection([ct], opt, seed=1, storage_dir=tmp_path)
+        got = DynamicCachedEmbeddingBagCollection(
+            [ct], CollectionSpec(opt, seed=1), storage=StoreSettings(dir=tmp_path)
+        )
         for ids in script_batches:
             refused = "!" in ids
             sp = SparseFeatures.from_lists({"f": [[i for i in ids if i != "!"]]})
@@ -222,11 +227,11 @@ def test_build_from_config_and_refusals(tmp_path: Path) -> None:
     # the in-memory collection refuses dram / ssd tables and names the cached one
     t = TableConfig(name="a", rows=8, dim=4, kind="dynamic", storage="ssd")
     with pytest.raises(ConfigError, match="'a'.*storage 'ssd'.*sharded"):
-        DynamicEmbeddingBagCollection([t])
+        DynamicEmbeddingBagCollection([t], CollectionSpec())
     with pytest.raises(ConfigError, match="precision"):
         TableConfig(name="a", rows=8, dim=4, kind="dynamic", storage="ssd", precision="bf16")
     with pytest.raises(ValueError, match="storage.dir"):
-        DynamicCachedEmbeddingBagCollection([t])
+        DynamicCachedEmbeddingBagCollection([t], CollectionSpec())
 
 
 def _cfg(run_dir: Path, storage: str, *extra: str) -> Any:
@@ -285,7 +290,9 @@ def test_batch_beyond_the_cache(tmp_path: Path) -> None:
     from neorec.storage.dynamic import dynamic_init_rows
 
     t = TableConfig(name="a", rows=8, dim=4, kind="dynamic", storage="ssd", cache_rows=2)
-    got = DynamicCachedEmbeddingBagCollection([t], seed=4, storage_dir=tmp_path)
+    got = DynamicCachedEmbeddingBagCollection(
+        [t], CollectionSpec(seed=4), storage=StoreSettings(dir=tmp_path)
+    )
     out = got(SparseFeatures.from_lists({"a": [[5]]}))
     out.backward(torch.ones_like(out))
     got.flush()
@@ -304,7 +311,9 @@ def test_new_slots_are_not_read_from_the_store(tmp_path: Path) -> None:
         TableConfig(name=n, rows=64, dim=4, kind="dynamic", capacity=10, storage=st, cache_rows=10)
         for n, st in (("a", "ssd"), ("b", "dram"))
     ]
-    got = DynamicCachedEmbeddingBagCollection(ts, storage_dir=tmp_path)
+    got = DynamicCachedEmbeddingBagCollection(
+        ts, CollectionSpec(), storage=StoreSettings(dir=tmp_path)
+    )
     for j in range(6):  # 3 new ids a table a step: full after 4 steps, then evictions
         sp = SparseFeatures.from_lists({n: [[100 * j + k for k in range(3)]] for n in "ab"})
         out = got(sp)

@@ -28,6 +28,7 @@ from neorec.distributed.dynamic_reshard import (
 from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection, rank_capacity
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.errors import NeorecError
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.id_map import mix64
 from neorec.ops.row_optim import RowOptimizer
@@ -85,7 +86,7 @@ def tables(v: dict[str, Any]) -> list[TableConfig]:
 def build(v: dict[str, Any], sharded: bool) -> Any:
     opt = RowOptimizer(kind=v["opt"], lr=0.1)
     cls = ShardedDynamicEmbeddingBagCollection if sharded else DynamicEmbeddingBagCollection
-    return cls(tables(v), opt, v.get("pooling", "sum"), seed=SEED)
+    return cls(tables(v), CollectionSpec(opt, v.get("pooling", "sum"), seed=SEED))
 
 
 def global_batch(v: dict[str, Any], step: int) -> tuple[SparseFeatures, torch.Tensor]:
@@ -168,8 +169,9 @@ def _mixed(rank: int, world: int) -> dict[str, Any]:
     ts = mixed_tables()
     opt = RowOptimizer(kind="sgd", lr=0.1)
     plan = plan_by_type(ts[:1], world, world, "row_wise")
-    fixed = ShardedEmbeddingBagCollection(ts[:1], plan, opt, "mean", seed=SEED)
-    dyn = ShardedDynamicEmbeddingBagCollection(ts[1:], opt, "mean", seed=SEED)
+    spec = CollectionSpec(opt, "mean", seed=SEED)
+    fixed = ShardedEmbeddingBagCollection(ts[:1], spec, plan=plan)
+    dyn = ShardedDynamicEmbeddingBagCollection(ts[1:], spec)
     m = MixedEmbeddingBagCollection(ts, fixed, dyn)  # type: ignore[arg-type]
     b = B // world
     outs = []
@@ -196,7 +198,7 @@ def _faults_on_ranks(rank: int, world: int) -> dict[str, str]:
     if rank == 1:  # built with another capacity on one rank
         ts = [ts[0], TableConfig(**{**vars(ts[1]), "capacity": 20})]
     try:
-        ShardedDynamicEmbeddingBagCollection(ts, opt, seed=SEED)
+        ShardedDynamicEmbeddingBagCollection(ts, CollectionSpec(opt, seed=SEED))
         got["ranks built differently"] = "no error"
     except NeorecError as e:
         got["ranks built differently"] = f"{type(e).__name__}: {e}"
@@ -370,8 +372,8 @@ def test_fixed_row_wise_beside_dynamic(runs: dict, world: int) -> None:
     opt = RowOptimizer(kind="sgd", lr=0.1)
     ref = MixedEmbeddingBagCollection(
         ts,
-        EmbeddingBagCollection(ts[:1], opt, "mean", seed=SEED),
-        DynamicEmbeddingBagCollection(ts[1:], opt, "mean", seed=SEED),
+        EmbeddingBagCollection(ts[:1], CollectionSpec(opt, "mean", seed=SEED)),
+        DynamicEmbeddingBagCollection(ts[1:], CollectionSpec(opt, "mean", seed=SEED)),
     )
     outs = []
     for step in range(1, STEPS + 1):
@@ -453,13 +455,19 @@ def test_faults_dynamic_sharded(runs: dict) -> None:
 
     c.expect_error(
         "fixed table",
-        lambda: ShardedDynamicEmbeddingBagCollection([TableConfig(name="x", rows=4, dim=4)]),
+        lambda: ShardedDynamicEmbeddingBagCollection(
+            [TableConfig(name="x", rows=4, dim=4)], CollectionSpec()
+        ),
         ("'x'", "kind", "dynamic"),
     )
-    c.expect_error("no tables", lambda: ShardedDynamicEmbeddingBagCollection([]), "non-empty")
+    c.expect_error(
+        "no tables", lambda: ShardedDynamicEmbeddingBagCollection([], CollectionSpec()), "non-empty"
+    )
     twice = [*tables(v), TableConfig(name="a", rows=4, dim=4, features=["z"], kind="dynamic")]
     c.expect_error(
-        "a table twice", lambda: ShardedDynamicEmbeddingBagCollection(twice), "more than once"
+        "a table twice",
+        lambda: ShardedDynamicEmbeddingBagCollection(twice, CollectionSpec()),
+        "more than once",
     )
     c.expect_error("a rank's shard missing", importing(good[:1]), ("ranks 0..1", "missing [1]"))
     c.expect_error("a rank twice", importing([good[0], good[0]]), ("repeated [0]", "missing [1]"))
@@ -483,7 +491,8 @@ def test_faults_dynamic_sharded(runs: dict) -> None:
     c.expect_error("checkpoint without the default row", importing(no_default), "default row")
     small_tables = [TableConfig(**{**vars(t), "capacity": 8}) for t in tables(v)]
     small = ShardedDynamicEmbeddingBagCollection(
-        small_tables, RowOptimizer(kind="rowwise_adagrad", lr=0.1), "mean", seed=SEED
+        small_tables,
+        CollectionSpec(RowOptimizer(kind="rowwise_adagrad", lr=0.1), "mean", seed=SEED),
     )
     c.expect_error("more ids than the slots", importing(good, into=small), ("slots", "capacity"))
     before = small.export_table("a")

@@ -20,12 +20,14 @@ import torch
 from dist_util import run_ranks
 from faults import campaign, run_cli
 
+from neorec.build import collection_spec
 from neorec.distributed.dynamic_reshard import TableShard, merge_table_shards, owner_of
 from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection
-from neorec.ops.row_optim import RowOptimizer
+from neorec.modules.collection import CollectionSpec
 from neorec.sparse import SparseFeatures
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection
 from neorec.storage.dynamic_state import DynamicTableState
+from neorec.storage.store import StoreSettings
 
 B, STEPS, EXTRA = 4, 10, 4  # global batch; steps before the checkpoint; steps after a restore
 _R = random.Random(7)
@@ -70,13 +72,9 @@ def _cfg(name: str, store: Path, cache: int = 6) -> Any:
 
 def _in_memory(cfg: Any, sharded: bool) -> Any:
     """The config's dynamic tables in memory: the sharded module, or the unsharded one."""
-    emb = cfg.embedding
-    ts = [replace(t, storage="memory") for t in emb.tables]
+    ts = [replace(t, storage="memory") for t in cfg.embedding.tables]
     cls = ShardedDynamicEmbeddingBagCollection if sharded else DynamicEmbeddingBagCollection
-    return cls(
-        ts, RowOptimizer.from_config(emb), emb.pooling, emb.backend, init_scale=emb.init_scale,
-        seed=cfg.train.seed,
-    )  # fmt: skip
+    return cls(ts, collection_spec(cfg))
 
 
 def _cached(cfg: Any) -> Any:
@@ -289,7 +287,7 @@ def test_faults_dynamic_sharded_store(tmp_path: Path) -> None:
     ts = [replace(t, storage="ssd") for t in cfg.embedding.tables]
     c.expect_error(
         "ssd without a storage directory",
-        lambda: ShardedDynamicEmbeddingBagCollection(ts, storage_dir=""),
+        lambda: ShardedDynamicEmbeddingBagCollection(ts, CollectionSpec(), storage=StoreSettings()),
         ("'a'", "ssd", "storage.dir"),
     )
     m = _cached(_cfg("dram", tmp_path, cache=10))

@@ -12,6 +12,7 @@ import torch
 from faults import campaign
 
 from neorec.config import TableConfig
+from neorec.modules.collection import CollectionSpec
 from neorec.ops.id_map import native_lib
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
@@ -38,9 +39,8 @@ def _batches(seed: int, steps: int, pool: int = 40, b: int = 5) -> list[SparseFe
 
 
 def _make(opt: str, native: bool | None = None, **kw: Any) -> DynamicEmbeddingBagCollection:
-    return DynamicEmbeddingBagCollection(
-        _tables(**kw), RowOptimizer(kind=opt, lr=0.1), backend=BACKEND, seed=3, native=native
-    )
+    spec = CollectionSpec(RowOptimizer(kind=opt, lr=0.1), backend=BACKEND, seed=3)
+    return DynamicEmbeddingBagCollection(_tables(**kw), spec, native=native)
 
 
 def _train(dyn: Any, batches: list[SparseFeatures], start: int = 0) -> list[torch.Tensor]:
@@ -104,9 +104,9 @@ def test_state_moves_between_c_and_numpy_and_capacities() -> None:
     _train(c, batches[:5])
     py = _make("rowwise_adagrad", native=False, **kw)
     big = DynamicEmbeddingBagCollection(
-        _tables(capacity=30, **kw), RowOptimizer(kind="rowwise_adagrad", lr=0.1), backend=BACKEND,
-        seed=3,
-    )  # fmt: skip
+        _tables(capacity=30, **kw),
+        CollectionSpec(RowOptimizer(kind="rowwise_adagrad", lr=0.1), backend=BACKEND, seed=3),
+    )
     for t in ("a", "b"):
         py.import_table(t, c.export_table(t))
         big.import_table(t, c.export_table(t))
@@ -124,13 +124,12 @@ def test_import_refusals() -> None:
     _train(src, _batches(2, 4))
     st = src.export_table("a")
     small = DynamicEmbeddingBagCollection(
-        _tables(capacity=2), RowOptimizer(kind="adam", lr=0.1), backend=BACKEND
+        _tables(capacity=2), CollectionSpec(RowOptimizer(kind="adam", lr=0.1), backend=BACKEND)
     )
     c.expect_error("ids beyond capacity", lambda: small.import_table("a", st), ("capacity 2",))
     wide = DynamicEmbeddingBagCollection(
         [TableConfig(name="a", rows=64, dim=8, features=["f"], kind="dynamic", capacity=12)],
-        RowOptimizer(kind="adam", lr=0.1),
-        backend=BACKEND,
+        CollectionSpec(RowOptimizer(kind="adam", lr=0.1), backend=BACKEND),
     )
     c.expect_error("dim mismatch", lambda: wide.import_table("a", st), ("'a'", "dim is 8"))
     sgd = _make("sgd")
@@ -367,7 +366,9 @@ def test_compiled_init_rows_equal_the_reference(dim: int) -> None:
     from neorec.storage.dynamic import dynamic_init_rows
 
     t = TableConfig(name="z", rows=50, dim=dim, features=["f"], kind="dynamic", capacity=30)
-    dyn = DynamicEmbeddingBagCollection([t], RowOptimizer(kind="adam", lr=0.1), seed=9)
+    dyn = DynamicEmbeddingBagCollection(
+        [t], CollectionSpec(RowOptimizer(kind="adam", lr=0.1), seed=9)
+    )
     ids = torch.tensor([-(2**63), -1, 0, 7, 2**63 - 1] + list(range(100, 125)))
     dyn(SparseFeatures.from_lists({"f": [[x] for x in ids.tolist()]}))
     slots = dyn.slots_of("z", ids)

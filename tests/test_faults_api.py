@@ -26,6 +26,7 @@ from faults import Campaign, campaign
 from torch import Tensor, nn
 
 from neorec.config import ModelConfig, TableConfig
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.dlrm import DLRM
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
@@ -63,8 +64,8 @@ def make_ebc(kind: str, pooling: str = "sum", kind_opt: str = "adam") -> nn.Modu
     opt = RowOptimizer(kind=kind_opt, lr=0.05)
     if kind == "cached":
         tables = [dataclasses.replace(TABLES[0], storage="dram", cache_rows=16), *TABLES[1:]]
-        return CachedEmbeddingBagCollection(tables, opt, pooling, backend="cpu", seed=3)
-    return EmbeddingBagCollection(TABLES, opt, pooling, backend=kind, seed=3)
+        return CachedEmbeddingBagCollection(tables, CollectionSpec(opt, pooling, "cpu", seed=3))
+    return EmbeddingBagCollection(TABLES, CollectionSpec(opt, pooling, kind, seed=3))
 
 
 def snapshot(m: nn.Module) -> dict[str, Tensor]:
@@ -414,9 +415,15 @@ BAD_OPTIMIZERS: list[tuple[str, dict[str, Any], str]] = [
 
 @pytest.mark.parametrize("cls", [EmbeddingBagCollection, CachedEmbeddingBagCollection])
 def test_api_bad_collection_arguments(cls: type) -> None:
+    spec_fields = {f.name for f in dataclasses.fields(CollectionSpec)}
+
+    def build(kw: dict[str, Any]) -> Any:
+        args = {"tables": TABLES, **{k: v for k, v in kw.items() if k not in spec_fields}}
+        spec = CollectionSpec(**{k: v for k, v in kw.items() if k in spec_fields})
+        return cls(spec=spec, **args)
+
     for name, kw, match in BAD_COLLECTIONS:
-        args = {"tables": TABLES, **kw}
-        C.expect_error(f"{cls.__name__}: {name}", lambda args=args: cls(**args), match)
+        C.expect_error(f"{cls.__name__}: {name}", lambda kw=kw: build(kw), match)
     C.check()
 
 
@@ -430,7 +437,8 @@ def test_api_bad_row_optimizer() -> None:
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_api_dlrm_bad_batches_change_nothing(backend: str) -> None:
     cfg = ModelConfig(num_dense=3, bottom_mlp=[8, 4], top_mlp=[6, 1])
-    model = DLRM(cfg, TABLES, RowOptimizer(kind="adam", lr=0.05), backend=backend, seed=1)
+    spec = CollectionSpec(RowOptimizer(kind="adam", lr=0.05), backend=backend, seed=1)
+    model = DLRM(cfg, EmbeddingBagCollection(TABLES, spec), seed=1)
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
 
     def step(sparse: SparseFeatures, dense: Tensor | None = None, scale: float = 1.0) -> None:
@@ -540,7 +548,7 @@ def test_api_tbe_op_inputs(backend: str) -> None:
 def test_api_dlrm_dense_inputs() -> None:
     """Dense features that do not match the model or the sparse batch: one clear error."""
     cfg = ModelConfig(num_dense=3, bottom_mlp=[8, 4], top_mlp=[6, 1])
-    model = DLRM(cfg, TABLES, backend="cpu", seed=1)
+    model = DLRM(cfg, EmbeddingBagCollection(TABLES, CollectionSpec(backend="cpu", seed=1)), seed=1)
     sparse = good_batch(1)
     for name, dense, match in [
         ("dense batch != sparse batch", torch.randn(BATCH + 1, 3), "batch"),

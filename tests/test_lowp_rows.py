@@ -12,6 +12,7 @@ from dist_util import run_ranks
 from neorec.build import build_dlrm
 from neorec.checkpoint import CheckpointManager
 from neorec.config import ConfigError, EmbeddingConfig, TableConfig, load_config
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.ops.lowp_format import _bits_stochastic, _hash32, _hash_uniform
@@ -175,7 +176,9 @@ def test_memory_halves_and_quarters():
     assert bytes_per_row("fp8", 64) == 68 and bytes_per_row("fp32", 64) == 256
     tabs = [TableConfig(name="t", rows=1000, dim=64, precision=p) for p in ("fp32", "fp8")]
     sizes = [
-        EmbeddingBagCollection([t], backend="reference").weights.untyped_storage().nbytes()
+        EmbeddingBagCollection([t], CollectionSpec(backend="reference"))
+        .weights.untyped_storage()
+        .nbytes()
         for t in tabs
     ]
     assert sizes[1] <= sizes[0] * 0.27
@@ -227,9 +230,10 @@ def test_grouped_collection_equals_one_collection_per_precision():
     precs = ["fp16", "fp32", "fp8", "bf16", "fp16"]
     tabs = _tables(precs)
     opt = RowOptimizer(kind="rowwise_adagrad", lr=0.1)
-    grouped = GroupedEmbeddingBagCollection(tabs, opt, backend="cpu", seed=3)
+    spec = CollectionSpec(opt, backend="cpu", seed=3)
+    grouped = GroupedEmbeddingBagCollection(tabs, spec)
     singles = {
-        p: EmbeddingBagCollection([t for t in tabs if t.precision == p], opt, backend="cpu", seed=3)
+        p: EmbeddingBagCollection([t for t in tabs if t.precision == p], spec)
         for p in dict.fromkeys(precs)
     }
     for step in range(3):
@@ -278,7 +282,7 @@ def test_config_precision_inherits_and_refuses_bad_combinations():
     with pytest.raises(ConfigError, match="rounding"):
         EmbeddingConfig(rounding="up")
     with pytest.raises(ConfigError, match="one precision"):
-        EmbeddingBagCollection(_tables(["fp16", "bf16"]))
+        EmbeddingBagCollection(_tables(["fp16", "bf16"]), CollectionSpec())
 
 
 def _tiny(tmp_path, *extra):

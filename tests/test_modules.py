@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from neorec.config import ModelConfig, TableConfig
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.dlrm import DLRM, CrossNet, DotInteraction
+from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatureError, SparseFeatures
 
@@ -63,7 +65,8 @@ def plain_dot(x, emb):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_dlrm_forward_equals_plain(interaction, weighted):
     cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1], interaction=interaction)
-    model = DLRM(cfg, TABLES, backend="reference", seed=3)
+    ebc = EmbeddingBagCollection(TABLES, CollectionSpec(backend="reference", seed=3))
+    model = DLRM(cfg, ebc, seed=3)
     dense, sparse, _ = random_batch(6, seed=1, weighted=weighted)
     pooled = plain_pooled(model, sparse)
     x = model.dense_arch.bottom(dense)
@@ -91,7 +94,7 @@ def test_training_steps_equal_plain_autograd(kind):
     """Fused embedding update + dense torch.optim == dense autograd grads + row optimizer math."""
     cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1])
     opt = RowOptimizer(kind=kind, lr=0.1)
-    model = DLRM(cfg, TABLES, opt, backend="reference", seed=0)
+    model = DLRM(cfg, EmbeddingBagCollection(TABLES, CollectionSpec(opt, backend="reference")))
     tables = {
         t.name: model.ebc.table_weight(t.name).clone().double().requires_grad_() for t in TABLES
     }
@@ -149,7 +152,7 @@ def test_training_steps_equal_plain_autograd(kind):
 
 def test_feature_order_and_errors():
     cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1])
-    model = DLRM(cfg, TABLES, backend="reference")
+    model = DLRM(cfg, EmbeddingBagCollection(TABLES, CollectionSpec(backend="reference")))
     dense, sparse, _ = random_batch(4, seed=5)
     out = model(dense, sparse)
     parts = {k: sparse.feature(k) for k in sparse.keys}
@@ -169,7 +172,7 @@ def test_feature_order_and_errors():
 
 def test_eval_no_grad_does_not_update():
     cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1])
-    model = DLRM(cfg, TABLES, backend="reference")
+    model = DLRM(cfg, EmbeddingBagCollection(TABLES, CollectionSpec(backend="reference")))
     before = model.ebc.weights.clone()
     dense, sparse, _ = random_batch(4, seed=6)
     with torch.no_grad():
@@ -180,10 +183,9 @@ def test_eval_no_grad_does_not_update():
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_zero_sample_batch_and_refused_backward_leave_the_step(backend):
     """Adam's bias correction counts steps: a zero-sample batch or a refused update is none."""
-    from neorec.modules.embedding import EmbeddingBagCollection
     from neorec.ops.tbe import NonFiniteGradientError
 
-    ebc = EmbeddingBagCollection(TABLES, RowOptimizer(kind="adam"), backend=backend)
+    ebc = EmbeddingBagCollection(TABLES, CollectionSpec(RowOptimizer(kind="adam"), backend=backend))
     keys = ebc.feature_names
     empty = SparseFeatures(
         keys, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
@@ -204,7 +206,7 @@ def test_zero_sample_batch_and_refused_backward_leave_the_step(backend):
 
 def test_float64_and_nan_per_id_weights_are_refused():
     cfg = ModelConfig(num_dense=5, bottom_mlp=[8, 4], top_mlp=[6, 1])
-    model = DLRM(cfg, TABLES, backend="reference")
+    model = DLRM(cfg, EmbeddingBagCollection(TABLES, CollectionSpec(backend="reference")))
     dense, sparse, _ = random_batch(4, seed=8, weighted=True)
     assert sparse.weights is not None
     as64 = SparseFeatures(sparse.keys, sparse.values, sparse.lengths, sparse.weights.double())

@@ -103,15 +103,16 @@ def test_building_a_model_shows_the_tables_initialization(
 
 def test_no_table_init_leaves_the_weights_alone() -> None:
     from neorec.config import TableConfig
+    from neorec.modules.collection import CollectionSpec
     from neorec.modules.embedding import EmbeddingBagCollection
 
     t = [TableConfig(name="a", rows=50, dim=4, features=["f"])]
     seen: list[int] = []
     with watch_init(seen.append), no_table_init():
-        ebc = EmbeddingBagCollection(t)
+        ebc = EmbeddingBagCollection(t, CollectionSpec())
     assert seen == [] and ebc.step.item() == 0
     with watch_init(seen.append):
-        EmbeddingBagCollection(t)
+        EmbeddingBagCollection(t, CollectionSpec())
     assert sum(seen) == 50
 
 

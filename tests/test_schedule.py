@@ -19,7 +19,7 @@ from neorec.build import (
     sharded_collection,
 )
 from neorec.config import ConfigError, TableConfig, load_config
-from neorec.modules.collection import EmbeddingCollection
+from neorec.modules.collection import CollectionSpec, EmbeddingCollection
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.schedule import LrSchedule
 from neorec.ops.row_optim import RowOptimizer
@@ -79,9 +79,9 @@ def test_one_step_at_the_scheduled_lr_by_hand():
     """Row SGD and dense SGD at step 2 of a 4-step warmup (factor 0.5): the updates computed
     by hand from the known gradients."""
     ebc = EmbeddingBagCollection(
-        [TableConfig(name="t", rows=10, dim=4)], RowOptimizer(kind="sgd", lr=1.0),
-        backend="reference", seed=1,
-    )  # fmt: skip
+        [TableConfig(name="t", rows=10, dim=4)],
+        CollectionSpec(RowOptimizer(kind="sgd", lr=1.0), backend="reference", seed=1),
+    )
     lin = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(lin.parameters(), lr=1.0)
     sched = LrSchedule(dense_lr=0.2, rows_lr=0.4, total_steps=10, warmup_steps=4)

@@ -138,6 +138,7 @@ def _sharded(rank: int, world: int) -> None:
     comm.close_host_transports()  # (make test-shm set one up for the world already)
     from neorec.config import TableConfig
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+    from neorec.modules.collection import CollectionSpec
     from neorec.ops.row_optim import RowOptimizer
     from neorec.sharding.fixed_plan import plan_by_type
     from neorec.sparse import SparseFeatures
@@ -151,9 +152,8 @@ def _sharded(rank: int, world: int) -> None:
 
     def steps(kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         plan = plan_by_type(tables, world, world, kind)
-        ebc = ShardedEmbeddingBagCollection(
-            tables, plan, RowOptimizer(kind="rowwise_adagrad", lr=0.1), seed=3
-        )
+        spec = CollectionSpec(RowOptimizer(kind="rowwise_adagrad", lr=0.1), seed=3)
+        ebc = ShardedEmbeddingBagCollection(tables, spec, plan=plan)
         outs = []
         for step in range(3):
             g = torch.Generator().manual_seed(step)

@@ -12,13 +12,14 @@ import torch
 
 from neorec.config import TableConfig
 from neorec.data.ids import zipf_ids
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops import settings
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops, rowio
 from neorec.storage.cached import CacheCapacityError, CachedEmbeddingBagCollection
-from neorec.storage.store import HEADER_BYTES, SsdStore, StoreError, record_fields
+from neorec.storage.store import HEADER_BYTES, SsdStore, StoreError, StoreSettings, record_fields
 
 # Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
 pytestmark = pytest.mark.bitwise
@@ -99,10 +100,11 @@ def _assert_same(cached: CachedEmbeddingBagCollection, ref: EmbeddingBagCollecti
 def test_cache_training_equals_memory(tmp_path, kind, storage, cache_rows, policy):
     opt = RowOptimizer(kind=kind, lr=0.05)
     batches = _batches(8)
-    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu", seed=3)
+    spec = CollectionSpec(opt, backend="cpu", seed=3)
+    ref = EmbeddingBagCollection(TABLES, spec)
     rows = cache_rows if cache_rows > 0 else _max_distinct(batches)
     cached = CachedEmbeddingBagCollection(
-        _with(storage, rows, policy), opt, backend="cpu", seed=3, storage_dir=tmp_path
+        _with(storage, rows, policy), spec, storage=StoreSettings(dir=tmp_path)
     )
     _train(ref, batches)
     _train(cached, batches)
@@ -132,9 +134,10 @@ def _feature_slice(b: SparseFeatures, f: str) -> slice:
 def test_reference_backend_mean_pooling_weights_and_eval(tmp_path):
     opt = RowOptimizer(kind="rowwise_adagrad", lr=0.1)
     batches = _batches(5, seed=4, weighted=True)
-    kw = {"pooling": "mean", "backend": "reference", "seed": 1}
-    ref = EmbeddingBagCollection(TABLES, opt, **kw)
-    cached = CachedEmbeddingBagCollection(_with("ssd", 45, "lru"), opt, storage_dir=tmp_path, **kw)
+    spec = CollectionSpec(opt, pooling="mean", backend="reference", seed=1)
+    ref = EmbeddingBagCollection(TABLES, spec)
+    stores = StoreSettings(dir=tmp_path)
+    cached = CachedEmbeddingBagCollection(_with("ssd", 45, "lru"), spec, storage=stores)
     _train(ref, batches)
     _train(cached, batches)
     with torch.no_grad():  # eval goes through the cache too, and equals the reference
@@ -146,9 +149,10 @@ def test_reference_backend_mean_pooling_weights_and_eval(tmp_path):
 def test_prefetch_pipeline_equals_memory(tmp_path):
     opt = RowOptimizer(kind="adam", lr=0.05)
     batches = _batches(8, seed=5)
-    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu")
+    spec = CollectionSpec(opt, backend="cpu")
+    ref = EmbeddingBagCollection(TABLES, spec)
     cached = CachedEmbeddingBagCollection(
-        _with("ssd", 50, "lfu"), opt, backend="cpu", storage_dir=tmp_path
+        _with("ssd", 50, "lfu"), spec, storage=StoreSettings(dir=tmp_path)
     )
     _train(ref, batches)
     g = torch.Generator().manual_seed(1)
@@ -164,7 +168,9 @@ def test_prefetch_pipeline_equals_memory(tmp_path):
 def test_capacity_smaller_than_batch_is_an_error(tmp_path):
     batches = _batches(2)
     small = _max_distinct(batches) - 1
-    cached = CachedEmbeddingBagCollection(_with("dram", small, "lru"), backend="cpu")
+    cached = CachedEmbeddingBagCollection(
+        _with("dram", small, "lru"), CollectionSpec(backend="cpu")
+    )
     with torch.no_grad(), pytest.raises(CacheCapacityError, match="distinct rows"):
         for b in batches:
             cached(b)
@@ -173,9 +179,10 @@ def test_capacity_smaller_than_batch_is_an_error(tmp_path):
 def test_eviction_writes_back_before_flush(tmp_path):
     opt = RowOptimizer(kind="rowwise_adagrad", lr=0.05)
     batches = _batches(8, seed=2)
-    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu")
+    spec = CollectionSpec(opt, backend="cpu")
+    ref = EmbeddingBagCollection(TABLES, spec)
     cached = CachedEmbeddingBagCollection(
-        _with("ssd", 40, "lru"), opt, backend="cpu", storage_dir=tmp_path
+        _with("ssd", 40, "lru"), spec, storage=StoreSettings(dir=tmp_path)
     )
     _train(ref, batches)
     _train(cached, batches)
@@ -261,9 +268,10 @@ def test_disk_full_on_write_back_loses_nothing(tmp_path, monkeypatch):
 
     opt = RowOptimizer(kind="rowwise_adagrad", lr=0.05)
     batches = _batches(8, seed=6)
-    ref = EmbeddingBagCollection(TABLES, opt, backend="cpu")
+    spec = CollectionSpec(opt, backend="cpu")
+    ref = EmbeddingBagCollection(TABLES, spec)
     cached = CachedEmbeddingBagCollection(
-        _with("ssd", 40, "lru"), opt, backend="cpu", storage_dir=tmp_path
+        _with("ssd", 40, "lru"), spec, storage=StoreSettings(dir=tmp_path)
     )
     _train(ref, batches)
     _train(cached, batches[:4])
@@ -353,7 +361,9 @@ def test_compiled_bookkeeping_takes_the_torch_paths_decisions(tmp_path, monkeypa
     for native in ("1", "0"):
         monkeypatch.setattr(settings, "NATIVE", native == "1")
         cached = CachedEmbeddingBagCollection(
-            _with("ssd", rows, policy), opt, backend="cpu", storage_dir=tmp_path / native
+            _with("ssd", rows, policy),
+            CollectionSpec(opt, backend="cpu"),
+            storage=StoreSettings(dir=tmp_path / native),
         )
         g = torch.Generator().manual_seed(1)
         states = []

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from neorec.config import ModelConfig, TableConfig
 from neorec.data.ids import LOCALITY_REF_BATCH, locality_ids, zipf_ids
+from neorec.modules.collection import CollectionSpec
 from neorec.modules.dlrm import DenseArch
 from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops import settings
@@ -43,6 +44,7 @@ from neorec.ops.row_optim import OPTIMIZERS, RowOptimizer
 from neorec.sharding.hit_rate import expected_hit_rate
 from neorec.sparse import SparseFeatures
 from neorec.storage.cached import CachedEmbeddingBagCollection
+from neorec.storage.store import StoreSettings
 
 __all__ = ["main", "parse_args"]
 
@@ -141,9 +143,8 @@ def hit_rates(a: argparse.Namespace) -> list[dict]:
                     cache_fraction=frac,
                     cache_policy=policy,
                 )
-                ebc = CachedEmbeddingBagCollection(
-                    tables, RowOptimizer(kind="sgd"), backend="cpu", seed=a.seed
-                )
+                spec = CollectionSpec(RowOptimizer(kind="sgd"), backend="cpu", seed=a.seed)
+                ebc = CachedEmbeddingBagCollection(tables, spec)
                 for i, b in enumerate(batches):
                     if i == a.hit_warmup:
                         for c in ebc._cached.values():
@@ -219,18 +220,15 @@ def throughput(a: argparse.Namespace, root: Path) -> dict:
     opt = RowOptimizer(kind=a.optimizer, lr=0.01)
     batches = make_batches(a, 2 * (a.warmup + a.iters), a.tables, "locality", a.seed + 7)
     res: dict = {}
-    mem = EmbeddingBagCollection(_tables(a, a.tables, a.dim), opt, backend="cpu", seed=a.seed)
+    spec = CollectionSpec(opt, backend="cpu", seed=a.seed)
+    mem = EmbeddingBagCollection(_tables(a, a.tables, a.dim), spec)
     dram_runs = []
     ssd_runs = []
     t0 = time.perf_counter()
     ssd = CachedEmbeddingBagCollection(
         _tables(a, a.tables, a.dim, storage="ssd", cache_fraction=a.cache_fraction),
-        opt,
-        backend="cpu",
-        seed=a.seed,
-        storage_dir=root,
-        io_threads=a.io_threads,
-        mapped_mb=a.mapped_mb,
+        spec,
+        storage=StoreSettings(dir=root, io_threads=a.io_threads, mapped_mb=a.mapped_mb),
     )
     res["ssd_create_s"] = round(time.perf_counter() - t0, 2)
     dense_arch = _dense_arch(a)

@@ -210,13 +210,7 @@ class _FbgemmCollection(EmbeddingCollection):
 
 def _fbgemm_dlrm(cfg, device: str) -> DLRM:
     """The config's DLRM with FBGEMM's TBE as its embedding collection (the peer)."""
-    return DLRM(
-        cfg.model,
-        cfg.embedding.tables,
-        device=device,
-        seed=cfg.train.seed,
-        ebc=_FbgemmCollection(cfg, device),
-    )
+    return DLRM(cfg.model, _FbgemmCollection(cfg, device), seed=cfg.train.seed, device=device)
 
 
 def main(argv: list[str] | None = None) -> int:

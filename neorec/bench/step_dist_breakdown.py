@@ -55,11 +55,12 @@ from neorec.data.batch import Batch
 from neorec.distributed.comm import close_host_transports, host_transport
 from neorec.errors import ConfigError
 from neorec.measure.jobs import free_port
-from neorec.modules.embedding import checked_batch
+from neorec.modules.collection_parts import checked_batch
+from neorec.phases import NO_MARKS, Marks
 from neorec.train.pipeline import make_pipeline
 from neorec.train.steps import LossGuard, train_step
 
-__all__ = ["run_dist_breakdown", "StepMarks", "local_lookup"]
+__all__ = ["run_dist_breakdown", "StepMarks", "CollectionMarks", "local_lookup"]
 
 
 class StepMarks:
@@ -72,6 +73,30 @@ class StepMarks:
     def mark(self, phase: str) -> None:
         """``phase`` ends now."""
         self.timer.mark("allreduce" if phase == "tbe_backward_update" else phase)
+
+
+class CollectionMarks(Marks):
+    """The sharded collection's marks (``ShardedEmbeddingBagCollection.marks``) into ``timer``:
+    its forward's phases, and its backward's from autograd hooks."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        self.timer = timer
+
+    def mark(self, phase: str) -> None:
+        """``phase`` ends now."""
+        self.timer.mark(phase)
+
+    def watch_backward(self, pooled: Any, out: Any) -> None:
+        """Mark, in this step's backward, the dense backward's end (the output's gradient is
+        whole: the output was made before any dense op, so autograd reaches it after all of
+        them), the pooled gradients' return to their owners (the lookup's node starts) and the
+        TBE backward with its fused update (the lookup's node ends). Hooks return None: no
+        gradient changes."""
+        if out.grad_fn is not None:
+            out.grad_fn.register_prehook(lambda _g: self.mark("dense_backward"))
+        if pooled.grad_fn is not None:
+            pooled.grad_fn.register_prehook(lambda _g: self.mark("grad_dist"))
+            pooled.grad_fn.register_hook(lambda _gi, _go: self.mark("tbe_backward_update"))
 
 
 def check_args(cfg: Any, a: argparse.Namespace) -> None:
@@ -155,13 +180,13 @@ def measure_rank(cfg: Any, a: argparse.Namespace, rank: int, world: int) -> dict
         raise ConfigError("bench step --breakdown --nproc: a sharded collection of fixed tables")
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     timer, guard = PhaseTimer(), LossGuard()
-    marks = StepMarks(timer)
+    marks, ebc_marks = StepMarks(timer), CollectionMarks(timer)
     _wrap_staging(model, timer)
 
     def step(model: Any, opt: Any, batch: Batch, i: int, bf16: bool) -> torch.Tensor:
         timer.mark("input_dist")  # (from the staging's end: nothing but the call)
         on = timer.active
-        model.ebc.marks = timer if on else None
+        model.ebc.marks = ebc_marks if on else NO_MARKS
         hooked0 = stats.wait_s.get("allreduce_dense", 0.0)
         loss = train_step(model, opt, batch, i, bf16, guard=guard, phases=marks if on else None)
         if on:  # a comm hook's all-reduce ran inside the dense backward: its time is allreduce

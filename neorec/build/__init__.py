@@ -1,19 +1,21 @@
 """The builder: the one place where a validated ``Config`` becomes a run's objects.
 
 Below this package, code receives its own config section or plain values, never the whole
-``Config`` (``tests/test_layers.py``). ``model``: the embedding collection and the model (flat,
-low precision, cached, dynamic, towered, distributed); ``plan``: the sharding plan; ``towers``:
-the DMT towers and the SPTT model; ``run``: system settings, the data source, the dense
-optimizer; ``schedule``: the lr scaling and schedule.
+``Config`` (``tests/test_layers.py``). ``model``: the collections' ``CollectionSpec``, the
+embedding collection and the flat model (low precision, cached, dynamic, distributed); ``plan``:
+the sharding plan; ``towers``: the DMT towers, the model flat or towered (``build_dlrm``) and the
+SPTT model; ``run``: system settings, the data source, the dense optimizer; ``schedule``: the lr
+scaling and schedule.
 """
 
 from neorec.build.model import (
     build_collection,
-    build_dlrm,
     build_flat_dlrm,
+    collection_spec,
     distributed_model,
     low_precision_collection,
     sharded_collection,
+    store_settings,
 )
 from neorec.build.plan import resolve_plan
 from neorec.build.run import (
@@ -25,12 +27,20 @@ from neorec.build.run import (
     dense_optimizer,
 )
 from neorec.build.schedule import lr_scale, lr_schedule, scaling_line
-from neorec.build.towers import learned_groups, resolve_tower_groups, tower_groups, towered_model
+from neorec.build.towers import (
+    build_dlrm,
+    learned_groups,
+    resolve_tower_groups,
+    tower_groups,
+    towered_model,
+)
 
 __all__ = [
     "build_collection",
     "build_dlrm",
     "build_flat_dlrm",
+    "collection_spec",
+    "store_settings",
     "distributed_model",
     "low_precision_collection",
     "sharded_collection",

@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from neorec.build.model import build_dlrm, distributed_model
+from neorec.build.model import distributed_model
 from neorec.build.plan import resolve_plan
-from neorec.build.towers import resolve_tower_groups, towered_model
+from neorec.build.towers import build_dlrm, resolve_tower_groups, towered_model
 from neorec.config import Config, ConfigError, SystemConfig, TrainConfig, check_trainable
 from neorec.data.sources import DataSource, make_source
 from neorec.distributed.dense_blocks import block_dense
 from neorec.distributed.dynamic_reshard import without_dynamic
 from neorec.distributed.model_parallel import check_same_everywhere
-from neorec.modules.embedding import check_tables_memory
+from neorec.modules.collection_parts import check_tables_memory
 from neorec.ops import settings
 from neorec.ops.memory import keep_freed_heap
 from neorec.phases import Phase, watch_init

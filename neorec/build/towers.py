@@ -1,5 +1,6 @@
 """The towers of a config (DMT): given, partitioned by the cost model (balanced / random), or
-learned after a warm-up of the flat model; and the SPTT model of a towered distributed run."""
+learned after a warm-up of the flat model; the model a config describes, flat or towered
+(``build_dlrm``); and the SPTT model of a towered distributed run."""
 
 from __future__ import annotations
 
@@ -12,18 +13,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from neorec.build.model import attach_student, build_flat_dlrm, sharded_collection
+from neorec.build.model import (
+    attach_student,
+    build_collection,
+    build_flat_dlrm,
+    sharded_collection,
+)
 from neorec.build.plan import resolve_plan
 from neorec.config import Config, ConfigError, TableConfig
 from neorec.data.batch import Batch
 from neorec.distributed.comm import CommStats
 from neorec.distributed.towers import DistributedTowerModel, tower_features
-from neorec.modules.dlrm import DenseArch
-from neorec.modules.towers import build_tower_dense, feature_affinity, table_affinity
+from neorec.modules.dlrm import DLRM, DenseArch
+from neorec.modules.towers import TowerDLRM, build_tower_dense, feature_affinity, table_affinity
 from neorec.sharding.tables import tables_from_config
 from neorec.sharding.towers import partition_tables
 
-__all__ = ["tower_groups", "learned_groups", "resolve_tower_groups", "towered_model"]
+__all__ = ["tower_groups", "build_dlrm", "learned_groups", "resolve_tower_groups", "towered_model"]
 
 
 def tower_groups(cfg: Config) -> list[list[str]] | None:
@@ -42,6 +48,33 @@ def tower_groups(cfg: Config) -> list[list[str]] | None:
         specs, tw.num_towers, tw.method, tw.seed, balance=tw.balance,
         batch_size=cfg.data.batch_size,
     )  # fmt: skip
+
+
+def build_dlrm(
+    cfg: Config,
+    device: torch.device | str = "cpu",
+    groups: Sequence[Sequence[str]] | None = None,
+) -> DLRM | TowerDLRM:
+    """The model a config describes: a ``DLRM``, or a ``TowerDLRM`` when ``[towers]`` is on.
+
+    Towers: ``groups`` (lists of table names, e.g. from ``learned_groups``) when given, else
+    ``towers.groups`` or the ``balanced`` / ``random`` partition of the config's tables; the
+    ``learned`` partitioner needs ``groups`` (a warm-up decides them).
+    """
+    if not cfg.towers.enabled:
+        return build_flat_dlrm(cfg, device)
+    tg = [list(g) for g in groups] if groups is not None else tower_groups(cfg)
+    if tg is None:
+        raise ConfigError(
+            "towers.partitioner 'learned' decides the towers after a warm-up: pass the groups "
+            "of neorec.build.towers.learned_groups(cfg, batches) to build_dlrm"
+        )
+    model = TowerDLRM(
+        cfg.model, build_collection(cfg, device), tg, kind=cfg.towers.module,
+        out_vectors=cfg.towers.out_vectors, seed=cfg.train.seed, device=device,
+    )  # fmt: skip
+    attach_student(cfg, model.dense_arch)
+    return model
 
 
 def learned_groups(

@@ -21,26 +21,22 @@ import torch.distributed as dist
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
-from neorec.ops.row_optim import RowOptimizer
+from neorec.modules.collection import CollectionSpec
+from neorec.ops.tbe import PoolingMode
 from neorec.storage.cache_table import cache_stats
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection, table_capacity
 from neorec.storage.dynamic_cached import DynamicCachedEmbeddingBagCollection
-from neorec.storage.store import StoreError
+from neorec.storage.store import StoreError, StoreSettings
 
 __all__ = ["check_same_everywhere", "rank_store_dir", "build_parts", "parts_stats"]
 
 
 def check_same_everywhere(
-    who: str,
-    tables: Sequence[TableConfig],
-    optimizer: RowOptimizer,
-    pooling: str,
-    seed: int,
-    init_scale: float,
-    group: dist.ProcessGroup | None,
+    who: str, tables: Sequence[TableConfig], spec: CollectionSpec, group: dist.ProcessGroup | None
 ) -> None:
     """One-line ``ConfigError`` on every rank of ``group`` when its ranks were built with other
-    dynamic tables, optimizer, pooling or seed (a collective; nothing without a process group)."""
+    dynamic tables, or another optimizer, pooling, seed or init scale in ``spec`` (a collective;
+    nothing without a process group)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return
@@ -49,7 +45,8 @@ def check_same_everywhere(
          t.admit_probability, t.eviction, t.ttl_steps, t.unadmitted)
         for t in tables
     ]  # fmt: skip
-    mine = repr((desc, optimizer, pooling, int(seed), float(init_scale)))
+    pooling = PoolingMode(spec.pooling).value
+    mine = repr((desc, spec.optimizer, pooling, int(spec.seed), float(spec.init_scale)))
     got: list[str] = [""] * world
     dist.all_gather_object(got, mine, group=group)
     for r, g in enumerate(got):
@@ -91,49 +88,31 @@ def build_parts(
     tables: Sequence[TableConfig],
     capacities: Sequence[int],
     bounds: Sequence[float],
-    optimizer: RowOptimizer,
-    backend: str,
-    seed: int,
+    spec: CollectionSpec,
     native: bool | None,
     rank: int,
-    storage_dir: str | Path = "",
-    io_threads: int = 2,
-    mapped_mb: int = 0,
+    storage: StoreSettings | None = None,
 ) -> list[DynamicEmbeddingBagCollection]:
     """This rank's parts: ``tables`` with their per-rank ``capacities``, unadmitted ids dropped
     (the sharded module holds the default rows), grouped by init ``bounds`` so each id's initial
-    row is the unsharded one; a group with a dram / ssd table behind a row cache (its memory
-    tables in the cache's fast tier), its stores in ``rank_store_dir(storage_dir, rank)``."""
+    row is the unsharded one (``spec``'s init scale replaced by the bound; sum pooling, on the
+    CPU); a group with a dram / ssd table behind a row cache (its memory tables in the cache's
+    fast tier), its stores in ``rank_store_dir(storage.dir, rank)``."""
+    storage = storage or StoreSettings()
     groups: dict[float, list[TableConfig]] = {}
     for t, c, bd in zip(tables, capacities, bounds):
         groups.setdefault(bd, []).append(replace(t, capacity=c, unadmitted="zeros"))
     root = ""
     if any(t.storage != "memory" for t in tables):
-        root = _store_dir(tables, storage_dir, rank)
+        root = _store_dir(tables, storage.dir, rank)
+    mine = replace(storage, dir=root)
     parts: list[DynamicEmbeddingBagCollection] = []
     for bd, ts in groups.items():
+        part_spec = replace(spec, pooling="sum", init_scale=bd)
         if any(t.storage != "memory" for t in ts):
-            parts.append(
-                DynamicCachedEmbeddingBagCollection(
-                    ts,
-                    optimizer,
-                    "sum",
-                    backend,
-                    "cpu",
-                    bd,
-                    seed,
-                    native,
-                    storage_dir=root,
-                    io_threads=io_threads,
-                    mapped_mb=mapped_mb,
-                )  # fmt: skip
-            )
+            parts.append(DynamicCachedEmbeddingBagCollection(ts, part_spec, "cpu", native, mine))
         else:
-            parts.append(
-                DynamicEmbeddingBagCollection(
-                    ts, optimizer, "sum", backend, "cpu", bd, seed, native
-                )
-            )
+            parts.append(DynamicEmbeddingBagCollection(ts, part_spec, "cpu", native))
     return parts
 
 

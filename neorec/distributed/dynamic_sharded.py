@@ -25,7 +25,7 @@ ids) x row`` to their partial sums, and the row's gradient is summed over ranks 
 before one fused update, so the replicas stay identical and train as the unsharded row does.
 
 Tables on dram / ssd: a rank's part is a ``DynamicCachedEmbeddingBagCollection`` whose slot rows
-live in the rank's own stores (``<storage_dir>/rank<r>``) behind a row cache over the rank's slots
+live in the rank's own stores (``<storage.dir>/rank<r>``) behind a row cache over the rank's slots
 (``neorec.distributed.dynamic_parts``); everything above is unchanged (bitwise the in-memory form).
 """
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,14 +51,14 @@ from neorec.distributed.dynamic_reshard import (
     saved_shards,
 )
 from neorec.errors import ConfigError
-from neorec.modules.collection import EmbeddingCollection
-from neorec.modules.embedding import (
-    UpdateHook,
-    check_collection_args,
+from neorec.modules.collection import CollectionSpec, EmbeddingCollection, UpdateHook
+from neorec.modules.collection_parts import (
+    as_device,
+    check_tables,
     checked_batch,
+    feature_maps,
     register_table_buffers,
 )
-from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import PoolingMode, TBELayout, apply_row_grads
 from neorec.sparse import SparseFeatureError, SparseFeatures
 from neorec.storage.dynamic import (
@@ -68,6 +67,7 @@ from neorec.storage.dynamic import (
     table_capacity,
 )
 from neorec.storage.dynamic_state import DynamicTableState
+from neorec.storage.store import StoreSettings
 
 __all__ = ["ShardedDynamicEmbeddingBagCollection", "DynamicLocalInput", "rank_capacity"]
 
@@ -98,8 +98,10 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
 
     Every rank of ``group`` builds it with the same tables, optimizer, pooling and seed (checked:
     one ``ConfigError`` on every rank otherwise). Without an initialized process group it runs
-    as one rank. ``storage_dir``, ``io_threads``, ``mapped_mb``: the row stores of dram / ssd
-    tables (as ``DynamicCachedEmbeddingBagCollection``'s; this rank's in ``storage_dir/rank<r>``).
+    as one rank, on the CPU. ``stats``: where its collectives count (default: its own);
+    ``native``: the id maps' compiled form (None: when built); ``storage``: the row stores of
+    dram / ssd tables (as ``DynamicCachedEmbeddingBagCollection``'s; this rank's in
+    ``<storage.dir>/rank<r>``).
     """
 
     weights: Tensor
@@ -110,23 +112,19 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
     def __init__(
         self,
         tables: Sequence[TableConfig],
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
-        init_scale: float = 0.0,
-        seed: int = 0,
+        spec: CollectionSpec,
+        device: torch.device | str = "cpu",
+        *,
         group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
         native: bool | None = None,
-        storage_dir: str | Path = "",
-        io_threads: int = 2,
-        mapped_mb: int = 0,
+        storage: StoreSettings | None = None,
     ) -> None:
-        super().__init__()
         who = type(self).__name__
-        check_collection_args(tables, optimizer, pooling, init_scale, seed, True, who)
-        self.tables = list(tables)
-        for t in self.tables:
+        check_tables(tables, who)
+        if as_device(device).type != "cpu":
+            raise ConfigError(f"{who}: dynamic tables are sharded on the CPU only, got {device!r}")
+        for t in tables:
             if not isinstance(t, TableConfig) or getattr(t, "kind", "fixed") != "dynamic":
                 kind = getattr(t, "kind", type(t).__name__)
                 raise ConfigError(
@@ -134,30 +132,24 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
                     "'dynamic' tables are sharded by id hash (fixed tables go to "
                     "ShardedEmbeddingBagCollection)"
                 )
-        self.optimizer = optimizer or RowOptimizer()
-        self.pooling = PoolingMode(pooling)
+        super().__init__(tables, spec)
         self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.comm_stats = stats if stats is not None else CommStats()
-        check_same_everywhere(
-            who, self.tables, self.optimizer, self.pooling.value, seed, init_scale, self.group
-        )
+        check_same_everywhere(who, self.tables, spec, self.group)
         self.validate_ids = False
-        self.feature_names = [f for t in self.tables for f in t.features]
         self.feature_dims = [t.dim for t in self.tables for _ in t.features]
         self.total_dim = sum(self.feature_dims)
-        self._rows_by_feature = {f: table_capacity(t) for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables, table_capacity)
         self.weights = torch.empty(0)  # dtype of pooled outputs for the batch checks: float32
         self.capacities = [rank_capacity(table_capacity(t), self.world) for t in self.tables]
         # Local collections: per-rank capacity, unadmitted ids dropped (the default row is ours),
         # grouped by init bound so each id's initial row is the unsharded one.
-        bounds = [init_scale or math.sqrt(1.0 / table_capacity(t)) for t in self.tables]
+        bounds = [spec.init_scale or math.sqrt(1.0 / table_capacity(t)) for t in self.tables]
         self.parts: list[DynamicEmbeddingBagCollection] = build_parts(
-            self.tables, self.capacities, bounds, self.optimizer, backend, seed, native,
-            self.rank, storage_dir, io_threads, mapped_mb,
-        )  # fmt: skip
+            self.tables, self.capacities, bounds, spec, native, self.rank, storage
+        )
         self.host_resident = any(p.host_resident for p in self.parts)
         self._parts = nn.ModuleList(self.parts)  # registered: in state_dict, .to(), ...
         self._part_of = {t.name: p for p in self.parts for t in p.tables}
@@ -170,7 +162,7 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         inv[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
         self.register_buffer("_perm", inv, persistent=False)
         self._col0 = col0
-        self._build_default_rows(seed, init_scale)
+        self._build_default_rows(spec.seed, spec.init_scale)
         self._global: Tensor | None = None  # [table, step counts + totals + occupancy] summed
 
     def _build_default_rows(self, seed: int, init_scale: float) -> None:
@@ -198,11 +190,6 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         self._feature_zeros = [t.unadmitted == "zeros" for t in self.tables for _ in t.features]
 
     # ---- interface of a collection -------------------------------------------------------------
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output."""
-        return self.total_dim
-
     @property
     def step(self) -> Tensor:
         """The fused updates applied so far."""
@@ -281,11 +268,6 @@ class ShardedDynamicEmbeddingBagCollection(EmbeddingCollection):
         self._global = x
 
     # ---- what checkpoints and restores use (``neorec.checkpoint.dynamic``) ----------------------
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the optimizer state buffers."""
-        return self.parts[0].state_names
-
     def optimizer_state(self) -> dict[str, Tensor]:
         """This rank's parts' state tensors, ``<part>.<name>``."""
         return {

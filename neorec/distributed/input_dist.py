@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from neorec.distributed.comm import Awaitable, Chain, CommStats, all_to_all, unit_major_order
-from neorec.modules.embedding import checked_batch
+from neorec.modules.collection_parts import checked_batch
 from neorec.ops.row_split import split_rows
 from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.sharding.types import Shard

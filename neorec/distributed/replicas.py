@@ -13,7 +13,7 @@ from torch import Tensor
 from neorec.config import TableConfig
 from neorec.distributed.codecs import Codec
 from neorec.distributed.comm import CommStats, all_gather, host_transport
-from neorec.modules.embedding import init_rows
+from neorec.modules.collection_parts import init_rows
 from neorec.ops.memory import table_empty
 from neorec.ops.padded_rows import PaddedRows
 from neorec.ops.tbe import TBELayout

@@ -21,7 +21,6 @@ one process with W*b samples (up to float reassociation).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,11 +49,10 @@ from neorec.distributed.replicas import (
 )
 from neorec.distributed.twrw import TwrwLayout, twrw_output_dist
 from neorec.errors import ConfigError
-from neorec.modules.collection import EmbeddingCollection, UpdateHook, optimizer_state_of
-from neorec.modules.embedding import init_rows, register_table_buffers
+from neorec.modules.collection import CollectionSpec, EmbeddingCollection, optimizer_state_of
+from neorec.modules.collection_parts import feature_maps, init_rows, register_table_buffers
 from neorec.ops.lowp_rows import LowpRowsBackend, RowFormat, table_key
 from neorec.ops.padded_rows import PaddedRows, apply_padded_row_grads
-from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     Lookup,
     PoolingMode,
@@ -65,6 +63,7 @@ from neorec.ops.tbe import (
     tbe_lookup,
 )
 from neorec.ops.tbe_checks import on_device
+from neorec.phases import NO_MARKS, Marks
 from neorec.sharding.plan_checks import validate_plan
 from neorec.sharding.types import DENSE_DP_MAX_ELEMS, Shard, ShardingPlan, ShardingType
 from neorec.sparse import SparseFeatures
@@ -76,25 +75,6 @@ _ROW_SPLIT = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 _TWRW = ShardingType.TABLE_ROW_WISE
 
 
-class PhaseMarks(Protocol):
-    """Receives the end of each phase of a step (a benchmark's timer)."""
-
-    def mark(self, phase: str) -> None:
-        """The phase named ``phase`` ends now."""
-
-
-def _mark_backward(marks: PhaseMarks, pooled: Tensor, out: Tensor) -> None:
-    """Mark, in this step's backward, the dense backward's end (the output's gradient is whole:
-    the output was made before any dense op, so autograd reaches it after all of them), the
-    pooled gradients' return to their owners (the lookup's node starts) and the TBE backward
-    with its fused update (the lookup's node ends). Hooks return None: no gradient changes."""
-    if out.grad_fn is not None:
-        out.grad_fn.register_prehook(lambda _g: marks.mark("dense_backward"))
-    if pooled.grad_fn is not None:
-        pooled.grad_fn.register_prehook(lambda _g: marks.mark("grad_dist"))
-        pooled.grad_fn.register_hook(lambda _gi, _go: marks.mark("tbe_backward_update"))
-
-
 def _columns(pooled: Tensor, cols: Tensor) -> Tensor:
     """Columns ``cols`` of ``pooled`` (itself when they are all of them, in order)."""
     if cols.numel() == pooled.shape[1]:
@@ -103,7 +83,14 @@ def _columns(pooled: Tensor, cols: Tensor) -> Tensor:
 
 
 class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
-    """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates."""
+    """The model-parallel form of ``EmbeddingBagCollection``; same outputs, same updates.
+
+    ``plan``: where each table's shards live (its world size: ``group``'s); ``stats``: where
+    its collectives count their bytes and waits (default: its own); ``codecs``: the pooled
+    all-to-all's wire codecs (forward values, backward gradients); ``dp_codec``: that of the
+    data-parallel tables' (id, row gradient) all-gather (``comm.allreduce``: every rank, the
+    sender included, decodes the same bytes, so replicas stay identical). None: float32.
+    """
 
     weights: Tensor
     step: Tensor
@@ -116,24 +103,18 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
     def __init__(
         self,
         tables: Sequence[TableConfig],
+        spec: CollectionSpec,
+        device: torch.device | str = "cpu",
+        *,
         plan: ShardingPlan,
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
-        seed: int = 0,
-        init_scale: float = 0.0,
         group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
-        validate_ids: bool = True,
-        rounding: str = "auto",
-        device: torch.device | str = "cpu",
+        codecs: tuple[Codec | None, Codec | None] = (None, None),
+        dp_codec: Codec | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(tables, spec)
         self.device = torch.device(device)
-        self.tables = list(tables)
-        self.rounding = rounding
-        self.optimizer = optimizer or RowOptimizer()
-        self.pooling = PoolingMode(pooling)
+        self.rounding = spec.rounding
         self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -142,15 +123,12 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         validate_plan(plan)
         self.plan = plan
         self.comm_stats = stats if stats is not None else CommStats()
-        self.validate_ids = validate_ids
-        self.backend = get_backend(backend, self.device)
-        self.feature_names = [f for t in self.tables for f in t.features]
+        self.backend = get_backend(spec.backend, self.device)
         self.feature_dims = [t.dim for t in self.tables for _ in t.features]
         self.total_dim = sum(self.feature_dims)
-        self._rows_by_feature = {f: t.rows for t in self.tables for f in t.features}
-        self._table_by_feature = {f: t.name for t in self.tables for f in t.features}
+        self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self._build_units()
-        self._build_local(seed, init_scale)
+        self._build_local(spec.seed, spec.init_scale)
         # Owner subgroups of the column-wise tables, for exact row-wise Adagrad (cw_rowwise).
         self._cw_groups, self._cw_ranks = build_cw_groups(self)
         # Input metadata (lengths) is exchanged on the host: over this group on a gloo group,
@@ -165,29 +143,17 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         self._anchor = torch.empty(0, requires_grad=True, device=self.device)
         self._dp_anchor = torch.empty(0, requires_grad=True, device=self.device)
         self._host_steps: dict[str, tuple[int, int]] = {}
-        self._hooks: list[UpdateHook] = []
-        self.codecs: tuple[Codec | None, Codec | None] = (None, None)
+        self.codecs = codecs
         """Wire codecs of the pooled all-to-all: (forward values, backward gradients)."""
-        self.dp_codec: Codec | None = None
-        """Wire codec of data-parallel tables' (id, row gradient) all-gather (``comm.allreduce``):
-        every rank, the sender included, decodes the same bytes, so replicas stay identical."""
+        self.dp_codec = dp_codec
+        """Wire codec of data-parallel tables' (id, row gradient) all-gather."""
         self.dp_dense_max_elems = DENSE_DP_MAX_ELEMS
         """Data-parallel tables of at most this many rows x dim are summed as dense blocks in one
         all-gather (without a codec); larger ones exchange (id, row) pairs. 0: pairs for all."""
         self._staged: list[tuple[SparseFeatures, Chain[LocalInput]]] = []
-        self.marks: PhaseMarks | None = None
-        """Receives the end of each phase of a step (``neorec bench step --breakdown --nproc``);
-        None, the trainer's path: one test per mark, nothing else."""
-
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output (this rank's samples)."""
-        return self.total_dim
-
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the fused optimizer's state buffers."""
-        return list(optimizer_state_of(self))
+        self.marks: Marks = NO_MARKS
+        """Receives the end of each phase of a step (``neorec bench step --breakdown --nproc``
+        attaches its timer); the trainer's: the null object, one call per mark."""
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """The local shards' state tensors, and the data-parallel replicas' as ``dp_<name>``."""
@@ -205,14 +171,6 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         """The whole table [rows, dim] from every rank's shards: ``gather_table`` (a collective:
         every rank calls it)."""
         return self.gather_table(name)
-
-    def add_update_hook(self, hook: UpdateHook) -> None:
-        """Call ``hook(layout, indices, offsets)`` after every fused update of ``layout``'s rows.
-
-        ``layout`` is ``self.layout`` (local shards, shard-local ids) or ``self.dp.layout``
-        (replicas; this rank's ids only: the union over ranks is the caller's business).
-        """
-        self._hooks.append(hook)
 
     # ---- setup -----------------------------------------------------------------------------
     def _build_units(self) -> None:
@@ -340,28 +298,26 @@ class ShardedEmbeddingBagCollection(InputDist, EmbeddingCollection):
         return precs[0]
 
     def _state(self, prefix: str = "") -> dict[str, Tensor]:
-        names = ("momentum1", "exp_avg", "exp_avg_sq")
-        return {k: getattr(self, prefix + k) for k in names if hasattr(self, prefix + k)}
+        return optimizer_state_of(self, prefix)
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Pooled embeddings [b, sum of dims] for this rank's samples, in feature order."""
+        """Pooled embeddings [b, sum of dims] for this rank's samples, in feature order.
+
+        Update hooks receive ``self.layout`` (local shards, shard-local ids) or ``self.dp.layout``
+        (replicas; every row any rank's batch changed)."""
         marks = self.marks
         local = self._take_staged(sparse).wait()
-        if marks is not None:
-            marks.mark("input_dist")
+        marks.mark("input_dist")
         pooled = self.compute(local)
-        if marks is not None:
-            marks.mark("tbe_forward")
+        marks.mark("tbe_forward")
         # A pipeline's next batch had this lookup's time to receive its lengths: start its ids.
         for _, pending in self._staged:
             pending.advance()
-        if marks is not None:
-            marks.mark("input_dist")
+        marks.mark("input_dist")
         out = self.output_dist(pooled, local).wait()
-        if marks is not None:
-            marks.mark("output_dist")
-            _mark_backward(marks, pooled, out)
+        marks.mark("output_dist")
+        marks.watch_backward(pooled, out)
         return out
 
     def compute(self, local: LocalInput) -> Tensor:

@@ -115,6 +115,7 @@ def measure_overhead(tables: int = 8, batch: int = 512, repeat: int = 15) -> dic
 def _overhead(tables: int, batch: int, repeat: int) -> dict[str, float]:
     from neorec.config import TableConfig
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+    from neorec.modules.collection import CollectionSpec
     from neorec.sharding.fixed_plan import plan_by_type
     from neorec.sparse import SparseFeatures
 
@@ -122,7 +123,8 @@ def _overhead(tables: int, batch: int, repeat: int) -> dict[str, float]:
     med = {}
     for n in (1, tables):
         cfgs = [TableConfig(name=f"o{i}", rows=16, dim=4) for i in range(n)]
-        ebc = ShardedEmbeddingBagCollection(cfgs, plan_by_type(cfgs, world, world, "table_wise"))
+        plan = plan_by_type(cfgs, world, world, "table_wise")
+        ebc = ShardedEmbeddingBagCollection(cfgs, CollectionSpec(), plan=plan)
         g = torch.Generator().manual_seed(0)
         sparse = SparseFeatures(
             [c.name for c in cfgs],
@@ -148,6 +150,7 @@ def _row_split(
 ) -> dict[str, float]:
     from neorec.config import TableConfig
     from neorec.distributed.sharded import ShardedEmbeddingBagCollection
+    from neorec.modules.collection import CollectionSpec
     from neorec.sharding.fixed_plan import plan_by_type
     from neorec.sparse import SparseFeatures
 
@@ -161,7 +164,8 @@ def _row_split(
     )
     med = {}
     for kind in ("table_wise", "row_wise"):
-        ebc = ShardedEmbeddingBagCollection(cfgs, plan_by_type(cfgs, world, world, kind))
+        plan = plan_by_type(cfgs, world, world, kind)
+        ebc = ShardedEmbeddingBagCollection(cfgs, CollectionSpec(), plan=plan)
         times = []
         for i in range(repeat + 1):
             if world > 1:

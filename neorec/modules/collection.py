@@ -5,29 +5,85 @@ fused row optimizer inside ``backward``: no dense optimizer ever sees its weight
 ``EmbeddingBagCollection`` is the specification; the grouped, cached, dynamic, mixed and sharded
 collections compute the same function over other memory or other ranks. The trainer, pipelines,
 summary and checkpoints talk to any of them through this interface only.
+
+``CollectionSpec`` is what every collection of a run shares (the fused optimizer, pooling, kernel
+backend, initialization, rounding of low-precision rows, id checks): the builder makes one from the
+config and every collection constructor takes it, after its tables.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABCMeta, abstractmethod
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from neorec.config import TableConfig
-from neorec.ops.row_optim import RowOptimizer
+from neorec.config import ConfigError, TableConfig
+from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.sparse import SparseFeatures
 
-__all__ = ["EmbeddingCollection", "UpdateHook", "STATE_NAMES", "optimizer_state_of"]
+__all__ = [
+    "EmbeddingCollection",
+    "CollectionSpec",
+    "UpdateHook",
+    "STATE_NAMES",
+    "optimizer_state_of",
+]
 
 UpdateHook = Callable[[TBELayout, Tensor, Tensor], None]
 """Called after each fused update with (layout, indices, offsets) of the batch."""
 
 STATE_NAMES = ("momentum1", "exp_avg", "exp_avg_sq")
 """The fused optimizers' state buffers (row-wise Adagrad: momentum1; Adam: exp_avg, exp_avg_sq)."""
+
+
+@dataclass(frozen=True)
+class CollectionSpec:
+    """What every embedding collection of a run shares, checked once when made (a
+    ``ConfigError`` naming the first bad field). The tables are each collection's own."""
+
+    optimizer: RowOptimizer = field(default_factory=RowOptimizer)
+    """The fused row optimizer."""
+    pooling: str = "sum"
+    """How a bag's rows are pooled: ``sum`` or ``mean``."""
+    backend: str = "auto"
+    """The TBE backend (``neorec.ops.tbe.get_backend``: checked against the device)."""
+    init_scale: float = 0.0
+    """Initial rows uniform in +-init_scale; 0: +-sqrt(1/rows)."""
+    seed: int = 0
+    """Seed of the initial rows (and of stochastic rounding, id maps' admission)."""
+    rounding: str = "auto"
+    """How updated low-precision rows are stored (``neorec.ops.lowp_rows``)."""
+    validate_ids: bool = True
+    """Refuse ids outside their tables (dynamic tables take any raw id whatever this says)."""
+
+    def __post_init__(self) -> None:
+        who = type(self).__name__
+        if not isinstance(self.optimizer, RowOptimizer):
+            raise ConfigError(
+                f"{who}: optimizer must be a RowOptimizer (e.g. RowOptimizer(kind='adam')), "
+                f"got {type(self.optimizer).__name__} {self.optimizer!r}"[:300]
+            )
+        if self.pooling not in [m.value for m in PoolingMode]:
+            raise ConfigError(f"{who}: pooling must be 'sum' or 'mean', got {self.pooling!r}")
+        object.__setattr__(self, "pooling", PoolingMode(self.pooling).value)
+        scale = float(self.init_scale) if isinstance(self.init_scale, Real) else math.nan
+        if isinstance(self.init_scale, bool) or not (math.isfinite(scale) and scale >= 0):
+            raise ConfigError(
+                f"{who}: init_scale must be a finite number >= 0 (0 = sqrt(1/rows)), "
+                f"got {self.init_scale!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
+            raise ConfigError(f"{who}: seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.validate_ids, bool):
+            raise ConfigError(
+                f"{who}: validate_ids must be True or False, got {self.validate_ids!r}"
+            )
 
 
 class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
@@ -45,6 +101,8 @@ class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
     """The fused row optimizer (every part has the same)."""
     pooling: PoolingMode
     """How a bag's rows are pooled (sum or mean)."""
+    validate_ids: bool = True
+    """Batches' ids are checked against their tables' rows (``collection_parts.checked_batch``)."""
     comm_stats: Any = None
     """A distributed collection's ``CommStats`` (bytes and waits per collective); else None."""
     host_resident: bool = False
@@ -53,14 +111,28 @@ class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
     """The stored format of its rows (``neorec.ops.lowp_rows.RowFormat``), where one format
     holds all of them; None: float32 rows, or parts of their own."""
 
+    def __init__(
+        self, tables: Sequence[TableConfig] = (), spec: CollectionSpec | None = None
+    ) -> None:
+        """``tables`` and their ``feature_names``; with ``spec`` its optimizer, pooling and id
+        checks; no update hooks yet."""
+        super().__init__()
+        self.tables = list(tables)
+        self.feature_names = [f for t in self.tables for f in t.features]
+        if spec is not None:
+            self.optimizer = spec.optimizer
+            self.pooling = PoolingMode(spec.pooling)
+            self.validate_ids = spec.validate_ids
+        self._hooks: list[UpdateHook] = []
+
     @abstractmethod
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [B, ``output_dim``], features in ``feature_names`` order."""
 
     @property
-    @abstractmethod
     def output_dim(self) -> int:
-        """Columns of the pooled output."""
+        """Columns of the pooled output: each feature's table dim."""
+        return sum(t.dim * len(t.features) for t in self.tables)
 
     if TYPE_CHECKING:
 
@@ -70,18 +142,20 @@ class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
             ...
 
     @property
-    @abstractmethod
     def state_names(self) -> list[str]:
-        """Names of the fused optimizer's state (a subset of ``STATE_NAMES``)."""
+        """Names of the fused optimizer's state (a subset of ``STATE_NAMES``, in its order)."""
+        return list(state_shapes(self.optimizer.kind, 0, 0))
 
-    @abstractmethod
     def optimizer_state(self) -> dict[str, Tensor]:
         """Every fused-optimizer state tensor this collection holds, by name (a collection made
-        of collections prefixes each part's names with the part's)."""
+        of collections prefixes each part's names with the part's): by default the
+        ``STATE_NAMES`` buffers it registered."""
+        return optimizer_state_of(self)
 
-    @abstractmethod
     def add_update_hook(self, hook: UpdateHook) -> None:
-        """Call ``hook(layout, indices, offsets)`` after every fused update (row tracking)."""
+        """Call ``hook(layout, indices, offsets)`` after every fused update (row tracking): by
+        default kept in the list its updates call."""
+        self._hooks.append(hook)
 
     @abstractmethod
     def table_weight(self, name: str) -> Tensor:

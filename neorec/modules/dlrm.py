@@ -12,9 +12,7 @@ from torch import Tensor, nn
 from neorec.config import ModelConfig, TableConfig
 from neorec.errors import ConfigError, DataError
 from neorec.modules.collection import EmbeddingCollection
-from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.modules.exfm_heads import StudentAdapter
-from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 
 __all__ = [
@@ -193,7 +191,12 @@ def serving_state_dict(arch: nn.Module) -> dict[str, Tensor]:
 
 
 class DLRM(nn.Module):
-    """The unsharded model: the specification every distributed form must equal."""
+    """The unsharded model: the specification every distributed form must equal.
+
+    ``ebc``: its embedding collection (any kind: in memory, low precision, behind a row cache,
+    dynamic); the dense arch is drawn from torch's global generator right after
+    ``torch.manual_seed(seed)``, whatever the collection drew, and placed on ``device``.
+    """
 
     ebc: EmbeddingCollection
     comm_stats = None
@@ -202,30 +205,17 @@ class DLRM(nn.Module):
     def __init__(
         self,
         model: ModelConfig,
-        tables: Sequence[TableConfig],
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
-        device: torch.device | str = "cpu",
+        ebc: EmbeddingCollection,
         seed: int = 0,
-        init_scale: float = 0.0,
-        ebc: EmbeddingCollection | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        dims = {t.dim for t in tables}
+        dims = {t.dim for t in ebc.tables}
         if len(dims) != 1:
             raise ConfigError(f"DLRM needs one embedding dim for all tables, got {sorted(dims)}")
+        self.ebc = ebc
         torch.manual_seed(seed)
-        # ebc: a prebuilt collection with the same tables (e.g. the row cache over DRAM/SSD)
-        self.ebc = (
-            ebc
-            if ebc is not None
-            else EmbeddingBagCollection(
-                tables, optimizer, pooling, backend, device, init_scale=init_scale, seed=seed
-            )
-        )
-        num_features = sum(len(t.features) for t in tables)
-        self.dense_arch = DenseArch(model, num_features, dims.pop()).to(device)
+        self.dense_arch = DenseArch(model, len(ebc.feature_names), dims.pop()).to(device)
 
     def forward(self, dense: Tensor, sparse: SparseFeatures) -> Tensor:
         """Logits [B] for a batch."""

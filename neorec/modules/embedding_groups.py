@@ -10,10 +10,9 @@ from torch import Tensor, nn
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
-from neorec.modules.collection import EmbeddingCollection, UpdateHook
-from neorec.modules.embedding import EmbeddingBagCollection, checked_batch, feature_maps
-from neorec.ops.row_optim import RowOptimizer
-from neorec.ops.tbe import PoolingMode
+from neorec.modules.collection import CollectionSpec, EmbeddingCollection, UpdateHook
+from neorec.modules.collection_parts import check_tables, checked_batch, feature_maps
+from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.sparse import SparseFeatures
 
 __all__ = ["GroupedEmbeddingBagCollection"]
@@ -50,20 +49,11 @@ class GroupedEmbeddingBagCollection(EmbeddingCollection):
     def __init__(
         self,
         tables: Sequence[TableConfig],
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
+        spec: CollectionSpec,
         device: torch.device | str = "cpu",
-        init_scale: float = 0.0,
-        seed: int = 0,
-        validate_ids: bool = True,
-        rounding: str = "auto",
     ) -> None:
-        super().__init__()
-        self.tables = list(tables)
-        self.optimizer = optimizer or RowOptimizer()
-        self.pooling = PoolingMode(pooling)
-        self.validate_ids = validate_ids
+        check_tables(tables, type(self).__name__)
+        super().__init__(tables, spec)
         order: list[str] = []
         for t in self.tables:
             p = t.precision or "fp32"
@@ -72,21 +62,12 @@ class GroupedEmbeddingBagCollection(EmbeddingCollection):
         self.groups = nn.ModuleDict(
             {
                 p: EmbeddingBagCollection(
-                    [t for t in self.tables if (t.precision or "fp32") == p],
-                    self.optimizer,
-                    pooling,
-                    backend,
-                    device,
-                    init_scale=init_scale,
-                    seed=seed,
-                    validate_ids=validate_ids,
-                    rounding=rounding,
+                    [t for t in self.tables if (t.precision or "fp32") == p], spec, device
                 )
                 for p in order
             }
         )
         self._parts: list[EmbeddingBagCollection] = [self.groups[p] for p in order]  # type: ignore[misc]
-        self.feature_names = [f for t in self.tables for f in t.features]
         self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self.register_buffer("_perm", parts_permutation(self, self._parts), persistent=False)
         self.weights = torch.empty(0)  # dtype of pooled outputs for batch checks: float32
@@ -95,16 +76,6 @@ class GroupedEmbeddingBagCollection(EmbeddingCollection):
     def step(self) -> Tensor:
         """The fused updates applied so far (every group counts each batch)."""
         return self._parts[0].step
-
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output."""
-        return sum(g.output_dim for g in self._parts)
-
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the fused optimizer's state (every group has the same optimizer)."""
-        return self._parts[0].state_names
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """Each group's state tensors, ``<precision>.<name>``."""

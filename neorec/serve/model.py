@@ -257,7 +257,7 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     its model description); a missing, unfinished or corrupt directory is a ``CheckpointError``.
     """
     from neorec.build import build_dlrm
-    from neorec.modules.embedding import check_tables_memory
+    from neorec.modules.collection_parts import check_tables_memory
     from neorec.phases import Phase, no_table_init
 
     model_dir = find_model_dir(path)

@@ -30,21 +30,18 @@ import torch
 from torch import Tensor
 
 from neorec.config import TableConfig
-from neorec.modules.collection import EmbeddingCollection, optimizer_state_of
-from neorec.modules.embedding import (
-    UpdateHook,
+from neorec.modules.collection import CollectionSpec, EmbeddingCollection
+from neorec.modules.collection_parts import (
     as_device,
-    check_collection_args,
     check_memory,
+    check_tables,
     checked_batch,
     feature_maps,
     init_rows,
     register_table_buffers,
 )
-from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     Lookup,
-    PoolingMode,
     TBEBackend,
     TBELayout,
     check_finite_weights,
@@ -70,6 +67,7 @@ from neorec.storage.store import (
     Records,
     RowStore,
     SsdStore,
+    StoreSettings,
     record_fields,
 )
 
@@ -80,7 +78,9 @@ __all__ = [
 
 
 class CachedEmbeddingBagCollection(EmbeddingCollection):
-    """EmbeddingBagCollection whose dram/ssd tables train through a row cache over a store."""
+    """EmbeddingBagCollection whose dram/ssd tables train through a row cache over a store
+    (``storage``: the stores' folder, I/O threads and mapped budget). Update hooks receive the
+    tables' layout and ids."""
 
     host_resident = True
 
@@ -90,26 +90,13 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
     def __init__(
         self,
         tables: Sequence[TableConfig],
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
+        spec: CollectionSpec,
         device: torch.device | str = "cpu",
-        init_scale: float = 0.0,
-        seed: int = 0,
-        validate_ids: bool = True,
-        storage_dir: str | Path = "",
-        io_threads: int = 2,
-        mapped_mb: int = 0,
+        storage: StoreSettings | None = None,
     ) -> None:
-        super().__init__()
-        check_collection_args(
-            tables, optimizer, pooling, init_scale, seed, validate_ids, type(self).__name__
-        )
-        self.tables = list(tables)
-        self.optimizer = optimizer or RowOptimizer()
-        self.pooling = PoolingMode(pooling)
-        self.validate_ids = validate_ids
-        self.feature_names = [f for t in self.tables for f in t.features]
+        check_tables(tables, type(self).__name__)
+        super().__init__(tables, spec)
+        storage = storage or StoreSettings()
         feature_table = tuple(i for i, t in enumerate(self.tables) for _ in t.features)
         # The table-shaped layout (for hooks and callers) and the cache-shaped one the kernel runs.
         self.table_layout = TBELayout(
@@ -123,7 +110,7 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
             feature_table=feature_table,
         )
         device = as_device(device)
-        self.backend: TBEBackend = get_backend(backend, device)
+        self.backend: TBEBackend = get_backend(spec.backend, device)
         check_memory(self.tables, self.layout, self.optimizer.kind, device, self._host_bytes())
         # Zeroed: free cache slots hold zeros, not garbage, in state_dict().
         register_table_buffers(
@@ -135,22 +122,21 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
         )
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
-        self._hooks: list[UpdateHook] = []
-        self._init_scale, self._seed = init_scale, seed
+        self._init_scale, self._seed = spec.init_scale, spec.seed
         self._tick = 0
         self._staged: dict[int, StagedRows] = {}
         self._prefetch_thread: threading.Thread | None = None
         self._prefetch_error: BaseException | None = None
         self._deferred: SparseFeatures | None = None
         self._cached: dict[int, CacheTable] = {}
-        self._io_threads = io_threads
-        self._mapped_mb = mapped_mb
-        for i, spec in enumerate(self.tables):
-            storage = getattr(spec, "storage", "memory")
-            if storage == "memory":
-                self._init_weights(i, 0, spec.rows, self.layout.table(self.weights, i))
+        self._io_threads = storage.io_threads
+        self._mapped_mb = storage.mapped_mb
+        for i, t in enumerate(self.tables):
+            where = getattr(t, "storage", "memory")
+            if where == "memory":
+                self._init_weights(i, 0, t.rows, self.layout.table(self.weights, i))
             else:
-                self._cached[i] = self._make_table(i, spec, storage, str(storage_dir))
+                self._cached[i] = self._make_table(i, t, where, str(storage.dir))
 
     # ---- construction ------------------------------------------------------------------------
     def _host_bytes(self) -> int:
@@ -217,24 +203,6 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
         )
 
     # ---- public API ----------------------------------------------------------------------------
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the optimizer state buffers (of the cache)."""
-        return list(optimizer_state_of(self))
-
-    def optimizer_state(self) -> dict[str, Tensor]:
-        """The fused optimizer's state tensors over the cache (flat, cache layout)."""
-        return optimizer_state_of(self)
-
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output."""
-        return self.layout.total_dim
-
-    def add_update_hook(self, hook: UpdateHook) -> None:
-        """Call ``hook(table_layout, indices, offsets)`` with table ids after every update."""
-        self._hooks.append(hook)
-
     def stores(self) -> dict[str, RowStore]:
         """The store of each dram/ssd table, by table name."""
         return {c.name: c.store for c in self._cached.values()}

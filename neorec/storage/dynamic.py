@@ -33,21 +33,18 @@ from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.errors import ConfigError
-from neorec.modules.collection import EmbeddingCollection, optimizer_state_of
-from neorec.modules.embedding import (
-    UpdateHook,
+from neorec.modules.collection import CollectionSpec, EmbeddingCollection
+from neorec.modules.collection_parts import (
     as_device,
-    check_collection_args,
     check_memory,
+    check_tables,
     checked_batch,
     feature_maps,
     register_table_buffers,
 )
 from neorec.ops.id_map import IdMap, RowTarget, _mix64_np, mix64
-from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import (
     Lookup,
-    PoolingMode,
     TBEBackend,
     TBELayout,
     check_finite_weights,
@@ -117,7 +114,9 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
 
     Same interface as ``EmbeddingBagCollection`` for forward / backward (the fused update),
     ``add_update_hook`` (hooks receive the slot layout and slot indices), ``optimizer_state``,
-    ``table_weight`` (the slot rows); plus ``id_maps``, ``slots_of``, ``stats``.
+    ``table_weight`` (the slot rows); plus ``id_maps``, ``slots_of``, ``stats``. Raw ids are
+    never refused (``spec.validate_ids`` does not apply); ``native``: the id maps' compiled form
+    (None: when built).
     """
 
     weights: Tensor
@@ -126,17 +125,12 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
     def __init__(
         self,
         tables: Sequence[TableConfig],
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
+        spec: CollectionSpec,
         device: torch.device | str = "cpu",
-        init_scale: float = 0.0,
-        seed: int = 0,
         native: bool | None = None,
     ) -> None:
-        super().__init__()
         who = type(self).__name__
-        check_collection_args(tables, optimizer, pooling, init_scale, seed, True, who)
+        check_tables(tables, who)
         for t in tables:
             where = f"{who}: table '{t.name}'"
             if getattr(t, "kind", "fixed") != "dynamic":
@@ -148,11 +142,8 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
                     f"{where} has storage {t.storage!r}: dram/ssd dynamic tables need "
                     "DynamicCachedEmbeddingBagCollection (the sharded form builds one per rank)"
                 )
-        self.tables = list(tables)
-        self.optimizer = optimizer or RowOptimizer()
-        self.pooling = PoolingMode(pooling)
+        super().__init__(tables, spec)
         self.validate_ids = False  # raw ids: any int64
-        self.feature_names = [f for t in self.tables for f in t.features]
         feature_table = tuple(i for i, t in enumerate(self.tables) for _ in t.features)
         self.capacities = [table_capacity(t) for t in self.tables]
         self.default_rows = [t.unadmitted == "default_row" for t in self.tables]
@@ -162,12 +153,12 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
             feature_table=feature_table,
         )
         device = as_device(device)
-        self.backend: TBEBackend = get_backend(backend, device)
+        self.backend: TBEBackend = get_backend(spec.backend, device)
+        seed, init_scale = spec.seed, spec.init_scale
         self._seed, self._init_scale = seed, init_scale
-        self._make_rows(device)
+        self._make_rows(spec, device)
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._rows_by_feature, self._table_by_feature = feature_maps(self.tables, table_capacity)
-        self._hooks: list[UpdateHook] = []
         self.id_maps = [
             IdMap(
                 c, t.admission, t.admit_threshold, t.admit_probability, t.eviction,
@@ -186,7 +177,7 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
     _cached_slots = False
     """Whether the slot rows live behind a row cache (``DynamicCachedEmbeddingBagCollection``)."""
 
-    def _make_rows(self, device: torch.device) -> None:
+    def _make_rows(self, spec: CollectionSpec, device: torch.device) -> None:
         """The slot rows: one flat buffer of every table's slots (+ default row) and the optimizer
         state, zeros but for the default rows."""
         check_memory(self.tables, self.layout, self.optimizer.kind, device)
@@ -206,25 +197,6 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
     @staticmethod
     def _zero_counts() -> dict[str, int]:
         return {"admitted": 0, "evicted": 0, "unadmitted": 0, "lookups": 0}
-
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the optimizer state buffers."""
-        return list(optimizer_state_of(self))
-
-    def optimizer_state(self) -> dict[str, Tensor]:
-        """The fused optimizer's state tensors (flat, slot layout)."""
-        return optimizer_state_of(self)
-
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output."""
-        return self.layout.total_dim
-
-    def add_update_hook(self, hook: UpdateHook) -> None:
-        """Call ``hook(layout, slot_indices, offsets)`` after every fused update (slot layout;
-        dropped unadmitted ids are not in it)."""
-        self._hooks.append(hook)
 
     def _table_index(self, name: str) -> int:
         for i, t in enumerate(self.tables):

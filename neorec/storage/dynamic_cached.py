@@ -16,7 +16,7 @@ is filled from its fresh initial row by the batch's ``prepare`` (no store read) 
 Export, ``table_weight`` and the checkpoints read the store after ``flush()``.
 
 Sharded: ``ShardedDynamicEmbeddingBagCollection`` builds one of these per rank (of the rank's
-``ceil(capacity / W)`` slots, its stores in ``<storage_dir>/rank<r>``;
+``ceil(capacity / W)`` slots, its stores in ``<storage.dir>/rank<r>``;
 ``neorec.distributed.dynamic_parts``).
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,16 +31,16 @@ from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.config.model import DYNAMIC_DEFAULTS
-from neorec.modules.embedding import checked_batch
+from neorec.modules.collection import CollectionSpec
+from neorec.modules.collection_parts import checked_batch
 from neorec.ops.id_map import RowTarget
-from neorec.ops.row_optim import RowOptimizer
 from neorec.ops.tbe import TBELayout
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
 from neorec.storage.cache_table import CacheTable, StagedRows, one_thread
 from neorec.storage.cached import CachedEmbeddingBagCollection
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection, dynamic_init_rows
-from neorec.storage.store import RowStore, record_fields
+from neorec.storage.store import RowStore, StoreSettings, record_fields
 
 __all__ = ["DynamicCachedEmbeddingBagCollection"]
 
@@ -51,11 +50,18 @@ class _SlotCache(CachedEmbeddingBagCollection):
     table, ids = slots). Starts at zeros but for the default rows; takes the rows the id map resets
     (``put_rows``); fills new slots from their fresh rows instead of the store."""
 
-    def __init__(self, defaults: dict[int, Tensor], *args: Any, **kw: Any) -> None:
+    def __init__(
+        self,
+        defaults: dict[int, Tensor],
+        tables: Sequence[TableConfig],
+        spec: CollectionSpec,
+        device: torch.device | str,
+        storage: StoreSettings,
+    ) -> None:
         self._defaults = defaults  # (plain attributes: set before the stores are initialised)
         self._fresh: dict[int, StagedRows] = {}
         self._filled: dict[int, tuple[Tensor, Tensor]] = {}
-        super().__init__(*args, **kw)
+        super().__init__(tables, spec, device, storage)
 
     def _init_weights(self, i: int, lo: int, hi: int, out: Tensor) -> None:
         out.zero_()
@@ -183,7 +189,7 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
     Differences: ``optimizer_state()`` is the cache's (cache layout), ``table_weight`` a copy
     (flushes), ``stats()`` adds the cache's counters (per table under ``cache``, totals at the
     top level); plus ``flush``, ``close``, ``stores``, ``stats_line`` and ``prefetch`` as in
-    ``CachedEmbeddingBagCollection``.
+    ``CachedEmbeddingBagCollection``; ``storage``: where its stores go.
     """
 
     _cached_slots = True
@@ -192,42 +198,28 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
     def __init__(
         self,
         tables: Sequence[TableConfig],
-        optimizer: RowOptimizer | None = None,
-        pooling: str = "sum",
-        backend: str = "auto",
+        spec: CollectionSpec,
         device: torch.device | str = "cpu",
-        init_scale: float = 0.0,
-        seed: int = 0,
         native: bool | None = None,
-        storage_dir: str | Path = "",
-        io_threads: int = 2,
-        mapped_mb: int = 0,
+        storage: StoreSettings | None = None,
     ) -> None:
-        self._cache_args = (backend, storage_dir, io_threads, mapped_mb)
+        self._storage = storage or StoreSettings()
         self._deferred: SparseFeatures | None = None
-        super().__init__(tables, optimizer, pooling, backend, device, init_scale, seed, native)
+        super().__init__(tables, spec, device, native)
 
-    def _make_rows(self, device: torch.device) -> None:
-        backend, root, io_threads, mapped_mb = self._cache_args
+    def _make_rows(self, spec: CollectionSpec, device: torch.device) -> None:
         slot_tables = [
             # a slot table is a fixed table: the dynamic fields at their defaults
             replace(t, kind="fixed", rows=c + int(d), precision="fp32", **DYNAMIC_DEFAULTS)
             for t, c, d in zip(self.tables, self.capacities, self.default_rows)
         ]
         defaults = {i: self._default_row(i) for i, d in enumerate(self.default_rows) if d}
-        self.slot_cache = _SlotCache(
-            defaults, slot_tables, self.optimizer, self.pooling.value, backend, device,
-            self._init_scale, self._seed, True, root, io_threads, mapped_mb,
-        )  # fmt: skip
+        cache_spec = replace(spec, validate_ids=True)  # slots: always within the slot tables
+        self.slot_cache = _SlotCache(defaults, slot_tables, cache_spec, device, self._storage)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.weights = torch.empty(0)  # dtype of pooled outputs for the batch checks: float32
 
     # ---- the slot rows ---------------------------------------------------------------------------
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the optimizer state buffers."""
-        return self.slot_cache.state_names
-
     def optimizer_state(self) -> dict[str, Tensor]:
         """The fused optimizer's state over the cache (flat, cache layout)."""
         return self.slot_cache.optimizer_state()

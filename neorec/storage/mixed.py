@@ -11,7 +11,7 @@ from torch import Tensor
 
 from neorec.config import TableConfig
 from neorec.modules.collection import EmbeddingCollection, UpdateHook
-from neorec.modules.embedding import checked_batch, feature_maps
+from neorec.modules.collection_parts import checked_batch, feature_maps
 from neorec.modules.embedding_groups import parts_permutation
 from neorec.sparse import SparseFeatures
 
@@ -31,13 +31,11 @@ class MixedEmbeddingBagCollection(EmbeddingCollection):
         fixed: EmbeddingCollection,
         dynamic: Any,
     ) -> None:
-        super().__init__()
-        self.tables = list(tables)
+        super().__init__(tables)
         self.fixed, self.dynamic = fixed, dynamic
         self.optimizer = dynamic.optimizer
         self.pooling = dynamic.pooling
         self.validate_ids = False
-        self.feature_names = [f for t in self.tables for f in t.features]
         self._parts: list[Any] = [fixed, dynamic]
         self._rows_by_feature, self._table_by_feature = feature_maps(self.tables)
         self.register_buffer("_perm", parts_permutation(self, self._parts), persistent=False)
@@ -47,16 +45,6 @@ class MixedEmbeddingBagCollection(EmbeddingCollection):
     def step(self) -> Tensor:
         """The fused updates applied so far (both parts count each batch)."""
         return self.dynamic.step
-
-    @property
-    def output_dim(self) -> int:
-        """Columns of the pooled output."""
-        return int(sum(g.output_dim for g in self._parts))
-
-    @property
-    def state_names(self) -> list[str]:
-        """Names of the fused optimizer's state (both parts have the same optimizer)."""
-        return list(self.dynamic.state_names)
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """Each part's state tensors, ``fixed.<name>`` and ``dynamic.<name>``."""

@@ -45,6 +45,7 @@ import shutil
 import struct
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
@@ -57,6 +58,7 @@ from neorec.ops.memory import table_zeros
 from neorec.storage import cache_ops
 
 __all__ = [
+    "StoreSettings",
     "StoreError",
     "RowStore",
     "DramStore",
@@ -72,6 +74,20 @@ MAGIC = b"NEORECRS"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 _INIT_CHUNK_ROWS = 1 << 16
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Where and how a collection's dram / ssd tables keep their row stores (the run's
+    ``[storage]``)."""
+
+    dir: str | Path = ""
+    """Folder of the SSD stores' files (``<table>.rows``); empty: none (an ssd table is refused)."""
+    io_threads: int = 2
+    """Threads copying records between an SSD store's mapping and the cache."""
+    mapped_mb: int = 0
+    """File-backed RSS (MiB) above which the stores' mapped pages are dropped; 0: the default
+    (``default_mapped_budget``)."""
 
 
 def default_mapped_budget() -> int:
