@@ -31,6 +31,7 @@ from neorec.data.batch import Batch
 from neorec.ops.exfm_losses import native_lib
 from neorec.ops.fastpath import RAN
 from neorec.sparse import SparseFeatures
+from neorec.train.losses import make_loss
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler")
 
@@ -102,7 +103,9 @@ def _train(
     was, distill.FAST_LOSSES = distill.FAST_LOSSES, fast
     try:
         for step in range(1, STEPS + 1):
-            steps.train_step(model, opt, _batch(step).slice(lo, hi), step, distill=cfg.distill)
+            steps.train_step(
+                model, opt, _batch(step).slice(lo, hi), step, loss_fn=make_loss(cfg.distill)
+            )
     finally:
         steps.distill_loss, distill.FAST_LOSSES = real, was
     assert RAN["exfm_losses.forward"] - ran == (STEPS if fast else 0), "kernel / torch path"

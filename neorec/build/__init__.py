@@ -3,7 +3,7 @@
 Below this package, code receives its own config section or plain values, never the whole
 ``Config`` (``tests/test_layers.py``). ``model``: the embedding collection and the model (flat,
 low precision, cached, dynamic, towered, distributed); ``plan``: the sharding plan; ``towers``:
-the DMT towers and the SPTT model; ``run``: system settings, the data source, the dense
+the DMT towers a config decides and the SPTT model; ``run``: system settings, the data source, the dense
 optimizer; ``schedule``: the lr scaling and schedule.
 """
 
@@ -25,7 +25,7 @@ from neorec.build.run import (
     dense_optimizer,
 )
 from neorec.build.schedule import lr_scale, lr_schedule, scaling_line
-from neorec.build.towers import learned_groups, resolve_tower_groups, tower_groups, towered_model
+from neorec.build.towers import tower_groups, towered_model
 
 __all__ = [
     "build_collection",
@@ -44,8 +44,6 @@ __all__ = [
     "lr_scale",
     "lr_schedule",
     "scaling_line",
-    "learned_groups",
-    "resolve_tower_groups",
     "tower_groups",
     "towered_model",
 ]
