@@ -157,7 +157,9 @@ class Trainer(RunSummary):
         self._eval_s = 0.0  # seconds of the periodic evals (inside the train time)
         self.guard = LossGuard()  # the NaN guard, read at log intervals (no host sync per step)
         self.lowp: TrainerLowp | None = None
-        self.events = EventLog(self.state, self.model, self.opt, self.world)
+        self.events = EventLog(
+            self.state, self.model, self.opt, self.world, eval_batches=t.eval_batches
+        )
 
     def _build_model(self) -> RecModel:
         """The run's model, its towers decided first (the learned partition warms up here)."""
