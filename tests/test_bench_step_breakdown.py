@@ -77,11 +77,11 @@ def test_floors_are_positive_rates() -> None:
 
 @pytest.mark.bitwise
 def test_timing_hooks_leave_the_step_bitwise_unchanged() -> None:
-    """The same step with and without ``phases``: the same loss and weights, bitwise."""
-    from neorec.bench.step_breakdown import PhaseTimer, hook_collection
+    """The same step with and without the timer attached: the same loss and weights, bitwise."""
+    from neorec.bench.step_timing import PhaseTimer, attach_timer, hook_collection
     from neorec.build import build_dlrm, dense_optimizer
     from neorec.config import load_config
-    from neorec.train.steps import train_step
+    from neorec.train.steps import LossGuard, train_step
 
     sets = ["embedding.num_tables=2", "embedding.rows=200", "data.batch_size=32"]
     cfg = load_config(None, sets)
@@ -91,10 +91,13 @@ def test_timing_hooks_leave_the_step_bitwise_unchanged() -> None:
         model = build_dlrm(cfg, torch.device("cpu"))
         opt = dense_optimizer(cfg.train, model.dense_parameters())
         timer = PhaseTimer()
-        hook_collection(model, timer)
+        guard = LossGuard()
+        if timed:
+            hook_collection(model, timer)
+            guard = attach_timer(model, opt, timer)
         timer.active = timed
         timer.begin()
-        loss = train_step(model, opt, batch, 1, phases=timer if timed else None)
+        loss = train_step(model, opt, batch, 1, guard=guard)
         outs.append((loss, [p.detach().clone() for p in model.parameters()],
                      [b.clone() for b in model.buffers()]))  # fmt: skip
     assert set(timer.cur) == set(PHASES) - {"batch_prep"}  # (batch_prep: the pipeline's)

@@ -60,30 +60,35 @@ def test_dist_phase_model_places_each_collective_and_the_shards() -> None:
 def _train(rank: int, world: int, cfg: Any, marked: bool) -> tuple[list, list]:
     """Three pipeline steps of a fresh model on the rank's slices; with ``marked`` the bench's
     marks on (the timer active, the staging wrapped, the collection's and the step's marks)."""
-    from neorec.bench.step_breakdown import PhaseTimer, fresh_batches
-    from neorec.bench.step_dist_breakdown import CollectionMarks, StepMarks, _wrap_staging
+    from neorec.bench.step_dist_breakdown import _wrap_staging, attach_dist_timer
+    from neorec.bench.step_timing import PhaseTimer, fresh_batches
     from neorec.build import dense_optimizer, distributed_model, resolve_plan
     from neorec.train.pipeline import make_pipeline
-    from neorec.train.steps import train_step
+    from neorec.train.steps import LossGuard, Step
 
     model = distributed_model(cfg, resolve_plan(cfg, world))
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     timer = PhaseTimer()
     timer.active = marked
+    guard, hooks = LossGuard(), []
     if marked:
         _wrap_staging(model, timer)
-        model.ebc.marks = CollectionMarks(timer)
+        guard, around = attach_dist_timer(model, opt, timer)
+        hooks.append(around)
     seen: list[set[str]] = []
 
-    def fn(model: Any, opt: Any, batch: Any, i: int, bf16: bool) -> torch.Tensor:
-        timer.mark("input_dist")
-        loss = train_step(model, opt, batch, i, bf16, phases=StepMarks(timer) if marked else None)
-        seen.append(set(timer.cur))
-        return loss
+    class Seen:
+        def before_step(self, step: int) -> None:
+            pass
+
+        def after_step(self, step: int, loss: torch.Tensor) -> None:
+            seen.append(set(timer.cur))
 
     b = cfg.data.batch_size // world
     batches = [x.slice(rank * b, (rank + 1) * b) for x in step.make_batches(cfg, 3, 1.05)]
-    pipe = make_pipeline("overlapped", model, opt, fresh_batches(batches), fn)
+    pipe = make_pipeline(
+        "overlapped", model, opt, fresh_batches(batches), Step(guard=guard), hooks=[Seen(), *hooks]
+    )
     losses = []
     for i in range(3):
         timer.begin()

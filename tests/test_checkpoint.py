@@ -298,16 +298,16 @@ def test_fsspec_url_and_cli(tmp_path, capsys):
 def test_interrupt_commits_the_inflight_write_and_propagates(tmp_path, monkeypatch, exc):
     """Ctrl-C (or an error) mid-run: not swallowed; the async write in flight commits, nothing
     unfinished is left, and the latest checkpoint verifies."""
-    import neorec.train.trainer as trainer_mod
+    import neorec.train.steps as steps_mod
 
-    real = trainer_mod.train_step
+    real = steps_mod.train_step
 
-    def step(model, opt, batch, s, bf16=False):
+    def step(model, opt, batch, s, *rest):
         if s == 6:
             raise exc("stop")
-        return real(model, opt, batch, s, bf16)
+        return real(model, opt, batch, s, *rest)
 
-    monkeypatch.setattr(trainer_mod, "train_step", step)
+    monkeypatch.setattr(steps_mod, "train_step", step)
     cfg = tiny_cfg(
         tmp_path, "train.steps=9", "checkpoint.every_steps=5", "train.pipeline='sequential'"
     )

@@ -15,6 +15,7 @@ from neorec.distributed.dense_blocks import block_dense
 from neorec.errors import DataError
 from neorec.modules.dlrm import DenseArch, serving_state_dict
 from neorec.train.distill import aux_predictions
+from neorec.train.losses import make_loss
 from neorec.train.steps import predict, train_step
 
 C = campaign("distill")
@@ -73,7 +74,7 @@ def test_aux_weight_zero_leaves_serving_head_unchanged():
     batches = teacher_batches(data, 4, 64, lambda t: 2.0 * t + 1.0)
     for step, (batch, _) in enumerate(batches, 1):
         la = train_step(a, oa, batch, step)
-        lb = train_step(b, ob, batch, step, distill=d_cfg.distill)
+        lb = train_step(b, ob, batch, step, loss_fn=make_loss(d_cfg.distill))
         assert abs(float(la) - float(lb)) <= 1e-7, (step, float(la), float(lb))
         if step == 1:
             for (name, pa), pb in zip(a.dense_arch.named_parameters(), b.dense_arch.parameters()):
@@ -93,7 +94,7 @@ def test_aux_weight_zero_leaves_serving_head_unchanged():
     a2 = model_of(plain_cfg)
     oa2 = dense_optimizer(plain_cfg.train, a2.dense_parameters())
     train_step(a2, oa2, batches[0][0], 1)
-    train_step(c, oc, batches[0][0], 1, distill=c_cfg.distill)
+    train_step(c, oc, batches[0][0], 1, loss_fn=make_loss(c_cfg.distill))
     first = "bottom.0.weight"
     assert not torch.allclose(
         a2.dense_arch.state_dict()[first], c.dense_arch.state_dict()[first], atol=1e-7
@@ -104,7 +105,7 @@ def _train(cfg, batches, steps, distill=None):
     m = model_of(cfg)
     opt = dense_optimizer(cfg.train, m.dense_parameters())
     for step in range(1, steps + 1):
-        train_step(m, opt, batches[(step - 1) % len(batches)][0], step, distill=distill)
+        train_step(m, opt, batches[(step - 1) % len(batches)][0], step, loss_fn=make_loss(distill))
     return m
 
 
@@ -207,7 +208,9 @@ def test_config_and_input_errors():
     }
     for name, (batch, match) in bad.items():
         C.expect_error(
-            f"step: {name}", lambda b=batch: train_step(m, opt, b, 1, distill=cfg.distill), match
+            f"step: {name}",
+            lambda b=batch: train_step(m, opt, b, 1, loss_fn=make_loss(cfg.distill)),
+            match,
         )
     assert torch.equal(m.ebc.weights, before), "a refused batch must not update the tables"
     # a model built without the aux head (e.g. another config's) is refused, not half-trained
@@ -216,7 +219,7 @@ def test_config_and_input_errors():
     fm_batch = with_fm(raw, torch.zeros(64))
     C.expect_error(
         "step: model without aux head",
-        lambda: train_step(other, oo, fm_batch, 1, distill=cfg.distill),
+        lambda: train_step(other, oo, fm_batch, 1, loss_fn=make_loss(cfg.distill)),
         "a model built from this config with them",
     )
     try:

@@ -95,7 +95,7 @@ def _same_map(got: dict[str, DynamicTableState], want: dict[str, DynamicTableSta
 
 def test_two_ranks_resumed_in_one_process_equals_uninterrupted(runs: dict[str, Any]) -> None:
     straight, resumed = runs["straight"], runs["resumed"]
-    assert resumed._resumed_step == FIRST - 1
+    assert resumed.state.resumed_step == FIRST - 1
     want = _states(straight.model)
     assert all(w.ids.numel() > 50 for w in want.values())  # the tables were used
     _same_map(_states(resumed.model), want)

@@ -258,7 +258,7 @@ def test_cli_two_ranks_on_stores_resume_in_one_process(tmp_path: Path) -> None:
     assert {p.name for p in (run / "store").iterdir()} == {"rank0", "rank1"}
     resumed = Trainer(load_config(overrides=[*sets, "train.steps=6", "checkpoint.resume=latest"]))
     resumed.fit()
-    assert resumed._resumed_step == 4
+    assert resumed.state.resumed_step == 4
     memory = CLI[0].replace("storage='ssd'", "storage='memory'")
     memory = memory.replace("storage='dram'", "storage='memory'")
     straight = Trainer(

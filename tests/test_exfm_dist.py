@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dist_util import run_ranks
 
 import neorec.train.distill as distill
+import neorec.train.losses as losses
 import neorec.train.steps as steps
 from neorec.build import build_dlrm, dense_optimizer
 from neorec.config import (
@@ -98,13 +99,15 @@ def _train(
 
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     ran = RAN["exfm_losses.forward"]
-    real, steps.distill_loss = steps.distill_loss, record
+    real, losses.distill_loss = losses.distill_loss, record
     was, distill.FAST_LOSSES = distill.FAST_LOSSES, fast
     try:
         for step in range(1, STEPS + 1):
-            steps.train_step(model, opt, _batch(step).slice(lo, hi), step, distill=cfg.distill)
+            steps.train_step(
+                model, opt, _batch(step).slice(lo, hi), step, loss_fn=losses.make_loss(cfg.distill)
+            )
     finally:
-        steps.distill_loss, distill.FAST_LOSSES = real, was
+        losses.distill_loss, distill.FAST_LOSSES = real, was
     assert RAN["exfm_losses.forward"] - ran == (STEPS if fast else 0), "kernel / torch path"
     none = torch.zeros(())
     rows = torch.stack(

@@ -15,6 +15,7 @@ from neorec.build import dense_optimizer
 from neorec.data.batch import Batch
 from neorec.errors import DataError
 from neorec.ops.exfm_losses import exfm_losses, native_lib
+from neorec.train.losses import make_loss
 from neorec.train.steps import train_step
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler")
@@ -46,7 +47,7 @@ def _run(cfg, batches, fast: bool, monkeypatch) -> tuple[list[float], dict[str, 
     opt = dense_optimizer(cfg.train, m.dense_parameters())
     losses, grads = [], {}
     for step, b in enumerate(batches, 1):
-        losses.append(float(train_step(m, opt, b, step, distill=cfg.distill)))
+        losses.append(float(train_step(m, opt, b, step, loss_fn=make_loss(cfg.distill))))
         if step == 1:
             grads = {
                 n: p.grad.clone() for n, p in m.dense_arch.named_parameters() if p.grad is not None
@@ -139,7 +140,7 @@ def test_non_finite_fm_refused_before_any_update(monkeypatch):
     before = {k: v.clone() for k, v in m.dense_arch.state_dict().items()}
     emb = m.ebc.weights.detach().clone()
     with pytest.raises(DataError, match="1 non-finite value"):
-        train_step(m, opt, with_fm(b, fm), 1, distill=cfg.distill)
+        train_step(m, opt, with_fm(b, fm), 1, loss_fn=make_loss(cfg.distill))
     assert all(torch.equal(v, m.dense_arch.state_dict()[k]) for k, v in before.items())
     assert torch.equal(m.ebc.weights, emb)
 
@@ -166,7 +167,8 @@ def test_alone_step_takes_the_kernel_and_equals_torch_bce(blocks, fast_paths):
         m = model_of(cfg)
         opt = dense_optimizer(cfg.train, m.dense_parameters())
         losses = [
-            float(train_step(m, opt, b, i, fused_bce=fused)) for i, b in enumerate(batches, 1)
+            float(train_step(m, opt, b, i, loss_fn=make_loss(fused_bce=fused)))
+            for i, b in enumerate(batches, 1)
         ]
         state = {k: v.clone() for k, v in m.dense_arch.state_dict().items()}
         return losses, {**state, "ebc": m.ebc.weights.detach().clone()}

@@ -90,7 +90,13 @@ def test_trainer_pipelines_agree_on_metrics_and_position(tmp_path, steps):
     for kind in ("sequential", "overlapped"):
         t = _trainer(tmp_path, kind, f"train.pipeline='{kind}'", f"train.steps={steps}")
         result = t.fit()
-        runs[kind] = (t.step, t._epoch, t._next_batch, result["eval"], t.model.state_dict())
+        runs[kind] = (
+            t.step,
+            t.state.epoch,
+            t.state.next_batch,
+            result["eval"],
+            t.model.state_dict(),
+        )
     s, o = runs["sequential"], runs["overlapped"]
     assert s[:4] == o[:4]
     assert s[0] == (steps or 10)

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from faults import campaign
 
 from neorec.bench.towers_quality import adjusted_rand, captured, grouped_config, grouped_data
-from neorec.build import build_dlrm, build_flat_dlrm, learned_groups, tower_groups
+from neorec.build import build_dlrm, build_flat_dlrm, tower_groups
 from neorec.config import Config, ConfigError, TowersConfig, load_config
 from neorec.data.synthetic import SyntheticClickData
 from neorec.modules.dlrm import DLRM
 from neorec.modules.towers import TowerDLRM, TowerModule, feature_affinity, table_affinity
 from neorec.sharding.tables import TableSpec
 from neorec.sharding.towers import balance_cap, lpt, partition_tables, tower_loads
+from neorec.train.towers_warmup import learned_groups
 
 C = campaign("towers config")
 

@@ -11,7 +11,7 @@ the student's click logit above the stream's; 0 = no FM / VM gap):
    of window w - k, in four setups: ``alone``; ``plain`` (distillation into the serving head,
    ``distill.weight``); ``aux`` (the auxiliary head); ``aux+adapter`` (the full ExFM student).
    Windows w < k have no FM yet and train alone. Every setup's loss runs the same fused C kernel
-   (``alone`` too: ``train_step(fused_bce=True)``). After each window the serving head's NE on
+   (``alone`` too: ``make_loss(fused_bce=True)``). After each window the serving head's NE on
    the window's eval split.
 
 Tuning (the same budget for every setup): ``train.dense_lr`` over ``--lrs`` for each setup
@@ -108,6 +108,7 @@ def time_students(
     (``stats.rotated``), so a slower moment of a shared machine hits them alike; a setup's rate in
     a round is from its median step. Every setup's loss takes the fused C kernel."""
     from neorec.build import data_source
+    from neorec.train.losses import make_loss
     from neorec.train.steps import train_step
 
     state: dict[str, Any] = {}
@@ -116,17 +117,15 @@ def time_students(
         data = {"fm_logits": str(das), "fm_staleness": k} if on else {}
         batches = list(data_source(window_cfg(cfg, window, **data)).train_batches())[:steps]
         model, opt = student_model(cfg)
-        state[name] = (model, opt, batches, cfg.distill if on else None)
+        state[name] = (model, opt, batches, make_loss(cfg.distill if on else None, fused_bce=True))
     rates: dict[str, list[float]] = {name: [] for name in cfgs}
     for r in range(rounds + 1):  # round 0 warms up (allocations, first-call costs)
         for name in rotated(list(cfgs), r):
-            model, opt, batches, distill = state[name]
+            model, opt, batches, loss_fn = state[name]
             times = []
             for i, batch in enumerate(batches):
                 t0 = time.perf_counter()
-                train_step(
-                    model, opt, batch, r * len(batches) + i + 1, distill=distill, fused_bce=True
-                )
+                train_step(model, opt, batch, r * len(batches) + i + 1, loss_fn=loss_fn)
                 times.append(time.perf_counter() - t0)
             if r:
                 rates[name].append(batches[0].size / statistics.median(times))

@@ -26,30 +26,22 @@ import torch
 
 from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.bench.stats import paired_ratio
-from neorec.bench.step_breakdown import main_args
+from neorec.bench.step_breakdown import main_args, run_breakdown
+from neorec.bench.step_timing import make_batches
 from neorec.build import build_dlrm, dense_optimizer
 from neorec.config import load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
-from neorec.data.synthetic import zipf_batches
 from neorec.errors import ConfigError
 from neorec.modules.collection import EmbeddingCollection
 from neorec.modules.dlrm import DLRM
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
-from neorec.train.steps import LossGuard
-from neorec.train.trainer import train_step
+from neorec.train.steps import LossGuard, train_step
 
-__all__ = ["main"]
+__all__ = ["main", "make_batches"]
 
 DEFAULT_CONFIG = "configs/dlrm_benchmark.toml"
-
-
-def make_batches(cfg, n: int, alpha: float, seed: int = 0) -> list[Batch]:
-    """``n`` random batches of the config's shape; fixed pooling, Zipf(alpha) ids (0 = uniform)."""
-    return zipf_batches(
-        cfg.embedding.tables, cfg.data.batch_size, cfg.model.num_dense, n, alpha, seed
-    )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -266,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     batches = [b.to(a.device) for b in make_batches(cfg, 4, a.alpha)]
     if a.breakdown:
-        from neorec.bench.step_breakdown import run_breakdown
-
         if a.device != "cpu" or a.lowp or a.precision or a.compare != "none":
             raise ConfigError(
                 "bench step --breakdown: one CPU model (lowp and precision by --set, no --compare)"

@@ -10,8 +10,8 @@ phase and untimed (whose medians give the whole step); a barrier precedes each s
 Marks: the pipeline's staging (wrapped here: the batch taken, its checks, then the rest of the
 input distribution: the split by shard and the lengths' all-to-all); the sharded collection's
 ``marks`` (the ids' wait, the lookup, the pooled all-to-all, and in backward the dense
-backward's end, the gradients' all-to-all, the TBE update); ``train_step``'s ``phases``. What
-``backward()`` still does after the TBE update is DDP's wait for its gradient all-reduce
+backward's end, the gradients' all-to-all, the TBE update); the step's seams (``step_timing``).
+What ``backward()`` still does after the TBE update is DDP's wait for its gradient all-reduce
 (``allreduce``); a DDP comm hook's all-reduce (codecs, or the blocks' tree on 4+ ranks) runs
 inside the dense backward, and the time ``CommStats`` records for it is moved to ``allreduce``.
 """
@@ -33,14 +33,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from neorec.bench.floors import Floors, measure_floors
-from neorec.bench.step_breakdown import (
-    PhaseTimer,
-    fresh_batches,
-    print_table,
-    result_fields,
-    row_state_bytes,
-    step_shape,
-)
 from neorec.bench.step_phases import (
     COMM_PHASE,
     DIST_PHASES,
@@ -50,53 +42,26 @@ from neorec.bench.step_phases import (
     phase_floor_ms,
     summarize,
 )
+from neorec.bench.step_timing import (
+    PhaseTimer,
+    attach_timer,
+    fresh_batches,
+    make_batches,
+    print_table,
+    result_fields,
+    row_state_bytes,
+    step_shape,
+)
 from neorec.build import apply_system, dense_optimizer, distributed_model, resolve_plan
 from neorec.data.batch import Batch
 from neorec.distributed.comm import close_host_transports, host_transport
 from neorec.errors import ConfigError
 from neorec.measure.jobs import free_port
 from neorec.modules.collection_parts import checked_batch
-from neorec.phases import NO_MARKS, Marks
 from neorec.train.pipeline import make_pipeline
-from neorec.train.steps import LossGuard, train_step
+from neorec.train.steps import Step
 
-__all__ = ["run_dist_breakdown", "StepMarks", "CollectionMarks", "local_lookup"]
-
-
-class StepMarks:
-    """``train_step``'s marks on a distributed step: ``backward()`` returns after the TBE update
-    (marked by the collection), so what it calls the TBE's end is DDP's all-reduce wait."""
-
-    def __init__(self, timer: PhaseTimer) -> None:
-        self.timer = timer
-
-    def mark(self, phase: str) -> None:
-        """``phase`` ends now."""
-        self.timer.mark("allreduce" if phase == "tbe_backward_update" else phase)
-
-
-class CollectionMarks(Marks):
-    """The sharded collection's marks (``ShardedEmbeddingBagCollection.marks``) into ``timer``:
-    its forward's phases, and its backward's from autograd hooks."""
-
-    def __init__(self, timer: PhaseTimer) -> None:
-        self.timer = timer
-
-    def mark(self, phase: str) -> None:
-        """``phase`` ends now."""
-        self.timer.mark(phase)
-
-    def watch_backward(self, pooled: Any, out: Any) -> None:
-        """Mark, in this step's backward, the dense backward's end (the output's gradient is
-        whole: the output was made before any dense op, so autograd reaches it after all of
-        them), the pooled gradients' return to their owners (the lookup's node starts) and the
-        TBE backward with its fused update (the lookup's node ends). Hooks return None: no
-        gradient changes."""
-        if out.grad_fn is not None:
-            out.grad_fn.register_prehook(lambda _g: self.mark("dense_backward"))
-        if pooled.grad_fn is not None:
-            pooled.grad_fn.register_prehook(lambda _g: self.mark("grad_dist"))
-            pooled.grad_fn.register_hook(lambda _gi, _go: self.mark("tbe_backward_update"))
+__all__ = ["run_dist_breakdown", "attach_dist_timer", "local_lookup"]
 
 
 def check_args(cfg: Any, a: argparse.Namespace) -> None:
@@ -167,11 +132,43 @@ def _wrap_staging(model: Any, timer: PhaseTimer) -> None:
     model.stage_input_dist = staged
 
 
+def attach_dist_timer(model: Any, opt: Any, timer: PhaseTimer) -> tuple[Any, _AroundStep]:
+    """Attach ``timer`` to a distributed step from outside: the sharded collection's marks
+    (``ebc.marks``), the step's seams (``step_timing.attach_timer``; ``backward()`` returns after
+    the TBE update, marked by the collection, so what ends it is DDP's all-reduce wait,
+    ``allreduce``) and a pipeline hook around the step (``_AroundStep``). Returns the guard to
+    step with and the hook."""
+    model.ebc.marks = timer  # (it marks only while the timer is active)
+    guard = attach_timer(model, opt, timer, backward_end="allreduce")
+    return guard, _AroundStep(timer, model.comm_stats)
+
+
+class _AroundStep:
+    """Before the step: ``input_dist`` ends (from the staging's end: nothing but the call).
+    After it: a DDP comm hook's all-reduce ran inside the dense backward, so the time
+    ``CommStats`` records for it moves to ``allreduce``; the step ends."""
+
+    def __init__(self, timer: PhaseTimer, stats: Any) -> None:
+        self.timer, self.stats, self.hooked0 = timer, stats, 0.0
+
+    def before_step(self, step: int) -> None:
+        """Mark ``input_dist``; note the comm hook's time so far."""
+        self.timer.mark("input_dist")
+        self.hooked0 = self.stats.wait_s.get("allreduce_dense", 0.0)
+
+    def after_step(self, step: int, loss: Any) -> None:
+        """Move the comm hook's time to ``allreduce``; end the step."""
+        timer = self.timer
+        if timer.active:
+            moved = self.stats.wait_s.get("allreduce_dense", 0.0) - self.hooked0
+            timer.cur["dense_backward"] = timer.cur.get("dense_backward", 0.0) - moved
+            timer.cur["allreduce"] = timer.cur.get("allreduce", 0.0) + moved
+        timer.end()
+
+
 def measure_rank(cfg: Any, a: argparse.Namespace, rank: int, world: int) -> dict:
     """This rank's phase medians, step median, bytes per collective and per step, its share of
     the lookup; rank 0's also the floors (measured after the steps, alone)."""
-    from neorec.bench.step import make_batches  # (the one-process breakdown's batches)
-
     batches = make_batches(cfg, 4, a.alpha)
     b = cfg.data.batch_size // world
     model = distributed_model(cfg, resolve_plan(cfg, world))
@@ -179,26 +176,16 @@ def measure_rank(cfg: Any, a: argparse.Namespace, rank: int, world: int) -> dict
     if not hasattr(ebc, "marks"):
         raise ConfigError("bench step --breakdown --nproc: a sharded collection of fixed tables")
     opt = dense_optimizer(cfg.train, model.dense_parameters())
-    timer, guard = PhaseTimer(), LossGuard()
-    marks, ebc_marks = StepMarks(timer), CollectionMarks(timer)
+    timer = PhaseTimer()
+    guard, around = attach_dist_timer(model, opt, timer)
     _wrap_staging(model, timer)
-
-    def step(model: Any, opt: Any, batch: Batch, i: int, bf16: bool) -> torch.Tensor:
-        timer.mark("input_dist")  # (from the staging's end: nothing but the call)
-        on = timer.active
-        model.ebc.marks = ebc_marks if on else NO_MARKS
-        hooked0 = stats.wait_s.get("allreduce_dense", 0.0)
-        loss = train_step(model, opt, batch, i, bf16, guard=guard, phases=marks if on else None)
-        if on:  # a comm hook's all-reduce ran inside the dense backward: its time is allreduce
-            moved = stats.wait_s.get("allreduce_dense", 0.0) - hooked0
-            timer.cur["dense_backward"] = timer.cur.get("dense_backward", 0.0) - moved
-            timer.cur["allreduce"] = timer.cur.get("allreduce", 0.0) + moved
-        timer.end()
-        return loss
 
     local = [x.slice(rank * b, (rank + 1) * b) for x in batches]
     bf16 = bool(a.bf16 or cfg.train.bf16_dense)
-    pipe = make_pipeline(cfg.train.pipeline, model, opt, fresh_batches(local), step, bf16=bf16)
+    pipe = make_pipeline(
+        cfg.train.pipeline, model, opt, fresh_batches(local), Step(guard=guard), bf16=bf16,
+        hooks=[around],
+    )  # fmt: skip
     whole: list[float] = []
     for i in range(a.warmup + 2 * a.iters):
         timer.active = i >= a.warmup and i % 2 == 0  # phases on every other step

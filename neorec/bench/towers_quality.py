@@ -23,10 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from neorec.build import build_dlrm, build_flat_dlrm, learned_groups, tower_groups
+from neorec.build import build_dlrm, build_flat_dlrm, tower_groups
 from neorec.config import Config, load_config
 from neorec.data.synthetic import SyntheticClickData
 from neorec.metrics import binary_metrics
+from neorec.train.towers_warmup import learned_groups
 
 __all__ = ["grouped_config", "grouped_data", "adjusted_rand", "captured", "train_eval", "run"]
 

@@ -3,9 +3,10 @@
 Below this package, code receives its own config section or plain values, never the whole
 ``Config`` (``tests/test_layers.py``). ``model``: the collections' ``CollectionSpec``, the
 embedding collection and the flat model (low precision, cached, dynamic, distributed); ``plan``:
-the sharding plan; ``towers``: the DMT towers, the model flat or towered (``build_dlrm``) and the
-SPTT model; ``run``: system settings, the data source, the dense optimizer; ``schedule``: the lr
-scaling and schedule.
+the sharding plan; ``towers``: the DMT towers a config decides, the model flat or towered
+(``build_dlrm``) and the SPTT model; ``run``: system settings, the data source, the dense
+optimizer; ``schedule``: the lr scaling and schedule. The learned towers are decided by the
+trainer (``neorec.train.towers_warmup``) and passed in.
 """
 
 from neorec.build.model import (
@@ -27,13 +28,7 @@ from neorec.build.run import (
     dense_optimizer,
 )
 from neorec.build.schedule import lr_scale, lr_schedule, scaling_line
-from neorec.build.towers import (
-    build_dlrm,
-    learned_groups,
-    resolve_tower_groups,
-    tower_groups,
-    towered_model,
-)
+from neorec.build.towers import build_dlrm, tower_groups, towered_model
 
 __all__ = [
     "build_collection",
@@ -54,8 +49,6 @@ __all__ = [
     "lr_scale",
     "lr_schedule",
     "scaling_line",
-    "learned_groups",
-    "resolve_tower_groups",
     "tower_groups",
     "towered_model",
 ]

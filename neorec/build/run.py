@@ -14,7 +14,7 @@ from torch import nn
 
 from neorec.build.model import distributed_model
 from neorec.build.plan import resolve_plan
-from neorec.build.towers import build_dlrm, resolve_tower_groups, towered_model
+from neorec.build.towers import build_dlrm, tower_groups, towered_model
 from neorec.config import Config, ConfigError, SystemConfig, TrainConfig, check_trainable
 from neorec.data.sources import DataSource, make_source
 from neorec.distributed.dense_blocks import block_dense
@@ -160,13 +160,17 @@ def build_model(
     rank: int = 0,
     world: int = 1,
     ranks_per_host: int | None = None,
+    groups: list[list[str]] | None = None,
 ) -> BuiltModel:
-    """The model ``cfg`` describes on this rank of ``world``: flat or towered (towers decided
-    here: the learned partition warms up on ``source``), one process or sharded (the plan
-    resolved here, the same on every rank or an error naming the difference)."""
+    """The model ``cfg`` describes on this rank of ``world``: flat or towered (``groups``: the
+    towers' tables, decided by the caller; None: the config's own, ``tower_groups``; the
+    ``learned`` partition's come from the trainer's warm-up, ``neorec.train.towers_warmup``), one
+    process or sharded (the plan resolved here, the same on every rank or an error naming the
+    difference)."""
     if world == 1:
         check_cache_capacity(cfg, source)
-    groups = resolve_tower_groups(cfg, source, rank, world)
+    if groups is None:
+        groups = tower_groups(cfg)
     with init_progress(cfg, rank, world):
         return _build(cfg, device, groups, rank, world, ranks_per_host)
 

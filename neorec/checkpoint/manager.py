@@ -75,6 +75,7 @@ from neorec.checkpoint.restore import (
     rng_state,
     set_rng_state,
 )
+from neorec.checkpoint.stateful import Stateful, load_states, merged_state
 from neorec.checkpoint.storage import open_storage
 from neorec.checkpoint.tracker import DP, DirtyRowTracker, LocalBlock, local_blocks
 from neorec.config import CheckpointConfig
@@ -194,6 +195,12 @@ class CheckpointManager:
         self._newest: tuple[str, int] | None = None  # newest complete (name, step) we know of
         self._failed: tuple[str, int] | None = None  # the snapshot whose write failed
         self._base_cost = self._all_reduce_sum([self._block_bytes(None)])[0]
+        self.states: dict[str, Stateful] = {}
+        """Parts saved beside the model and loaded after a restore (``register``)."""
+
+    def register(self, name: str, part: Stateful) -> None:
+        """Keep ``part``'s state in every checkpoint's extra state (``checkpoint.stateful``)."""
+        self.states[name] = part
 
     # ---- helpers -------------------------------------------------------------------------
     def _take(self) -> dict[str, Tensor]:
@@ -293,8 +300,10 @@ class CheckpointManager:
         return "increment"
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> float:
-        """Checkpoint now (every rank, same step); returns the training pause in ms."""
+        """Checkpoint now (every rank, same step), with the registered parts' state and ``extra``;
+        returns the training pause in ms."""
         t0 = time.perf_counter()
+        extra = {**merged_state(self.states), **(extra or {})}
         self.wait()
         if not self._cleaned:
             if self.rank == 0:
@@ -319,7 +328,7 @@ class CheckpointManager:
         if self.dyn is not None:
             snap.meta["dynamic"] = self.dyn.snapshot(kind == "baseline")
         if self.rank == 0:
-            snap.dense = self._snap_dense(extra or {})
+            snap.dense = self._snap_dense(extra)
         self._advance(kind, name, chain, est)
         snap.pause_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.async_write:
@@ -557,7 +566,8 @@ class CheckpointManager:
         return self.restore_from(storage, name)
 
     def restore_from(self, storage: Any, name: str) -> dict[str, Any]:
-        """``restore`` of checkpoint ``name`` of ``storage`` (as ``locate`` returns them)."""
+        """``restore`` of checkpoint ``name`` of ``storage`` (as ``locate`` returns them); the
+        registered parts load its extra state last."""
         chain = load_chain(storage, name)
         last, cfg = chain[-1], self.cfg
         check_model(storage.path(name), last["model"], describe_model(self.model, self.opt))
@@ -583,4 +593,5 @@ class CheckpointManager:
             self._since_baseline = len(chain) - 1
         else:
             self._prefix = []
+        load_states(self.states, dict(dense["extra"]), storage.path(name))
         return dict(dense["extra"])

@@ -20,7 +20,6 @@ the factor is a function of the step, which checkpoints keep.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from neorec.config import ConfigError, ScheduleConfig
 from neorec.modules.collection import EmbeddingCollection
 
-__all__ = ["LrSchedule"]
+__all__ = ["LrSchedule", "ScheduleHook"]
 
 
 @dataclass(frozen=True)
@@ -84,15 +83,9 @@ class LrSchedule:
         if ebc.optimizer.lr != rows:
             ebc.set_lr(rows)
 
-    def wrap(self, step_fn: Callable[..., Any], ebc: EmbeddingCollection) -> Callable[..., Any]:
-        """``step_fn(model, opt, batch, step, ...)`` that first sets the lrs of ``step``."""
-
-        def scheduled(model: Any, opt: torch.optim.Optimizer, batch: Any, step: int, *a: Any,
-                      **kw: Any) -> Any:  # fmt: skip
-            self.apply(step, opt, ebc)
-            return step_fn(model, opt, batch, step, *a, **kw)
-
-        return scheduled
+    def hook(self, opt: torch.optim.Optimizer, ebc: EmbeddingCollection) -> ScheduleHook:
+        """A pipeline's step hook that sets both optimizers' lrs before each step."""
+        return ScheduleHook(self, opt, ebc)
 
     def check(self) -> None:
         """Refuse a schedule the run cannot follow: a decay over an unknown or too short run,
@@ -146,3 +139,20 @@ class LrSchedule:
             for k, v in now.items()
             if saved.get(k) != v and k not in skip
         ]
+
+
+@dataclass(frozen=True)
+class ScheduleHook:
+    """Sets the lrs of each train step on both optimizers before it runs (a training pipeline's
+    step hook: ``neorec.train.pipeline.StepHook``)."""
+
+    schedule: LrSchedule
+    opt: torch.optim.Optimizer
+    ebc: EmbeddingCollection
+
+    def before_step(self, step: int) -> None:
+        """Set the lrs of train step ``step``."""
+        self.schedule.apply(step, self.opt, self.ebc)
+
+    def after_step(self, step: int, loss: Any) -> None:
+        """Nothing."""

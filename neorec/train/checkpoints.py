@@ -1,9 +1,10 @@
-"""The trainer's checkpoint hooks: resume checks, periodic save, resume, and the trainer state.
+"""The trainer's checkpoint hooks: resume checks, periodic save, resume.
 
-Trainer state = step, data position (epoch, next batch index: synthetic batches are random access,
-so the position is all a reader needs), RNG states, the metric state (samples seen, recent
-losses, periodic evals), so that a resumed run prints and writes the same metrics, and the lr
-schedule's settings (its factor is a function of the step; a resume that changes them says so).
+A checkpoint keeps, beside the model, the run's ``TrainState`` (step, data position, periodic
+evals) and its ``RunProgressState`` (samples seen, recent losses, RNG states, the lr schedule's
+settings: its factor is a function of the step; a resume that changes them says so), both
+registered with the ``CheckpointManager``, so that a resumed run prints and writes the same
+metrics.
 
 ``checkpoint.resume``: ``""`` starts a new run; ``latest`` resumes the most recently written
 checkpoint under the root and is an error when there is none or it cannot be restored; ``auto``
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
 import torch.distributed as dist
 
 from neorec.checkpoint.catalog import (
@@ -40,10 +42,15 @@ from neorec.checkpoint.format import MANIFEST, CheckpointError, NoCheckpointErro
 from neorec.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from neorec.checkpoint.restore import check_model
 from neorec.checkpoint.storage import TMP_MARK, FsspecStorage, open_storage
+from neorec.config import Config
+from neorec.modules.schedule import LrSchedule
+from neorec.train.progress import Progress
 from neorec.train.runlock import held_for_us
+from neorec.train.state import TrainState
 
 __all__ = [
     "TrainerCheckpoints",
+    "RunProgressState",
     "ResumeTarget",
     "checkpoint_root",
     "preflight_resume",
@@ -54,11 +61,6 @@ __all__ = [
 def checkpoint_root(cfg: Any) -> str:
     """checkpoint.dir, or <run folder>/checkpoints (the Trainer sets train.run_dir to the run folder)."""
     return cfg.checkpoint.dir or str(Path(cfg.train.run_dir) / "checkpoints")
-
-
-def _say(trainer: Any, msg: str) -> None:
-    if trainer.rank == 0:
-        print(msg, file=trainer.out, flush=True)
 
 
 def _gather(values: list[float], world: int) -> list[list[float]]:
@@ -162,62 +164,104 @@ def preflight_resume(cfg: Any, out: TextIO | None = None, rank: int = 0) -> Resu
     return ResumeTarget(storage, name, chain[-1], which)
 
 
-class TrainerCheckpoints:
-    """Owns the CheckpointManager of a Trainer (duck-typed: cfg, model, opt, step, _epoch, ...)."""
+class RunProgressState:
+    """What a checkpoint keeps of a run besides its ``TrainState``: the progress's samples and
+    recent losses (every rank's, gathered), the RNG states and the lr schedule's settings. A
+    ``Stateful`` registered with the ``CheckpointManager``."""
 
-    def __init__(self, trainer: Any, target: ResumeTarget | None = None) -> None:
-        self.cfg = trainer.cfg
-        self.target = target
-        self.manager = CheckpointManager(
-            self.cfg.checkpoint, trainer.model, trainer.opt, checkpoint_root(self.cfg)
-        )
-        model_config = self.cfg.describe_model()["model_config"]
+    def __init__(self, progress: Progress, schedule: LrSchedule, rank: int, world: int) -> None:
+        self.progress, self.schedule, self.rank, self.world = progress, schedule, rank, world
+        self.saved_schedule: dict[str, Any] | None = None
+        """The restored checkpoint's lr schedule settings (None: none restored)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Samples, each rank's recent losses (a collective), RNG states, schedule settings."""
+        keep = max(50, self.progress.every)  # what the summary and the progress line read
+        return {
+            "samples": self.progress.samples,
+            "losses": _gather(self.progress.losses[-keep:], self.world),
+            "rng": rng_state(),
+            "lr_schedule": self.schedule.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the progress and the RNG states of a checkpoint."""
+        samples, per_rank, rng = int(state["samples"]), state["losses"], state["rng"]
+        # losses are of each rank's own samples: take this rank's (rank 0's under another world)
+        mine = per_rank[self.rank] if len(per_rank) == self.world else per_rank[0]
+        losses = [float(x) for x in mine]
+        self.progress.samples, self.progress.losses = samples, losses
+        set_rng_state(rng)
+        saved = state.get("lr_schedule")
+        self.saved_schedule = saved if isinstance(saved, dict) else None
+
+
+class TrainerCheckpoints:
+    """Check-N-Run for a run: the ``CheckpointManager`` of its model and dense optimizer, with
+    the run's ``TrainState`` and progress registered; resume and periodic save."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: Any,
+        opt: torch.optim.Optimizer,
+        state: TrainState,
+        run: RunProgressState,
+        out: TextIO,
+        target: ResumeTarget | None = None,
+    ) -> None:
+        self.cfg, self.state, self.run, self.out, self.target = cfg, state, run, out, target
+        self.manager = CheckpointManager(cfg.checkpoint, model, opt, checkpoint_root(cfg))
+        model_config = cfg.describe_model()["model_config"]
         self.manager.extra_description = {"model_config": model_config}
-        if target is None and self.cfg.checkpoint.every_steps and trainer.rank == 0:
-            self._note_other_runs(trainer)
+        self.manager.register("trainer", state)
+        self.manager.register("progress", run)
+        if target is None and cfg.checkpoint.every_steps:
+            self._note_other_runs()
 
     @classmethod
-    def create(cls, trainer: Any, target: ResumeTarget | None = None) -> TrainerCheckpoints | None:
+    def create(
+        cls,
+        cfg: Config,
+        model: Any,
+        opt: torch.optim.Optimizer,
+        state: TrainState,
+        run: RunProgressState,
+        out: TextIO,
+        target: ResumeTarget | None = None,
+    ) -> TrainerCheckpoints | None:
         """Hooks when the config checkpoints or resumes, else None."""
-        c = trainer.cfg.checkpoint
-        return cls(trainer, target) if c.every_steps or target is not None else None
+        c = cfg.checkpoint
+        if not c.every_steps and target is None:
+            return None
+        return cls(cfg, model, opt, state, run, out, target)
 
-    def _note_other_runs(self, trainer: Any) -> None:
+    def _say(self, msg: str) -> None:
+        if self.run.rank == 0:
+            print(msg, file=self.out, flush=True)
+
+    def _note_other_runs(self) -> None:
         """One line when a new run writes into a root that holds earlier runs' checkpoints."""
+        if self.run.rank != 0:
+            return
         entries = scan(self.manager.storage)
         if not entries:
             return
         done = [e.manifest for e in entries if e.manifest is not None]
         latest = max(done, key=lambda m: (m["seq"], m["created"]), default=None)
         at = f" (latest: {latest['name']}, step {latest['step']})" if latest else ""
-        _say(
-            trainer,
+        self._say(
             f"checkpoints: {self.manager.storage.url} already holds {len(entries)} checkpoint "
             f"directories of earlier runs{at}; this new run keeps them and writes its own "
             f"(--resume latest would continue the latest instead)",
         )
 
-    def resume(self, trainer: Any, progress: Any) -> list[dict[str, Any]]:
-        """Restore model + trainer state from the resume target; returns the evals so far."""
+    def resume(self) -> None:
+        """Restore the model, the ``TrainState`` and the progress from the resume target."""
         t = self.target
         if t is None:
-            return []
-        extra = self.manager.restore_from(t.storage, t.name)
-        try:
-            trainer.step = int(extra["step"])
-            trainer._epoch, trainer._next_batch = int(extra["epoch"]), int(extra["next_batch"])
-            samples, per_rank, rng = int(extra["samples"]), extra["losses"], extra["rng"]
-            evals = [dict(e) for e in extra["evals"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"{t.path}: no trainer state ({type(e).__name__}: {e}); it was not written by "
-                f"neorec train: restore it with the CheckpointManager API"
-            ) from None
-        progress.samples = samples
-        # losses are of each rank's own samples: take this rank's (rank 0's under another world)
-        mine = per_rank[trainer.rank] if len(per_rank) == trainer.world else per_rank[0]
-        progress.losses = [float(x) for x in mine]
-        set_rng_state(rng)
+            return
+        self.manager.restore_from(t.storage, t.name)
         unfinished = [
             e.name for e in scan(t.storage) if e.status == "incomplete" and e.name > t.name
         ]
@@ -226,34 +270,20 @@ class TrainerCheckpoints:
         )
         if note and self.cfg.checkpoint.every_steps:
             note += " (removed at this run's first checkpoint)"
-        _say(trainer, f"resumed from step {trainer.step} ({t.which}: {t.path}){note}")
-        saved = extra.get("lr_schedule")
-        changed = trainer.schedule.differences(saved) if isinstance(saved, dict) else []
+        step = self.state.step
+        self._say(f"resumed from step {step} ({t.which}: {t.path}){note}")
+        saved = self.run.saved_schedule
+        changed = self.run.schedule.differences(saved) if saved is not None else []
         if changed:  # the lr is a function of the step: the same settings resume it exactly
-            _say(
-                trainer,
+            self._say(
                 f"resume: the lr schedule differs from the checkpoint's ({'; '.join(changed)}): "
-                f"steps from {trainer.step + 1} on follow this run's",
+                f"steps from {step + 1} on follow this run's",
             )
-        return evals
 
-    def after_step(self, trainer: Any, progress: Any, evals: list[dict[str, Any]]) -> None:
+    def after_step(self) -> None:
         """Checkpoint when the step is a multiple of checkpoint.every_steps."""
-        every = self.cfg.checkpoint.every_steps
-        if not every or trainer.step % every:
-            return
-        keep = max(50, progress.every)  # what the summary and the progress line read
-        extra = {
-            "step": trainer.step,
-            "epoch": trainer._epoch,
-            "next_batch": trainer._next_batch,
-            "samples": progress.samples,
-            "losses": _gather(progress.losses[-keep:], trainer.world),
-            "evals": evals,
-            "rng": rng_state(),
-            "lr_schedule": trainer.schedule.state_dict(),
-        }
-        self.manager.save(trainer.step, extra)
+        if self.state.due(self.cfg.checkpoint.every_steps):
+            self.manager.save(self.state.step)
 
     def close(self) -> None:
         """Wait for the last background write."""

@@ -160,10 +160,11 @@ def train_student(
     """One student over the windows: ``(model, per-window eval NE of the serving head, per-window
     NE of the stale FM logits it read (NaN where none))``; ``log(line)`` per window if given.
     Steps without distillation (``alone``, windows w < k) compute their BCE by the distilled
-    steps' C kernel (``fused_bce``, ``train_step``), so every setup has the same loss path."""
+    steps' C kernel (``fused_bce``: ``neorec.train.losses.FusedBce``), so every setup has the same loss path."""
     from neorec.build import data_source
     from neorec.data.stream import read_fm_logits
     from neorec.metrics import binary_metrics
+    from neorec.train.losses import make_loss
     from neorec.train.steps import evaluate, train_step
 
     model, opt = student_model(cfg)
@@ -178,10 +179,10 @@ def train_student(
         cfg_w = window_cfg(cfg, w, **data)
         src = data_source(cfg_w)
         batches = list(src.train_batches())  # generated before the clock starts
-        distill = cfg.distill if distilled else None
+        loss_fn = make_loss(cfg.distill if distilled else None, fused_bce)
         for batch in batches:
             step += 1
-            train_step(model, opt, batch, step, distill=distill, fused_bce=fused_bce)
+            train_step(model, opt, batch, step, loss_fn=loss_fn)
         nes.append(evaluate(model, src.eval_batches())["ne"])
         fm_ne = float("nan")
         if distilled:

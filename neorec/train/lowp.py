@@ -9,14 +9,14 @@ Several ranks run rank 0's plan (broadcast), so every replica computes alike.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from neorec.config import Config
 from neorec.distributed.sharded import ShardedEmbeddingBagCollection
 from neorec.lowp.dispatch import Dispatcher
 from neorec.lowp.report import format_table, report_json
@@ -38,21 +38,20 @@ def _any_rank(flag: bool) -> bool:
 
 
 class TrainerLowp:
-    """Owns the Dispatcher of a Trainer (duck-typed: cfg, model, rank, world, out)."""
+    """The Dispatcher of a run's ``model`` (``rank`` of ``world``; rank 0 prints to ``out``): a
+    pipeline's step hook (``neorec.train.pipeline.StepHook``)."""
 
-    def __init__(self, trainer: Any) -> None:
-        cfg = trainer.cfg
+    def __init__(self, cfg: Config, model: Any, out: TextIO, rank: int = 0, world: int = 1) -> None:
         lp = cfg.lowp
-        model = trainer.model
         ebc = model.ebc
         weights = None
-        if trainer.world == 1:  # (sharded: table_weight would be a collective)
+        if world == 1:  # (sharded: table_weight would be a collective)
             names = [t.name for t in cfg.embedding.tables]
 
             def weights() -> dict[str, Any]:
                 return {n: ebc.table_weight(n) for n in names}
 
-        several = trainer.world > 1
+        several = world > 1
         wire = None
         sharded = ebc
         if (
@@ -71,7 +70,7 @@ class TrainerLowp:
 
         self.disp = Dispatcher(
             model.dense_arch,
-            max(1, cfg.data.batch_size // trainer.world),
+            max(1, cfg.data.batch_size // world),
             mode=lp.mode,
             tolerance=lp.tolerance,
             probe_steps=lp.probe_steps,
@@ -84,32 +83,22 @@ class TrainerLowp:
             any_rank=_any_rank if several else None,
             wire=wire,
         )
-        self.rank, self.out = trainer.rank, trainer.out
+        self.rank, self.out = rank, out
         self.run_dir = Path(cfg.train.run_dir)
         self._index = 0
 
     @classmethod
-    def create(cls, trainer: Any) -> TrainerLowp | None:
-        """Hooks when ``lowp.mode`` is not ``off``."""
-        lp = getattr(trainer.cfg, "lowp", None)
-        return cls(trainer) if lp is not None and lp.mode != "off" else None
+    def create(
+        cls, cfg: Config, model: Any, out: TextIO, rank: int = 0, world: int = 1
+    ) -> TrainerLowp | None:
+        """The hooks when ``lowp.mode`` is not ``off``."""
+        return cls(cfg, model, out, rank, world) if cfg.lowp.mode != "off" else None
 
-    def wrap(self, step_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        """``step_fn`` (the trainer's train_step) with the dispatch hooks around it."""
-
-        def stepped(*args: Any, **kwargs: Any) -> Tensor:
-            self.before_step()
-            loss = step_fn(*args, **kwargs)
-            self.after_step()
-            return loss
-
-        return stepped
-
-    def before_step(self) -> None:
-        """Before a step's forward."""
+    def before_step(self, step: int) -> None:
+        """Before a step's forward (the dispatcher counts this process's steps)."""
         self.disp.before_step(self._index)
 
-    def after_step(self) -> None:
+    def after_step(self, step: int, loss: Tensor) -> None:
         """After a step's backward and optimizer step."""
         first = not self.disp.decisions
         self.disp.after_step(self._index)

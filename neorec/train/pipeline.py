@@ -38,10 +38,10 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -49,10 +49,29 @@ from torch import Tensor
 from neorec.data.batch import Batch
 from neorec.sparse import SparseFeatures
 
-__all__ = ["StepFn", "StepOutput", "TrainPipeline", "OverlappedTrainPipeline", "make_pipeline"]
+__all__ = [
+    "StepFn",
+    "StepHook",
+    "StepOutput",
+    "TrainPipeline",
+    "OverlappedTrainPipeline",
+    "make_pipeline",
+]
 
 StepFn = Callable[[Any, torch.optim.Optimizer, Batch, int, bool], Tensor]
 """``(model, optimizer, batch, step, bf16) -> loss``: one forward/backward/update (train_step)."""
+
+
+class StepHook(Protocol):
+    """Runs around each step of a pipeline, right before and after ``step_fn`` (the batch is
+    staged): the lr schedule, LoKA's dispatch, a benchmark's timer. A pipeline calls the hooks'
+    ``before_step`` in order and their ``after_step`` in reverse order, as nested wrappers."""
+
+    def before_step(self, step: int) -> None:
+        """Before train step ``step`` (1-based)."""
+
+    def after_step(self, step: int, loss: Tensor) -> None:
+        """After train step ``step`` returned ``loss``."""
 
 
 @dataclass
@@ -115,8 +134,10 @@ class TrainPipeline:
         *,
         bf16: bool = False,
         device: torch.device | str | None = None,
+        hooks: Sequence[StepHook] = (),
     ) -> None:
         self.model, self.opt, self.step_fn, self.bf16 = model, opt, step_fn, bf16
+        self.hooks = list(hooks)
         self.batches: Iterator[Batch] = iter(batches)
         self.device = torch.device(device) if device is not None else None
         self.times = PipelineTimes()
@@ -129,9 +150,18 @@ class TrainPipeline:
         if batch is None:
             return None
         batch = self._stage_now(batch)
-        loss = self.step_fn(self.model, self.opt, batch, step, self.bf16)
+        loss = self._step(batch, step)
         self.times.add(time.perf_counter() - t0)
         return StepOutput(loss, batch)
+
+    def _step(self, batch: Batch, step: int) -> Tensor:
+        """``step_fn`` on a staged batch, between the hooks."""
+        for hook in self.hooks:
+            hook.before_step(step)
+        loss = self.step_fn(self.model, self.opt, batch, step, self.bf16)
+        for hook in reversed(self.hooks):
+            hook.after_step(step, loss)
+        return loss
 
     def _stage_now(self, host: Batch) -> Batch:
         """The batch on the device, its input distribution prepared from the host copy."""
@@ -155,9 +185,10 @@ class OverlappedTrainPipeline(TrainPipeline):
         *,
         bf16: bool = False,
         device: torch.device | str | None = None,
+        hooks: Sequence[StepHook] = (),
         depth: int = 1,
     ) -> None:
-        super().__init__(model, opt, batches, step_fn, bf16=bf16, device=device)
+        super().__init__(model, opt, batches, step_fn, bf16=bf16, device=device, hooks=hooks)
         self._loader = _Loader(self.batches, depth)
         self._next: Batch | None = None
         self._started = False
@@ -174,7 +205,7 @@ class OverlappedTrainPipeline(TrainPipeline):
             return None
         self._wait_side_stream(batch)
         self._next = self._stage()
-        loss = self.step_fn(self.model, self.opt, batch, step, self.bf16)
+        loss = self._step(batch, step)
         self.times.add(time.perf_counter() - t0)
         return StepOutput(loss, batch)
 
@@ -292,10 +323,12 @@ def make_pipeline(
     *,
     bf16: bool = False,
     device: torch.device | str | None = None,
+    hooks: Sequence[StepHook] = (),
 ) -> TrainPipeline:
-    """``overlapped`` or ``sequential`` (``train.pipeline``)."""
+    """``overlapped`` or ``sequential`` (``train.pipeline``), running ``hooks`` around each step."""
+    kw: dict[str, Any] = {"bf16": bf16, "device": device, "hooks": hooks}
     if kind == "sequential":
-        return TrainPipeline(model, opt, batches, step_fn, bf16=bf16, device=device)
+        return TrainPipeline(model, opt, batches, step_fn, **kw)
     if kind == "overlapped":
-        return OverlappedTrainPipeline(model, opt, batches, step_fn, bf16=bf16, device=device)
+        return OverlappedTrainPipeline(model, opt, batches, step_fn, **kw)
     raise ValueError(f"unknown pipeline '{kind}': overlapped or sequential")

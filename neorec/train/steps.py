@@ -1,33 +1,32 @@
 """One training step and evaluation of any model with the DLRM interface (unsharded, sharded,
-towered): the dense optimizer, the loss over the dense blocks, the NaN guard, predictions."""
+towered): forward, loss (``neorec.train.losses``), backward, the dense optimizer; the NaN guard;
+predictions."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neorec.config import DistillConfig
 from neorec.data.batch import Batch
 from neorec.distributed.comm import CommStats
 from neorec.distributed.dense_blocks import blocks_of, per_block
 from neorec.errors import NeorecError
 from neorec.modules.collection import EmbeddingCollection
-from neorec.modules.dlrm import emit_hidden
 from neorec.sparse import SparseFeatures
-from neorec.train.distill import distill_arch, distill_loss, serving_bce
+from neorec.train.losses import BCE, StepLoss
 from neorec.train.metrics import MetricState
 
 __all__ = [
     "TrainingDiverged",
     "LossGuard",
     "RecModel",
-    "StepMarks",
+    "Step",
     "train_step",
     "predict",
     "evaluate",
@@ -113,80 +112,42 @@ def train_step(
     batch: Batch,
     step: int,
     bf16: bool = False,
-    distill: DistillConfig | None = None,
     guard: LossGuard | None = None,
-    fused_bce: bool = False,
-    phases: StepMarks | None = None,
+    loss_fn: StepLoss = BCE,
 ) -> Tensor:
-    """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step.
+    """Forward, loss, backward (the fused embedding update runs inside), dense optimizer step;
+    returns the step's reported loss.
 
-    With ``distill`` enabled (an ExFM student, ``neorec.train.distill``) the loss also learns
-    from the batch's FM logits; the returned loss is still the serving head's true-label BCE.
-    A non-finite loss is refused before backward (one host read per step), or with ``guard``
-    recorded on the device for a later ``guard.check()`` (no host read: the trainer's path).
-    ``fused_bce``: without distillation, the BCE by the ExFM loss kernel where it applies
-    (``neorec.train.distill.serving_bce``: a distilled step's kernel, so an ExFM student
-    trained alone is timed and trained on the same loss engineering).
-    ``phases``: marks the end of each phase of the step (``neorec bench step --breakdown``);
-    None (the trainer's path) costs one test per phase and changes nothing."""
-    ctx = _autocast(batch.dense.device) if bf16 else nullcontext()
-    on = distill is not None and distill.enabled
-    hidden: Tensor | None = None
-    out: Tensor | None = None
-    with ctx:
-        if on and distill is not None and distill.uses_hidden:
-            arch = distill_arch(model)
-            with emit_hidden(arch) if arch is not None else nullcontext():
-                out = model(batch.dense, batch.sparse)
-            if out.dim() == 2:  # [b, 1 + H]: the serving logit, then the penultimate layer
-                logits, hidden = out[:, 0], out[:, 1:]
-            else:
-                logits, out = out, None
-        else:
-            logits = model(batch.dense, batch.sparse)
-    _mark(phases, "dense_forward")
-    if on and distill is not None:
-        losses = distill_loss(model, batch, logits.float(), hidden, distill, out=out)
-        loss, value = losses.total, losses.serving
-    elif fused_bce and (fused := serving_bce(logits.float(), batch.labels)) is not None:
-        loss = fused
-        value = loss.detach()
-    else:
-        # The mean over the batch, as the mean of the dense blocks' means (the same number:
-        # blocks are equal): each sample's loss gradient then comes from a tensor of the block's
-        # size.
-        parts = per_block(
-            F.binary_cross_entropy_with_logits, blocks_of(model), logits.float(), batch.labels
-        )
-        loss = parts[0] if len(parts) == 1 else torch.stack(parts).mean()
-        value = loss.detach()
+    ``loss_fn`` (``neorec.train.losses``) runs the forward and computes the loss: the plain
+    BCE, the fused BCE, or an ExFM student's losses (reporting the serving head's BCE). A
+    non-finite loss is refused before backward (one host read per step), or with ``guard``
+    recorded on the device for a later ``guard.check()`` (no host read: the trainer's path)."""
+    with _autocast(batch.dense.device) if bf16 else nullcontext():
+        out = loss_fn.forward(model, batch)
+    loss, value = loss_fn(model, batch, out)
     if guard is not None:
         guard.record(loss, step)
-    else:
-        # note: a host sync; refusing a non-finite loss before backward keeps the tables clean.
-        total = float(loss.detach())
-        if not math.isfinite(total):
-            raise _diverged(total, step)
-    _mark(phases, "loss")
+    elif not math.isfinite(total := float(loss.detach())):  # a host sync: the tables stay clean
+        raise _diverged(total, step)
     opt.zero_grad(set_to_none=True)
-    _mark(phases, "dense_optimizer")
     loss.backward()  # the embeddings' backward (and fused update) runs last, inside
-    _mark(phases, "tbe_backward_update")
     opt.step()
-    _mark(phases, "dense_optimizer")
     return value
 
 
-class StepMarks(Protocol):
-    """Receives the end of each phase of a step (a benchmark's timer)."""
+@dataclass
+class Step:
+    """``train_step`` with the loss and the NaN guard of a run, chosen once: a pipeline's step
+    function ``(model, opt, batch, step, bf16) -> loss``."""
 
-    def mark(self, phase: str) -> None:
-        """The phase named ``phase`` ends now."""
+    loss_fn: StepLoss = BCE
+    guard: LossGuard | None = None
 
-
-def _mark(phases: StepMarks | None, phase: str) -> None:
-    if phases is not None:
-        phases.mark(phase)
+    def __call__(
+        self, model: RecModel, opt: torch.optim.Optimizer, batch: Batch, step: int, bf16: bool
+    ) -> Tensor:
+        """One step (``train_step``)."""
+        return train_step(model, opt, batch, step, bf16, self.guard, self.loss_fn)
 
 
 def _autocast(device: torch.device) -> Any:

@@ -18,6 +18,7 @@ from neorec.config import Config
 from neorec.train.pipeline import PipelineTimes
 from neorec.train.progress import Progress
 from neorec.train.runs import RunFolder, RunLog, run_info, utc_now
+from neorec.train.state import TrainState
 from neorec.train.steps import RecModel
 
 __all__ = ["RunSummary"]
@@ -48,7 +49,7 @@ class RunSummary:
     tb: Any
     world: int
     rank: int
-    step: int
+    state: TrainState
     out: TextIO
     run: RunFolder
     runlog: RunLog | None
@@ -99,7 +100,7 @@ class RunSummary:
             **({"model": str(md)} if (md := getattr(self, "model_dir", None)) else {}),
             **({"towers": {"groups": self.tower_groups}} if self.tower_groups else {}),
             "train": {
-                "steps": self.step,
+                "steps": self.state.step,
                 "resumed_at_step": first_step,
                 "samples": progress.samples,
                 "seconds": round(train_s, 3),

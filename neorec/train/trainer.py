@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import os
 import shutil
@@ -28,19 +26,26 @@ from neorec.build import (
     lr_schedule,
     scaling_line,
 )
+from neorec.build.run import check_cache_capacity
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 from neorec.data.sources import DataSource
 from neorec.distributed.comm import rank_device
 from neorec.errors import NeorecError
 from neorec.metrics import binary_metrics
-from neorec.train.metrics import DynamicLine, dynamic_counters, dynamic_fields
-from neorec.train.pipeline import make_pipeline
+from neorec.train.checkpoints import RunProgressState, TrainerCheckpoints, preflight_resume
+from neorec.train.events import EventLog
+from neorec.train.losses import make_loss
+from neorec.train.lowp import TrainerLowp
+from neorec.train.metrics import DynamicLine, dynamic_counters
+from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of
-from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
+from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run
+from neorec.train.state import TrainState
 from neorec.train.steps import (
     LossGuard,
     RecModel,
+    Step,
     TrainingDiverged,
     evaluate,
     predict,
@@ -48,6 +53,7 @@ from neorec.train.steps import (
 )
 from neorec.train.summary import RunSummary
 from neorec.train.tb import TBWriter, tensorboard_wanted
+from neorec.train.towers_warmup import resolve_tower_groups
 
 __all__ = [
     "TrainingDiverged",
@@ -119,12 +125,11 @@ class Trainer(RunSummary):
         self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
         # The data's checks (paths, splits, table sizes) come before the tables are built.
         self.source = data_source(cfg)
-        from neorec.train.checkpoints import TrainerCheckpoints, preflight_resume
-
         # So does the checkpoint to resume: found, its chain read, its model compared with cfg.
         resume = preflight_resume(cfg, self.out, self.rank)
-        self._resumed_step = None if resume is None else int(resume.manifest["step"])
-        total, at = self.total_steps(), self._resumed_step
+        at = None if resume is None else int(resume.manifest["step"])
+        self.state = TrainState(resumed_step=at)
+        total = self.total_steps()
         if resume is not None and at is not None and total is not None and at > total:
             raise ConfigError(
                 f"the checkpoint to resume ({resume.path}) is at step {at}, past this run's "
@@ -136,20 +141,34 @@ class Trainer(RunSummary):
         self.tower_groups: list[list[str]] | None = None
         self.model = model if model is not None else self._build_model()
         self.opt = dense_optimizer(cfg.train, self.model.dense_parameters())
-        self.step = 0
         fail = cfg.system.fail_rank_step  # fault injection for tests
         self._fail_at = fail[1] if fail is not None and fail[0] == self.rank else -1
-        self._epoch = self._next_batch = 0  # data position: the next batch to read (checkpointed)
-        self.ckpt = TrainerCheckpoints.create(self, resume)
-        self.eval_every = every_of(
-            cfg.train.eval_every, cfg.train.eval_fraction, self.total_steps()
+        t = cfg.train
+        self.progress = Progress(
+            total, max(1, t.log_every), self.out, t.progress and self.rank == 0
         )
-        self._window: dict[str, float] = {}
+        run = RunProgressState(self.progress, self.schedule, self.rank, self.world)
+        self.ckpt = TrainerCheckpoints.create(
+            cfg, self.model, self.opt, self.state, run, self.out, resume
+        )
+        self.eval_every = every_of(t.eval_every, t.eval_fraction, total)
+        # A periodic eval at the last step of the eval_fraction schedule is the final eval.
+        self._skip_eval_at = total if not t.eval_every else None
         self._eval_s = 0.0  # seconds of the periodic evals (inside the train time)
+        self.guard = LossGuard()  # the NaN guard, read at log intervals (no host sync per step)
+        self.lowp: TrainerLowp | None = None
+        self.events = EventLog(
+            self.state, self.model, self.opt, self.world, eval_batches=t.eval_batches
+        )
 
     def _build_model(self) -> RecModel:
+        """The run's model, its towers decided first (the learned partition warms up here)."""
+        cfg, rank, world = self.cfg, self.rank, self.world
+        if world == 1 and cfg.towers.enabled and cfg.towers.method == "learned":
+            check_cache_capacity(cfg, self.source)  # before the warm-up's work
+        groups = resolve_tower_groups(cfg, self.source, rank, world)
         built = build_model(
-            self.cfg, self.source, self.device, self.rank, self.world, self._host_ranks
+            cfg, self.source, self.device, rank, world, self._host_ranks, groups=groups
         )
         self.tower_groups, self.plan = built.tower_groups, built.plan
         plan = built.plan
@@ -187,7 +206,7 @@ class Trainer(RunSummary):
     def batches(self) -> Iterator[Batch]:
         """Train batches over epochs, stopping at train.steps if set (advances the position)."""
         for batch, position in self.positioned_batches():
-            self._epoch, self._next_batch = position
+            self.state.epoch, self.state.next_batch = position
             yield batch
 
     def positioned_batches(self) -> Iterator[tuple[Batch, tuple[int, int]]]:
@@ -197,8 +216,8 @@ class Trainer(RunSummary):
         run it ahead of training; the trainer moves its position when a batch is trained on.
         """
         limit = self.cfg.train.steps
-        left = max(0, limit - self.step) if limit else -1
-        epoch, start = self._epoch, self._next_batch
+        left = max(0, limit - self.state.step) if limit else -1
+        epoch, start = self.state.position
         while left != 0 and (limit or epoch < self.cfg.train.epochs):
             produced = 0
             set_epoch = getattr(self.source, "set_epoch", None)
@@ -233,17 +252,18 @@ class Trainer(RunSummary):
         """Rank 0: the run folder's files, ``latest``, and the banner."""
         if self.rank != 0 or self.tee is None:
             return
+        resumed = self.state.resumed_step
         self.runlog = RunLog(self.run, self.tee)
-        self.runlog.open(self._config_record(), self._resumed_step)
+        self.runlog.open(self._config_record(), resumed)
         if self._tb_wanted:
-            resumed = self._resumed_step
             self.tb = TBWriter(self.run.path, None if resumed is None else resumed + 1)
+        self.events.runlog, self.events.tb = self.runlog, self.tb
         if self.cfg.train.progress:
             dense = sum(p.numel() for p in self.model.dense_parameters())
             text = banner(
                 self.cfg,
                 folder=str(self.run.path),
-                resumed=self._resumed_step is not None,
+                resumed=resumed is not None,
                 world=self.world,
                 dense_params=dense,
                 total_steps=total,
@@ -265,7 +285,7 @@ class Trainer(RunSummary):
             return self._fit()
         except BaseException as e:
             if self.tee is not None:  # train.log says how it ended (the terminal got the error)
-                self.tee.log_only(f"stopped at step {self.step}: {type(e).__name__}: {e}\n")
+                self.tee.log_only(f"stopped at step {self.state.step}: {type(e).__name__}: {e}\n")
             raise
         finally:
             if self.runlog is not None:
@@ -274,82 +294,20 @@ class Trainer(RunSummary):
                 self.tb.close()
 
     def _fit(self) -> dict[str, Any]:
-        cfg = self.cfg
-        total = self.total_steps()
-        progress = Progress(
-            total,
-            max(1, cfg.train.log_every),
-            self.out,
-            cfg.train.progress and self.rank == 0,
-        )
-        self._open_run(total)
-        evals = self.ckpt.resume(self, progress) if self.ckpt is not None else []
+        self._open_run(self.total_steps())
+        if self.ckpt is not None:
+            self.ckpt.resume()
         if dynamic_counters(self.model.ebc):  # dynamic tables: their counters in the progress
-            progress.extra = DynamicLine(self.model.ebc)
-        first_step = self.step
-        # A periodic eval at the last step of the eval_fraction schedule is the final eval.
-        skip_last = total if not cfg.train.eval_every else None
-        progress.begin(self.step)
-        t0 = progress.start
+            self.progress.extra = DynamicLine(self.model.ebc)
+        first_step = self.state.step
+        self.progress.begin(first_step)
+        t0 = self.progress.start
         positions: deque[tuple[int, int]] = deque()
-        from neorec.train.lowp import TrainerLowp
-
-        self.lowp = TrainerLowp.create(self)
-        step_fn: Any = train_step
-        if cfg.distill.enabled:  # an ExFM student: the FM's logits come with the batches
-            step_fn = functools.partial(train_step, distill=cfg.distill)
-        self.guard = LossGuard()  # the NaN guard, read at log intervals (no host sync per step)
-        if "guard" in inspect.signature(step_fn).parameters:  # (a custom step checks itself)
-            step_fn = functools.partial(step_fn, guard=self.guard)
-        step_fn = step_fn if self.lowp is None else self.lowp.wrap(step_fn)
-        if cfg.train.schedule.active or cfg.train.lr_scaling != "none":
-            step_fn = self.schedule.wrap(step_fn, self.model.ebc)  # both lrs, before each step
-        pipe = make_pipeline(
-            cfg.train.pipeline,
-            self.model,
-            self.opt,
-            self._feed(positions),
-            step_fn,
-            bf16=cfg.train.bf16_dense,
-            device=self.device,
-        )
-        self._window = self._counters()
+        self.lowp = TrainerLowp.create(self.cfg, self.model, self.out, self.rank, self.world)
+        pipe = self._pipeline(positions)
+        self.events.start_window()
         try:
-            while True:
-                if self.step + 1 == self._fail_at:
-                    if self.cfg.system.fail_at.endswith(":kill"):
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    raise RuntimeError(
-                        f"injected failure on rank {self.rank} at step {self._fail_at}"
-                    )
-                try:
-                    out = pipe.progress(self.step + 1)
-                except NeorecError:
-                    self.guard.check()  # a failed step after a non-finite loss: that is the cause
-                    raise
-                if out is None:
-                    break
-                self.step += 1
-                self._epoch, self._next_batch = positions.popleft()
-                logged = progress.update(self.step, out.batch.size * self.world, out.loss)
-                ev, every = None, cfg.checkpoint.every_steps if self.ckpt is not None else 0
-                # The NaN guard's host read: at log lines, and before any eval or checkpoint.
-                if logged is not None or self._due(self.eval_every) or self._due(every):
-                    self.guard.check()
-                if self.eval_every and self.step % self.eval_every == 0 and self.step != skip_last:
-                    te, c0 = time.perf_counter(), self._counters()
-                    ev = {"step": self.step, **self.evaluate(periodic=True)}
-                    self._eval_s += time.perf_counter() - te
-                    c1 = self._counters()  # the eval's traffic and cache use are not training's
-                    for k in ("bytes", "wait_s", "hits", "misses"):
-                        if k in c1:
-                            self._window[k] = self._window.get(k, 0.0) + c1[k] - c0[k]
-                    evals.append(ev)
-                    self._print_eval(ev)
-                if logged is not None or ev is not None:
-                    self._event(logged, ev)
-                if self.ckpt is not None:
-                    self.ckpt.after_step(self, progress, evals)
+            self._train(pipe, positions)
         except BaseException:
             # Ctrl-C or an error: an in-flight checkpoint write commits (one process) or is left
             # unfinished (never visible as a checkpoint); the exception itself propagates.
@@ -357,7 +315,7 @@ class Trainer(RunSummary):
                 self.ckpt.abandon(self.world)
             raise
         finally:
-            progress.close()
+            self.progress.close()
             pipe.close()
             if self.lowp is not None:
                 self.lowp.close()  # the probe's table and lowp.json; every site back to fp32
@@ -368,12 +326,76 @@ class Trainer(RunSummary):
             self.ckpt.close()
         train_s = time.perf_counter() - t0
         final = self.evaluate()
-        self._event(None, {"step": self.step, **final}, final=True)
+        self.events.event(None, {"step": self.state.step, **final}, final=True)
         self.finish_model()
-        return self.summarize(final, evals, progress, train_s, first_step)
+        return self.summarize(final, self.state.evals, self.progress, train_s, first_step)
 
-    def _due(self, every: int) -> bool:
-        return bool(every) and self.step % every == 0
+    def _pipeline(self, positions: deque[tuple[int, int]]) -> TrainPipeline:
+        """The run's pipeline: its step (the run's loss, the NaN guard) between its hooks (the
+        lr schedule, LoKA's dispatch), over this rank's batches."""
+        cfg = self.cfg
+        hooks: list[StepHook] = []
+        if cfg.train.schedule.active or cfg.train.lr_scaling != "none":
+            hooks.append(self.schedule.hook(self.opt, self.model.ebc))  # both lrs, before a step
+        if self.lowp is not None:
+            hooks.append(self.lowp)
+        return make_pipeline(
+            cfg.train.pipeline,
+            self.model,
+            self.opt,
+            self._feed(positions),
+            Step(make_loss(cfg.distill), self.guard),
+            bf16=cfg.train.bf16_dense,
+            device=self.device,
+            hooks=hooks,
+        )
+
+    def _train(self, pipe: TrainPipeline, positions: deque[tuple[int, int]]) -> None:
+        """Train until the batches end; after each step, its bookkeeping (``_after_step``)."""
+        while True:
+            self._inject_failure()
+            try:
+                out = pipe.progress(self.state.step + 1)
+            except NeorecError:
+                self.guard.check()  # a failed step after a non-finite loss: that is the cause
+                raise
+            if out is None:
+                return
+            self.state.advance(positions.popleft())
+            self._after_step(out)
+
+    def _inject_failure(self) -> None:
+        """``system.fail_at`` (tests): fail, or be killed, before this rank's step."""
+        if self.state.step + 1 == self._fail_at:
+            if self.cfg.system.fail_at.endswith(":kill"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self._fail_at}")
+
+    def _after_step(self, out: StepOutput) -> None:
+        """A finished step's progress, the NaN guard's read, periodic eval, events, checkpoint."""
+        st = self.state
+        logged = self.progress.update(st.step, out.batch.size * self.world, out.loss)
+        every = self.cfg.checkpoint.every_steps if self.ckpt is not None else 0
+        # The NaN guard's host read: at log lines, and before any eval or checkpoint.
+        if logged is not None or st.due(self.eval_every) or st.due(every):
+            self.guard.check()
+        ev = None
+        if st.due(self.eval_every) and st.step != self._skip_eval_at:
+            ev = self._periodic_eval()
+        if logged is not None or ev is not None:
+            self.events.event(logged, ev)
+        if self.ckpt is not None:
+            self.ckpt.after_step()
+
+    def _periodic_eval(self) -> dict[str, Any]:
+        """An eval over the first ``train.eval_batches`` batches, kept in the state's evals."""
+        te, before = time.perf_counter(), self.events.counters()
+        ev = {"step": self.state.step, **self.evaluate(periodic=True)}
+        self._eval_s += time.perf_counter() - te
+        self.events.exclude_since(before)  # the eval's traffic and cache use are not training's
+        self.state.evals.append(ev)
+        self._print_eval(ev)
+        return ev
 
     def finish_model(self) -> None:
         """At the end of training (every rank; after the final eval, before metrics.json): save
@@ -391,7 +413,7 @@ class Trainer(RunSummary):
             shutil.rmtree(fresh)  # a swap that never happened
         if self.world > 1:
             dist.barrier()
-        save_model(self.model, self.cfg, fresh, step=self.step)
+        save_model(self.model, self.cfg, fresh, step=self.state.step)
         if fresh != final and self.rank == 0:
             old = final.with_name("model.old")
             os.replace(final, old)
@@ -399,53 +421,10 @@ class Trainer(RunSummary):
             shutil.rmtree(old)
         self.model_dir = final
 
-    def _counters(self) -> dict[str, float]:
-        """Running totals this rank can read without a collective: bytes it sent and seconds it
-        waited on communication (distributed), row cache hits and misses (a cached model)."""
-        out: dict[str, float] = {"step": float(self.step)}
-        stats = self.model.comm_stats
-        if stats is not None and self.world > 1:
-            out["bytes"] = float(sum(stats.bytes_sent.values()))
-            out["wait_s"] = float(sum(stats.wait_s.values()))
-        s = self.model.ebc.stats()
-        if s:  # a row cache's hits and misses; dynamic tables' counters
-            out["hits"], out["misses"] = float(s.get("hits", 0)), float(s.get("misses", 0))
-            out.update(dynamic_counters(self.model.ebc))
-        return out
-
-    def _event(
-        self, logged: dict[str, Any] | None, ev: dict[str, Any] | None, final: bool = False
-    ) -> None:
-        """One line of events.jsonl (rank 0): the logged step's values since the previous line,
-        and the eval's metrics when there was one at this step."""
-        if self.runlog is None:
-            return
-        rec: dict[str, Any] = {"step": self.step, "time_utc": utc_now()}
-        if logged is not None:
-            rec.update(logged)
-            rec["lr"] = float(self.opt.param_groups[0]["lr"])
-            rec["embedding_lr"] = float(self.model.ebc.optimizer.lr)
-            now, before = self._counters(), self._window
-            steps = max(1.0, now["step"] - before.get("step", 0.0))
-            if "bytes" in now:
-                rec["comm_bytes_per_step"] = (now["bytes"] - before.get("bytes", 0.0)) / steps
-                waited = now["wait_s"] - before.get("wait_s", 0.0)
-                rec["comm_wait_ms_per_step"] = 1000 * waited / steps
-            if "hits" in now:
-                hits = now["hits"] - before.get("hits", 0.0)
-                misses = now["misses"] - before.get("misses", 0.0)
-                rec["cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
-            rec.update(dynamic_fields(now, before, steps))
-            self._window = now
-        if ev is not None:
-            rec.update({f"eval_{k}": v for k, v in ev.items() if k != "step"})
-            if final:
-                rec["final"] = True
-            elif self.cfg.train.eval_batches:
-                rec["eval_batches"] = self.cfg.train.eval_batches
-        self.runlog.event(rec)
-        if self.tb is not None:
-            self.tb.event(rec)
+    @property
+    def step(self) -> int:
+        """Train steps done (``self.state.step``)."""
+        return self.state.step
 
     def _print_eval(self, e: dict[str, Any]) -> None:
         """One line of eval metrics (rank 0, progress on)."""
