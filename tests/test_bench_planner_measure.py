@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import neorec.measure.jobs as measure_jobs
-from neorec.bench.planner_measure import PASSES, measure_tasks
+from neorec.bench.planner_measure import PASSES, MeasureOptions, measure_tasks
 
 
 @pytest.mark.parametrize("kind", ["pool", "mix"])
@@ -41,10 +41,8 @@ def test_measure_counts_ties_and_measures_each_plan_once(
 
     monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
     batch = 2048 if kind == "pool" else None  # a mix draws its own batch
-    assert (
-        measure_tasks(3, repeats=2, seed=0, cost_model="analytical", kind=kind, pool_batch=batch)
-        == 0
-    )
+    opts = MeasureOptions(repeats=2, cost_model="analytical", kind=kind, pool_batch=batch)
+    assert measure_tasks(3, seed=0, options=opts) == 0
     out = capsys.readouterr().out
     data = json.loads(out.strip().splitlines()[-1])
     assert data["bench"] == "planner_measure" and len(data["tasks"]) == 3
@@ -92,7 +90,7 @@ def test_measure_counts_ties_and_measures_each_plan_once(
 
 def test_measure_kind_is_checked() -> None:
     with pytest.raises(ValueError, match="--measure-kind must be one of pool, mix"):
-        measure_tasks(1, kind="tasks")
+        measure_tasks(1, options=MeasureOptions(kind="tasks"))
 
 
 @pytest.mark.parametrize("batch", ["0", "1023", "-4", "big"])
@@ -105,7 +103,7 @@ def test_measure_batch_is_checked(batch: str, capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--measure-batch" in err and "positive even" in err
     with pytest.raises(ValueError, match="--measure-batch must be a positive even number"):
-        measure_tasks(1, pool_batch=int(batch) if batch != "big" else 3)
+        measure_tasks(1, options=MeasureOptions(pool_batch=int(batch) if batch != "big" else 3))
 
 
 @pytest.mark.parametrize("args", [["--measure", "--measure-kind", "mix"], []])
@@ -121,7 +119,7 @@ def test_measure_batch_only_for_pool_tasks(
         "--measure-batch applies to --measure with --measure-kind pool" in capsys.readouterr().err
     )
     with pytest.raises(ValueError, match="--measure-batch applies to --measure-kind pool"):
-        measure_tasks(1, kind="mix", pool_batch=4096)
+        measure_tasks(1, options=MeasureOptions(kind="mix", pool_batch=4096))
 
 
 def test_plan_key_is_one_plan_up_to_rank_labels() -> None:
@@ -208,7 +206,8 @@ def test_measure_ceiling_picks_the_fastest_plan_of_all(
         ]  # fmt: skip
 
     monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
-    assert measure_tasks(3, repeats=2, seed=0, cost_model="analytical", ceiling=2) == 0
+    opts = MeasureOptions(repeats=2, cost_model="analytical", ceiling=2)
+    assert measure_tasks(3, seed=0, options=opts) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["ceiling_k"] == 2
     from neorec.sharding.planner_baselines import BASELINES
@@ -247,7 +246,7 @@ def test_measure_ceiling_is_checked(
         main(args)
     assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs --repeats >= 2"):
-        measure_tasks(1, repeats=1, ceiling=1)
+        measure_tasks(1, options=MeasureOptions(repeats=1, ceiling=1))
 
 
 def test_planner_tune_measures_the_pick_again_next_to_the_model_pick(
@@ -274,7 +273,8 @@ def test_planner_tune_measures_the_pick_again_next_to_the_model_pick(
         ]  # fmt: skip
 
     monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
-    assert measure_tasks(2, repeats=2, seed=0, cost_model="analytical", tune=4, tune_rounds=2) == 0
+    opts = MeasureOptions(repeats=2, cost_model="analytical", tune=4, tune_rounds=2)
+    assert measure_tasks(2, seed=0, options=opts) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["planner_tune"] == 4 and data["model_pick_over_best_geomean"] > 0
     assert len(blocks) == 2 * 2 + 2  # each task's 2 tuning rounds, then the bench's 2 rounds
@@ -307,7 +307,7 @@ def test_planner_tune_is_checked(
         main(args)
     assert e.value.code == 2 and msg in capsys.readouterr().err
     with pytest.raises(ValueError, match="--planner-tune must be 0 or >= 2"):
-        measure_tasks(1, tune=1)
+        measure_tasks(1, options=MeasureOptions(tune=1))
 
 
 def test_measure_copies_report_the_noise_floor(
@@ -326,7 +326,8 @@ def test_measure_copies_report_the_noise_floor(
         ]  # fmt: skip
 
     monkeypatch.setattr(measure_jobs, "run_jobs", fake_run_jobs)
-    assert measure_tasks(2, repeats=2, seed=0, cost_model="analytical", copies=2) == 0
+    opts = MeasureOptions(repeats=2, cost_model="analytical", copies=2)
+    assert measure_tasks(2, seed=0, options=opts) == 0
     out = capsys.readouterr().out
     data = json.loads(out.strip().splitlines()[-1])
     assert data["copies"] == 2
@@ -338,7 +339,7 @@ def test_measure_copies_report_the_noise_floor(
         assert t["copy_spread"] == pytest.approx(1.0 / 10.5)
     assert "copies of one plan differ by 9.5%" in out
     with pytest.raises(ValueError, match="--measure-copies must be >= 1"):
-        measure_tasks(1, copies=0)
+        measure_tasks(1, options=MeasureOptions(copies=0))
 
 
 def _seed_result(seed: int, pairs: list[tuple[list[float], list[float]]]) -> dict[str, Any]:

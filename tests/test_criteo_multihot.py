@@ -13,7 +13,7 @@ from test_preprocess import make_lines, write
 from neorec.cli import main
 from neorec.cli.data import preprocess_main
 from neorec.config import load_config
-from neorec.data.loader import ShardedReader
+from neorec.data.loader import SampleOrder, ShardedReader
 from neorec.data.shards import MLPERF_MULTI_HOT
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "criteo_multihot.toml"
@@ -33,7 +33,9 @@ def test_mlperf_multi_hot_preprocess_and_train(tmp_path: Path) -> None:
     assert preprocess_main([*args, "--output", str(tmp_path / "one")]) == 0
     m = json.loads((tmp_path / "mh" / "manifest.json").read_text())
     assert m["multi_hot"] == list(MLPERF_MULTI_HOT)
-    mh, one = (ShardedReader(tmp_path / d, 70, shuffle=False) for d in ("mh", "one"))
+    mh, one = (
+        ShardedReader(tmp_path / d, 70, order=SampleOrder(shuffle=False)) for d in ("mh", "one")
+    )
     for a, b in zip(mh, one, strict=True):
         sa, sb = a.sparse, b.sparse
         for j, k in enumerate(sa.keys):

@@ -9,7 +9,7 @@ import torch
 from test_preprocess import make_lines, write
 
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
-from neorec.data.loader import ShardedReader
+from neorec.data.loader import SampleOrder, ShardedReader
 from neorec.data.preprocess import PreprocessOptions, preprocess
 
 N = 1003  # not a multiple of the batch: the last global batch splits unevenly
@@ -43,28 +43,30 @@ def epoch_ids(path: Path, world: int, batch: int = 60, **kw) -> list[list[int]]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_sample_once_per_epoch_on_any_ranks(data: Path, world: int) -> None:
-    one = epoch_ids(data, 1, seed=5, shuffle_buffer=300)
+    one = epoch_ids(data, 1, order=SampleOrder(seed=5, shuffle_buffer=300))
     assert sorted(sum(one, [])) == list(range(N))  # each sample exactly once
     assert [len(b) for b in one] == [60] * 16 + [43]
-    assert epoch_ids(data, world, seed=5, shuffle_buffer=300) == one  # same global batches
+    assert (
+        epoch_ids(data, world, order=SampleOrder(seed=5, shuffle_buffer=300)) == one
+    )  # same global batches
 
 
 def test_shuffle_per_epoch_and_deterministic(data: Path) -> None:
-    r = ShardedReader(data, 100, seed=1, shuffle_buffer=256)
+    r = ShardedReader(data, 100, order=SampleOrder(seed=1, shuffle_buffer=256))
     e0 = [i for b in r for i in ids(b)]
     e1 = [i for b in r for i in ids(b)]  # iterating again reads the next epoch
     assert sorted(e0) == sorted(e1) == list(range(N)) and e0 != e1
-    again = ShardedReader(data, 100, seed=1, shuffle_buffer=256)
+    again = ShardedReader(data, 100, order=SampleOrder(seed=1, shuffle_buffer=256))
     assert [i for b in again for i in ids(b)] == e0
-    other = ShardedReader(data, 100, seed=2, shuffle_buffer=256)
+    other = ShardedReader(data, 100, order=SampleOrder(seed=2, shuffle_buffer=256))
     assert [i for b in other for i in ids(b)] != e0
-    plain = ShardedReader(data, 100, shuffle=False)
+    plain = ShardedReader(data, 100, order=SampleOrder(shuffle=False))
     assert [i for b in plain for i in ids(b)] == list(range(N))
 
 
 @pytest.mark.parametrize(("before", "after", "workers"), [(2, 3, 0), (3, 1, 2)])
 def test_resume_mid_epoch_exact(data: Path, before: int, after: int, workers: int) -> None:
-    kw = {"seed": 7, "shuffle_buffer": 200}
+    kw = {"order": SampleOrder(seed=7, shuffle_buffer=200)}
     full = epoch_ids(data, 1, **kw)
     first = [
         ShardedReader(data, 60, rank=r, world_size=before, workers=workers, prefetch=3, **kw)
@@ -85,13 +87,15 @@ def test_resume_mid_epoch_exact(data: Path, before: int, after: int, workers: in
 
 
 def test_resume_refuses_other_data_or_seed(data: Path) -> None:
-    r = ShardedReader(data, 60, seed=1)
+    r = ShardedReader(data, 60, order=SampleOrder(seed=1))
     next(iter(r))
     with pytest.raises(ValueError, match="seed"):
-        ShardedReader(data, 60, seed=2).load_state_dict(r.state_dict())
+        ShardedReader(data, 60, order=SampleOrder(seed=2)).load_state_dict(r.state_dict())
     with pytest.raises(ValueError, match="not a batch boundary"):
-        ShardedReader(data, 50, seed=1).load_state_dict(r.state_dict())
-    r2 = ShardedReader(data, 30, seed=1)  # another batch size at a common boundary is fine
+        ShardedReader(data, 50, order=SampleOrder(seed=1)).load_state_dict(r.state_dict())
+    r2 = ShardedReader(
+        data, 30, order=SampleOrder(seed=1)
+    )  # another batch size at a common boundary is fine
     r2.load_state_dict(r.state_dict())
     assert r2.next_batch == 2
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_trainer import tiny_cfg
 
 from neorec.build import build_dlrm, data_source, dense_optimizer
-from neorec.config import load_config
+from neorec.config import LowpConfig, load_config
 from neorec.lowp.dispatch import Dispatcher, LowpLinear, choose, install, uninstall
 from neorec.lowp.formats import CANDIDATES, FP8, candidate, fp8_round, quantize
 from neorec.lowp.kernels import dot_bmm, linear
@@ -33,6 +33,11 @@ def _cfg(*extra: str):
             *extra,
         ]
     )
+
+
+def _policy(mode: str, tolerance: float, keep_ends: bool = True) -> LowpConfig:
+    """Probe the first 2 steps, never re-probe."""
+    return LowpConfig(mode, tolerance, probe_steps=2, reprobe_every=0, keep_ends=keep_ends)
 
 
 def _train(cfg, steps: int, disp_factory=None, probe: Probe | None = None):
@@ -238,7 +243,7 @@ def test_auto_keeps_fp32_when_bf16_is_slower(tmp_path):
     forced = Timings(tmp_path / "t.json")  # read back from the file: the cache is what decides
 
     def factory(m):
-        return Dispatcher(m.dense_arch, cfg.data.batch_size, "auto", 0.05, 2, 0, timings=forced)
+        return Dispatcher(m.dense_arch, cfg.data.batch_size, _policy("auto", 0.05), timings=forced)
 
     _, disp, _ = _train(cfg, 3, factory)
     assert forced.measured == 0  # everything came from the cache
@@ -250,7 +255,7 @@ def test_auto_keeps_fp32_when_bf16_is_slower(tmp_path):
             fast._all[fast.machine][key] = 0.5
 
     def factory2(m):
-        return Dispatcher(m.dense_arch, cfg.data.batch_size, "auto", 0.05, 2, 0, timings=fast)
+        return Dispatcher(m.dense_arch, cfg.data.batch_size, _policy("auto", 0.05), timings=fast)
 
     _, disp2, _ = _train(cfg, 3, factory2)
     linears = [n for n in disp2.plan if n.startswith(("bottom", "top"))]
@@ -317,7 +322,7 @@ def test_drift_falls_back_to_fp32_and_reprobes(tmp_path):
     timings = Timings(tmp_path / "t.json")
     torch.manual_seed(0)
     model = build_dlrm(cfg)
-    disp = Dispatcher(model.dense_arch, cfg.data.batch_size, "bf16", 0.05, 2, 0, timings=timings)
+    disp = Dispatcher(model.dense_arch, cfg.data.batch_size, _policy("bf16", 0.05), timings=timings)
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     batches = list(b for _, b in zip(range(6), data_source(cfg).train_batches()))
     for i in range(3):
@@ -360,7 +365,7 @@ def test_lowp_step_tracks_fp32(tmp_path):
     timings = Timings(tmp_path / "t.json")
 
     def factory(m):
-        return Dispatcher(m.dense_arch, cfg.data.batch_size, "bf16", 0.01, 2, 0, timings=timings)
+        return Dispatcher(m.dense_arch, cfg.data.batch_size, _policy("bf16", 0.01), timings=timings)
 
     _, disp, low_losses = _train(cfg, 12, factory)
     assert "bf16" in disp.plan.values()
@@ -405,11 +410,7 @@ def test_keep_ends_mod_keeps_first_and_last_linear_fp32(tmp_path):
             return Dispatcher(
                 m.dense_arch,
                 cfg.data.batch_size,
-                "bf16",
-                0.01,
-                2,
-                0,
-                keep_ends=keep,
+                _policy("bf16", 0.01, keep_ends=keep),
                 timings=timings,
             )
 

@@ -19,6 +19,7 @@ from neorec.sharding.plan_checks import validate_plan
 from neorec.sharding.planner import Planner, PlanningError, plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.towers_cost import (
+    TowerOptions,
     TowerPlanError,
     TowerPlanResult,
     plan_towers,
@@ -59,7 +60,7 @@ def _topo(world: int = 8, rph: int = 2, inter: float = 12.5) -> Topology:
 def test_tower_plan_keeps_each_towers_shards_on_its_host() -> None:
     tables = _tables(12)
     topo = _topo(8, 2)
-    res = plan_towers(tables, topo, B, towers=4, out_vectors=1)
+    res = plan_towers(tables, topo, B, towers=4, options=TowerOptions(out_vectors=1))
     validate_plan(res.plan)
     groups = res.plan.meta["towers"]
     assert sorted(n for g in groups for n in g) == sorted(t.name for t in tables)
@@ -89,7 +90,7 @@ def test_flat_bytes_match_the_closed_form_and_dmt_sends_fewer_inter_host_bytes()
     assert tr.parts["ids"][1] == pytest.approx(ids * (h - 1) / h)
     assert tr.parts["pooled"][1] == pytest.approx(pooled * (h - 1) / h)
     assert tr.intra_bytes == pytest.approx((ids + pooled) * (k - 1) / w)
-    res = plan_towers(tables, topo, B, towers=4, out_vectors=1, flat=flat)
+    res = plan_towers(tables, topo, B, towers=4, options=TowerOptions(out_vectors=1), flat=flat)
     assert res.flat_traffic.inter_bytes == pytest.approx(tr.inter_bytes)
     assert res.dmt_traffic.inter_bytes < res.flat_traffic.inter_bytes
     # the ids cross hosts once either way: to the owner (flat) or to the tower's host (DMT)
@@ -100,7 +101,7 @@ def test_flat_bytes_match_the_closed_form_and_dmt_sends_fewer_inter_host_bytes()
 def test_pooled_inter_host_bytes_shrink_by_k_over_f(k: int) -> None:
     tables = _tables(8, dim=16, tw_only=True)  # 4 towers of F = 2 tables each
     topo = _topo(8, 2)
-    res = plan_towers(tables, topo, B, towers=4, out_vectors=k)
+    res = plan_towers(tables, topo, B, towers=4, options=TowerOptions(out_vectors=k))
     assert all(len(t.tables) == 2 for t in res.towers)
     flat_pooled = res.flat_traffic.parts["pooled"][1]
     dmt_pooled = sum(res.dmt_traffic.parts[p][1] for p in ("peer outputs", "peer output grads"))
@@ -111,7 +112,7 @@ def test_pooled_inter_host_bytes_shrink_by_k_over_f(k: int) -> None:
 
 def test_identity_towers_send_the_flat_pooled_bytes_and_cost_no_module() -> None:
     tables = _tables(8, dim=16, tw_only=True)
-    res = plan_towers(tables, _topo(8, 2), B, towers=4, module="identity")
+    res = plan_towers(tables, _topo(8, 2), B, towers=4, options=TowerOptions(module="identity"))
     flat_pooled = res.flat_traffic.parts["pooled"][1]
     dmt_pooled = sum(res.dmt_traffic.parts[p][1] for p in ("peer outputs", "peer output grads"))
     assert dmt_pooled == pytest.approx(flat_pooled)
@@ -150,7 +151,7 @@ def test_time_memory_groups_balance_memory_and_are_deterministic() -> None:
     with pytest.raises(
         PlanningError, match=r"tower 1 \(host 1, 6 tables\) does not fit on its host"
     ):
-        plan_towers(tables, _topo(4, 2), B, towers=2, partition="time")
+        plan_towers(tables, _topo(4, 2), B, towers=2, options=TowerOptions(partition="time"))
     assert plan_towers(tables, _topo(4, 2), B, towers=2).plan.meta["towers"] == g
 
 
@@ -195,7 +196,7 @@ def test_planner_retries_lpt_when_a_host_split_finds_dram_fragmented() -> None:
 )
 def test_tower_errors(world: int, rph: int, towers: int, kw: dict, match: str) -> None:
     with pytest.raises(TowerPlanError, match=match):
-        plan_towers(_tables(6), _topo(world, rph), B, towers=towers, **kw)
+        plan_towers(_tables(6), _topo(world, rph), B, towers=towers, options=TowerOptions(**kw))
 
 
 def test_more_towers_than_tables_and_pinned_tables_are_refused() -> None:
@@ -308,7 +309,11 @@ def test_campaign_plan_towers() -> None:
             groups: list | None = groups,
         ) -> TowerPlanResult:
             return plan_towers(
-                tables, topo, B, towers=towers, out_vectors=k, module=module, groups=groups
+                tables,
+                topo,
+                B,
+                towers=towers,
+                options=TowerOptions(out_vectors=k, module=module, groups=groups),
             )
 
         bad = (

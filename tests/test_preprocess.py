@@ -15,7 +15,7 @@ import pytest
 from neorec.cli.data import preprocess_main as main
 from neorec.config import TableConfig
 from neorec.data.criteo import CriteoFormatError, CriteoTSVDataset
-from neorec.data.loader import ShardedReader
+from neorec.data.loader import SampleOrder, ShardedReader
 from neorec.data.preprocess import KAGGLE_ROWS, PreprocessOptions, preprocess
 
 ROWS = [50 + 13 * j for j in range(26)]
@@ -86,7 +86,7 @@ def test_same_batches_as_the_tsv_reader(tmp_path: Path) -> None:
     preprocess([f], tmp_path / "out", PreprocessOptions(rows=ROWS, shard_rows=64, workers=1))
     tables = [TableConfig(name=f"C{j + 1}", rows=r, dim=4) for j, r in enumerate(ROWS)]
     want = list(CriteoTSVDataset(f, tables, batch_size=100))
-    got = list(ShardedReader(tmp_path / "out", 100, shuffle=False))
+    got = list(ShardedReader(tmp_path / "out", 100, order=SampleOrder(shuffle=False)))
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         assert g.dense.equal(w.dense) and g.labels.equal(w.labels)
@@ -128,7 +128,7 @@ def test_multi_hot_bags(tmp_path: Path) -> None:
             assert bag[0] == want[j] and all(0 <= x < ROWS[j] for x in bag)
             assert bags.setdefault((j, want[j]), bag) == bag  # fixed per (feature, row)
     assert len(one[0][2]) == sum(sizes)
-    batch = next(iter(ShardedReader(tmp_path / "o1", 8, shuffle=False)))
+    batch = next(iter(ShardedReader(tmp_path / "o1", 8, order=SampleOrder(shuffle=False))))
     assert batch.sparse.lengths.tolist() == [s for s in sizes for _ in range(8)]
 
 

@@ -15,7 +15,7 @@ from test_preprocess import ROWS, make_lines, read_all, reference, write
 from neorec.cli.data import preprocess_main as main
 from neorec.config import TableConfig
 from neorec.data.criteo import CriteoTSVDataset
-from neorec.data.loader import ShardedReader
+from neorec.data.loader import SampleOrder, ShardedReader
 from neorec.data.preprocess import PreprocessOptions, preprocess
 
 RAW = [j % 3 == 1 for j in range(26)]  # C2, C5, C8, ...
@@ -61,7 +61,7 @@ def test_reader_gives_the_tsv_readers_raw_ids(tmp_path: Path) -> None:
         for j, r in enumerate(ROWS)
     ]
     want = list(CriteoTSVDataset(f, tables, batch_size=100))
-    got = list(ShardedReader(tmp_path / "out", 100, shuffle=False))
+    got = list(ShardedReader(tmp_path / "out", 100, order=SampleOrder(shuffle=False)))
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         assert g.sparse.values.equal(w.sparse.values) and g.sparse.lengths.equal(w.sparse.lengths)

@@ -22,7 +22,7 @@ from neorec.cli import main  # noqa: E402
 from neorec.config import load_config  # noqa: E402
 from neorec.data.encode import hash_rows, str_keys  # noqa: E402
 from neorec.data.example import example_columns, write_example  # noqa: E402
-from neorec.data.loader import PreprocessedSource, ShardedReader  # noqa: E402
+from neorec.data.loader import PreprocessedSource, SampleOrder, ShardedReader  # noqa: E402
 from neorec.data.tabular_pre import TabularOptions, preprocess_tabular  # noqa: E402
 from neorec.data.tabular_source import TabularSource  # noqa: E402
 
@@ -53,7 +53,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def read_all(pre: Path) -> list[tuple]:
     """Every sample of a preprocessed directory in stored order: (label, dense, {feature: ids},
     {feature: weights})."""
-    r = ShardedReader(pre, 10_000, shuffle=False)
+    r = ShardedReader(pre, 10_000, order=SampleOrder(shuffle=False))
     out = []
     for b in r:
         sp = b.sparse
@@ -123,9 +123,15 @@ def test_direct_reading_equals_preprocessed(files: dict[str, Path]) -> None:
 
 
 def test_ranks_read_the_global_batch(files: dict[str, Path]) -> None:
-    one = ShardedReader(files["parquet_pre"], 40, seed=1, shuffle_buffer=64)
+    one = ShardedReader(files["parquet_pre"], 40, order=SampleOrder(seed=1, shuffle_buffer=64))
     two = [
-        ShardedReader(files["parquet_pre"], 40, seed=1, shuffle_buffer=64, rank=r, world_size=2)
+        ShardedReader(
+            files["parquet_pre"],
+            40,
+            order=SampleOrder(seed=1, shuffle_buffer=64),
+            rank=r,
+            world_size=2,
+        )
         for r in (0, 1)
     ]
     for g, p0, p1 in zip(one, *two, strict=True):

@@ -132,7 +132,7 @@ def _inputs(
 
 def test_preprocessed_multi_hot_transforms_equal_the_reader(tmp_path: Path) -> None:
     from neorec.cli.data import preprocess_main
-    from neorec.data.loader import ShardedReader, ShardSet
+    from neorec.data.loader import SampleOrder, ShardedReader, ShardSet
 
     lines = _lines(30, 2)
     raw = tmp_path / "raw.tsv"
@@ -152,7 +152,9 @@ def test_preprocessed_multi_hot_transforms_equal_the_reader(tmp_path: Path) -> N
     assert tf["multi_hot"]["seed"] == 7 and tf["categorical"][1]["multi_hot"] == 3
     dense, sparse = _inputs(tf, lines, labels=True)
     keys = [t.features[0] for t in cfg.embedding.tables]
-    (batch,) = list(ShardedReader(ShardSet(pre), 30, keys=keys, shuffle=False, workers=0))
+    (batch,) = list(
+        ShardedReader(ShardSet(pre), 30, keys=keys, order=SampleOrder(shuffle=False), workers=0)
+    )
     assert np.array_equal(dense, batch.dense.numpy())
     for k in keys:
         values, lengths, _ = batch.sparse.feature(k)

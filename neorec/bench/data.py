@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.config import Config, load_config
-from neorec.data.loader import ShardedReader
+from neorec.data.loader import SampleOrder, ShardedReader
 from neorec.data.preprocess import PreprocessOptions, preprocess
 from neorec.data.tabular_pre import TabularOptions, preprocess_tabular
 from neorec.data.tabular_source import TabularSource
@@ -114,7 +114,9 @@ def _reader_rate(path: Path, batch: int, repeat: int, seconds: float) -> tuple[f
     the calling process (one core, no workers)."""
     rates, per_cpu = [], []
     for r in range(repeat):
-        reader = ShardedReader(path, batch, seed=r, shuffle=True, shuffle_buffer=1 << 18)
+        reader = ShardedReader(
+            path, batch, order=SampleOrder(seed=r, shuffle=True, shuffle_buffer=1 << 18)
+        )
         n, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
             for b in reader:

@@ -140,7 +140,13 @@ def _summary(label: str, out: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and one JSON line."""
-    from neorec.bench.planner_measure import MEASURE_KINDS, _even_batch, _nonneg, measure_tasks
+    from neorec.bench.planner_measure import (
+        MEASURE_KINDS,
+        MeasureOptions,
+        _even_batch,
+        _nonneg,
+        measure_tasks,
+    )
 
     ap = argparse.ArgumentParser(prog="neorec bench planner", description=__doc__)
     ap.add_argument("--tasks", type=int, default=20, help="tasks per task set")
@@ -249,36 +255,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--seeds must be >= 1, not {args.seeds}")
     if args.seed_base is not None and args.repeats < 2:
         ap.error("--seed-base needs --repeats >= 2 (the pick and the comparison use other rounds)")
+    options = MeasureOptions(
+        topology=args.topology,
+        repeats=args.repeats,
+        cost_model=args.cost_model,
+        kind=args.measure_kind,
+        pool_batch=args.measure_batch,
+        ceiling=args.measure_ceiling,
+        tune=args.planner_tune,
+        tune_rounds=args.planner_tune_rounds,
+        copies=args.measure_copies,
+    )
     if args.measure and args.seed_base is not None:
         from neorec.bench.planner_seeds import measure_seeds
 
-        return measure_seeds(
-            range(args.seed_base, args.seed_base + args.seeds),
-            args.measure_tasks,
-            topology=args.topology,
-            repeats=args.repeats,
-            cost_model=args.cost_model,
-            kind=args.measure_kind,
-            pool_batch=args.measure_batch,
-            ceiling=args.measure_ceiling,
-            tune=args.planner_tune,
-            tune_rounds=args.planner_tune_rounds,
-            copies=args.measure_copies,
-        )
+        seeds = range(args.seed_base, args.seed_base + args.seeds)
+        return measure_seeds(seeds, args.measure_tasks, options)
     if args.measure:
-        return measure_tasks(
-            args.measure_tasks,
-            args.topology,
-            args.repeats,
-            args.seed,
-            args.cost_model,
-            args.measure_kind,
-            args.measure_batch,
-            args.measure_ceiling,
-            args.planner_tune,
-            args.planner_tune_rounds,
-            args.measure_copies,
-        )
+        return measure_tasks(args.measure_tasks, args.seed, options)
     pool = make_pool(seed=args.seed)
     summaries = []
     for ranks in args.ranks:

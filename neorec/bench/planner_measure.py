@@ -26,7 +26,14 @@ from neorec.sharding.planner_shortlist import TUNE_ROUNDS, shortlist
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan, table_wise
 
-__all__ = ["MEASURE_KINDS", "PASSES", "POOL_MAX_ROWS", "POOL_MAX_DIM", "measure_tasks"]
+__all__ = [
+    "MEASURE_KINDS",
+    "PASSES",
+    "POOL_MAX_ROWS",
+    "POOL_MAX_DIM",
+    "MeasureOptions",
+    "measure_tasks",
+]
 
 PASSES = 5
 """Interleaved passes per round of ``--measure`` (10 steps each)."""
@@ -115,6 +122,30 @@ def _pool_task(
     return tables, dataclasses.replace(topo, device_memory_gb=limit + topo.device_reserve_gb)
 
 
+@dataclasses.dataclass(frozen=True)
+class MeasureOptions:
+    """What ``measure_result`` measures and how (checked there, not here): its flags."""
+
+    topology: str = ""
+    """A topology JSON (``--topology``); empty: this machine's local CPU topology."""
+    repeats: int = 3
+    """Rounds of measurement (``--repeats``)."""
+    cost_model: str = "auto"
+    """The planner's scoring (``--cost-model``)."""
+    kind: str = "pool"
+    """The tasks: one of ``MEASURE_KINDS`` (``--measure-kind``)."""
+    pool_batch: int | None = None
+    """The pool tasks' global batch (``--measure-batch``); None: 1024."""
+    ceiling: int = 0
+    """Each task's ``top_table_wise`` plans measured too (``--measure-ceiling``); 0: none."""
+    tune: int = 0
+    """The planner's shortlist of this many plans measured to pick one (``--planner-tune``)."""
+    tune_rounds: int = TUNE_ROUNDS
+    """The shortlist's rounds (``--planner-tune-rounds``)."""
+    copies: int = 1
+    """Copies of each plan built per round (``--measure-copies``)."""
+
+
 def measure_tasks(*args: Any, **kwargs: Any) -> int:
     """``measure_result``, its table and its JSON line (the last line of stdout)."""
     print(json.dumps(measure_result(*args, **kwargs)))
@@ -122,34 +153,28 @@ def measure_tasks(*args: Any, **kwargs: Any) -> int:
 
 
 def measure_result(
-    n_tasks: int,
-    topology: str = "",
-    repeats: int = 3,
-    seed: int = 0,
-    cost_model: str = "auto",
-    kind: str = "pool",
-    pool_batch: int | None = None,
-    ceiling: int = 0,
-    tune: int = 0,
-    tune_rounds: int = TUNE_ROUNDS,
-    copies: int = 1,
+    n_tasks: int, seed: int = 0, options: MeasureOptions = MeasureOptions()
 ) -> dict[str, Any]:
-    """``--measure``: ``n_tasks`` small tasks on 2 gloo ranks here (``kind``: see
-    ``MEASURE_KINDS``; ``pool_batch``: the pool tasks' global batch, default 1024; a mix draws its
-    own); the planner's plan (scored by the topology's learned model when it has one
+    """``--measure``: ``n_tasks`` small tasks of ``seed`` on 2 gloo ranks here (``options.kind``:
+    see ``MEASURE_KINDS``; ``options.pool_batch``: the pool tasks' global batch, default 1024; a
+    mix draws its own); the planner's plan (scored by the topology's learned model when it has one
     fitted here; its candidates include the baselines' plans) and every greedy baseline's plan,
     each distinct plan measured for real (``bench dist --embedding-only``'s sharded step, medians
-    over ``repeats`` rounds; plans that differ only by which rank is which are one plan); prints
-    ms/step and returns the JSON result. A planner plan identical to the best baseline's is a tie (the same
-    measurement), not a win.
+    over ``options.repeats`` rounds; plans that differ only by which rank is which are one plan);
+    prints ms/step and returns the JSON result. A planner plan identical to the best baseline's is
+    a tie (the same measurement), not a win.
 
-    ``ceiling`` > 0 (``--measure-ceiling``): also each task's ``top_table_wise`` plans; the
-    fastest of all its measured plans (picked on the even rounds) against the best baseline
+    ``options.ceiling`` > 0 (``--measure-ceiling``): also each task's ``top_table_wise`` plans;
+    the fastest of all its measured plans (picked on the even rounds) against the best baseline
     (picked the same way), both compared on the odd rounds: how much faster than the greedy
-    baselines any plan measured here was (needs ``repeats`` >= 2)."""
+    baselines any plan measured here was (needs ``options.repeats`` >= 2)."""
     from neorec.measure.jobs import run_passes
     from neorec.measure.plan_tune import tune as tune_plans
     from neorec.sharding.learned_placements import plan_job, random_mix
+
+    topology, repeats, cost_model = options.topology, options.repeats, options.cost_model
+    kind, pool_batch, ceiling = options.kind, options.pool_batch, options.ceiling
+    tune, tune_rounds, copies = options.tune, options.tune_rounds, options.copies
 
     if kind not in MEASURE_KINDS:
         raise ValueError(f"--measure-kind must be one of {', '.join(MEASURE_KINDS)}, not {kind!r}")

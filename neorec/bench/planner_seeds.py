@@ -20,10 +20,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neorec.bench.stats import Interval, paired_ratio
 from neorec.machine import cpu_model_and_flags
+
+if TYPE_CHECKING:
+    from neorec.bench.planner_measure import MeasureOptions
 
 __all__ = ["DEV_SEEDS", "measure_seeds", "seed_ratios", "summarize_seeds"]
 
@@ -97,14 +100,14 @@ def _fmt(iv: dict[str, Any] | None) -> str:
     return f"{iv['value']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}] n={iv['n']}{mark}"
 
 
-def measure_seeds(seeds: Sequence[int], n_tasks: int, **kwargs: Any) -> int:
-    """``measure_result`` on each seed (its own table), then the summary table and one JSON line
-    (the last line of stdout)."""
+def measure_seeds(seeds: Sequence[int], n_tasks: int, options: MeasureOptions) -> int:
+    """``measure_result`` of ``n_tasks`` tasks with ``options`` on each seed (its own table), then
+    the summary table and one JSON line (the last line of stdout)."""
     from neorec.bench.planner_measure import measure_result
 
     if not seeds:
         raise ValueError("--seeds must be >= 1")
-    results = [measure_result(n_tasks, seed=s, **kwargs) for s in seeds]
+    results = [measure_result(n_tasks, seed=s, options=options) for s in seeds]
     summary = summarize_seeds(results)
     dev = sorted(set(seeds) & set(DEV_SEEDS))
     print(

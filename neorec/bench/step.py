@@ -29,7 +29,7 @@ from neorec.bench.stats import paired_ratio
 from neorec.bench.step_breakdown import main_args, run_breakdown
 from neorec.bench.step_timing import make_batches
 from neorec.build import build_dlrm, dense_optimizer
-from neorec.config import load_config
+from neorec.config import LowpConfig, load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError
@@ -121,9 +121,8 @@ class _Mode:
         if mode and mode not in ("off", "autocast"):
             tol = a.tolerance if a.tolerance is not None else 0.01
             warm = max(a.warmup, 1)
-            self.disp = Dispatcher(
-                self.model.dense_arch, cfg.data.batch_size, mode, tol, probe_steps=warm, reprobe=0
-            )
+            policy = LowpConfig(mode=mode, tolerance=tol, probe_steps=warm, reprobe_every=0)
+            self.disp = Dispatcher(self.model.dense_arch, cfg.data.batch_size, policy)
         self.times: list[float] = []
 
     def step(self, i: int, batch: Batch, timed: bool) -> None:

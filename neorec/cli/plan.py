@@ -144,18 +144,14 @@ def _inputs(args: argparse.Namespace) -> Any:
     """The plan's inputs (``neorec.sharding.plan_inputs``) from ``--config`` and the flags."""
     from neorec.config import Config
     from neorec.config.planner_file import read_plan_config
-    from neorec.sharding.plan_inputs import plan_inputs
+    from neorec.sharding.plan_inputs import PlanFlags, plan_inputs
 
     cfg, base = Config(), Path(".")
     planner: dict[str, Any] = {}
     if args.config:
         cfg, planner = read_plan_config(args.config)
         base = Path(args.config).parent
-    return plan_inputs(
-        cfg.embedding,
-        cfg.data,
-        cfg.sharding,
-        planner,
+    flags = PlanFlags(
         world_size=args.world_size,
         ranks_per_host=args.ranks_per_host,
         batch_size=args.batch_size,
@@ -163,8 +159,9 @@ def _inputs(args: argparse.Namespace) -> Any:
         topology=args.topology or "",
         preset=getattr(args, "topology_preset", None),
         cached_tiers=not getattr(args, "no_cached_tiers", False),
-        base=base,
-        source=args.config,
+    )
+    return plan_inputs(
+        cfg.embedding, cfg.data, cfg.sharding, planner, flags, base=base, source=args.config
     )
 
 
@@ -278,18 +275,21 @@ def _check_tower_flags(args: argparse.Namespace) -> None:
 def _run_towers(args: argparse.Namespace, inp: Any, flat: Any) -> int:
     """``neorec plan --towers N``: the tower plan next to the flat plan."""
     from neorec.sharding.planner import format_report
-    from neorec.sharding.towers_cost import format_tower_report, plan_towers
+    from neorec.sharding.towers_cost import TowerOptions, format_tower_report, plan_towers
 
     k = getattr(args, "tower_out_vectors", None) or 1
+    options = TowerOptions(
+        out_vectors=k,
+        module=getattr(args, "tower_module", "mlp"),
+        partition=getattr(args, "tower_partition", "time+memory"),
+    )
     res = plan_towers(
         inp.tables,
         inp.topology,
         inp.batch_size,
         args.towers,
         inp.optimizer,
-        out_vectors=k,
-        module=getattr(args, "tower_module", "mlp"),
-        partition=getattr(args, "tower_partition", "time+memory"),
+        options=options,
         flat=flat,
         **inp.options,
     )

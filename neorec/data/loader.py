@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "read_manifest",
     "EpochOrder",
     "ShardSet",
+    "SampleOrder",
     "ShardedReader",
     "open_shards",
 ]
@@ -121,6 +123,17 @@ def _identity(x: Any) -> Any:
     return x
 
 
+@dataclass(frozen=True)
+class SampleOrder:
+    """The order of an epoch's samples (see the module's docstring): with ``shuffle``, the shards
+    permuted and each window of ``shuffle_buffer`` positions shuffled by ``seed`` and the epoch;
+    without, the shards' samples as they are stored."""
+
+    seed: int = 0
+    shuffle: bool = True
+    shuffle_buffer: int = 1 << 18
+
+
 class ShardedReader:
     """A rank's part of every global batch of preprocessed shards, with a resumable position."""
 
@@ -132,9 +145,7 @@ class ShardedReader:
         keys: Sequence[str] | None = None,
         rank: int = 0,
         world_size: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        shuffle_buffer: int = 1 << 18,
+        order: SampleOrder = SampleOrder(),
         workers: int = 0,
         prefetch: int = 2,
         drop_last: bool = False,
@@ -151,7 +162,11 @@ class ShardedReader:
             raise ValueError(
                 f"{len(self.keys)} keys for {len(self.data.manifest['features'])} features"
             )
-        self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
+        self.seed, self.shuffle, self.shuffle_buffer = (
+            order.seed,
+            order.shuffle,
+            order.shuffle_buffer,
+        )
         self.workers, self.prefetch, self.drop_last = workers, prefetch, drop_last
         self.epoch = 0
         self.next_batch = 0  # the next global batch to hand out (the checkpointed position)
@@ -285,9 +300,7 @@ class PreprocessedSource:
         self.train = ShardedReader(
             train,
             d.batch_size,
-            seed=d.seed,
-            shuffle=d.shuffle,
-            shuffle_buffer=d.shuffle_buffer,
+            order=SampleOrder(d.seed, d.shuffle, d.shuffle_buffer),
             workers=d.workers,
             prefetch=d.prefetch,
             drop_last=_uneven(train.num_samples, d.batch_size, self.world),
@@ -296,7 +309,7 @@ class PreprocessedSource:
         self.eval = ShardedReader(
             evals,
             d.batch_size,
-            shuffle=False,
+            order=SampleOrder(shuffle=False),
             drop_last=_uneven(evals.num_samples, d.batch_size, self.world),
             **common,
         )

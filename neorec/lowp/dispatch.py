@@ -12,9 +12,9 @@ parameters and state-dict keys (:class:`LowpLinear`, :class:`LowpDot`), so check
 the optimizer see the same model; :func:`uninstall` switches back.
 
 :class:`Dispatcher` drives it during training: probe the first steps, choose, then re-probe every
-``reprobe`` steps and choose again; between probes it watches each low-precision site's output
-amax, and a site whose amax grows past ``drift`` times what the probe saw, or whose output is not
-finite, falls back to fp32 at once and is probed again on the next step.
+``reprobe_every`` steps and choose again; between probes it watches each low-precision site's
+output amax, and a site whose amax grows past ``drift`` times what the probe saw, or whose output
+is not finite, falls back to fp32 at once and is probed again on the next step.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from neorec.config import LowpConfig
 from neorec.lowp.formats import CANDIDATES, Candidate, candidate
 from neorec.lowp.kernels import dot_bmm, linear
 from neorec.lowp.probe import Probe, SiteStats, upper_bound
@@ -213,19 +214,17 @@ class Dispatcher:
 
     Call :meth:`before_step` before each step's forward and :meth:`after_step` after its backward
     (and optimizer step); the trainer does this when ``lowp.mode`` is not ``off``.
+
+    ``policy``: the ``lowp`` section (mode, tolerance, ``probe_steps``, ``reprobe_every``, drift
+    and the ``keep_ends`` / ``row_scale`` mods); ``batch``: the rows of a GEMM site whose shape
+    does not say (this rank's batch size).
     """
 
     def __init__(
         self,
         dense: nn.Module,
         batch: int,
-        mode: str = "auto",
-        tolerance: float = 0.01,
-        probe_steps: int = 4,
-        reprobe: int = 500,
-        drift: float = 4.0,
-        keep_ends: bool = True,
-        row_scale: bool = True,
+        policy: LowpConfig,
         timings: Timings | None = None,
         weights: Callable[[], dict[str, Tensor]] | None = None,
         candidates: tuple[Candidate, ...] = CANDIDATES,
@@ -233,17 +232,18 @@ class Dispatcher:
         any_rank: Callable[[bool], bool] | None = None,
         wire: Callable[[str, str], None] | None = None,
     ) -> None:
+        mode = policy.mode
         if mode not in MODES:
             raise ValueError(f"lowp.mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.dense, self.batch, self.mode = dense, batch, mode
         self.tolerance, self.probe_steps, self.reprobe, self.drift = (
-            tolerance,
-            probe_steps,
-            reprobe,
-            drift,
+            policy.tolerance,
+            policy.probe_steps,
+            policy.reprobe_every,
+            policy.drift,
         )
         self.timings = timings if timings is not None else Timings()
-        self.row_scale = row_scale
+        self.row_scale = row_scale = policy.row_scale
         # several ranks: the plan is rank 0's (sync), and a drift on any rank sends every
         # low-precision site back to fp32 on every rank (any_rank: a collective OR)
         self.sync, self.any_rank = sync, any_rank
@@ -251,12 +251,17 @@ class Dispatcher:
         # comm.forward / comm.backward were left at fp32)
         self.wire = wire
         self.probe = Probe(
-            dense, candidates, probe_steps, reprobe, weights=weights, row_scale=row_scale
+            dense,
+            candidates,
+            self.probe_steps,
+            self.reprobe,
+            weights=weights,
+            row_scale=row_scale,
         )
         gemm = [s for s in self.probe.sites if s.kind in ("linear", "interaction")]
         linears = [s.name for s in gemm if s.kind == "linear"]
         self.keep_fp32 = frozenset(
-            [linears[0], linears[-1]] if keep_ends and len(linears) > 1 else []
+            [linears[0], linears[-1]] if policy.keep_ends and len(linears) > 1 else []
         )
         self.plan: dict[str, str] = {s.name: "fp32" for s in gemm}
         self.decisions: list[Decision] = []

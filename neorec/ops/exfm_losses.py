@@ -12,6 +12,7 @@ path.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +54,19 @@ def _ok(t: Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
 
 
+@dataclass(frozen=True)
+class _Targets:
+    """What a step's losses read and no gradient reaches: the labels [B], the FM's logits [B],
+    the adapter's dense inputs [B, num_dense] (or None), the four weights (a float32 [4]) and
+    the soft losses' temperature."""
+
+    labels: Tensor
+    fm: Tensor
+    dense: Tensor | None
+    coef: Tensor
+    temperature: float
+
+
 class _ExfmLosses(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -62,12 +76,10 @@ class _ExfmLosses(torch.autograd.Function):
         head_b: Tensor | None,
         first: Tensor | None,
         second: Tensor | None,
-        labels: Tensor,
-        fm: Tensor,
-        dense: Tensor | None,
-        coef: Tensor,
-        temperature: float,
+        targets: _Targets,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        labels, fm, dense, coef = targets.labels, targets.fm, targets.dense, targets.coef
+        temperature = targets.temperature
         lib = native_lib()
         ran("exfm_losses.forward")
         b = out.shape[0]
@@ -137,7 +149,7 @@ class _ExfmLosses(torch.autograd.Function):
         db = dhead[h:] if h else None
         df = dfirst.view(a + 1, n + 1) if a else None
         ds = dsecond if a else None
-        return unit, dw, db, df, ds, None, None, None, None, None
+        return unit, dw, db, df, ds, None
 
 
 def exfm_losses(
@@ -182,7 +194,6 @@ def exfm_losses(
     c = _COEFS.get(coef)
     if c is None:
         c = _COEFS[coef] = torch.tensor(coef, dtype=torch.float32)
-    res: tuple[Tensor, Tensor, Tensor] = _ExfmLosses.apply(
-        out, hw, hb, fi, se, labels, fm, dense, c, float(temperature)
-    )
+    targets = _Targets(labels, fm, dense, c, float(temperature))
+    res: tuple[Tensor, Tensor, Tensor] = _ExfmLosses.apply(out, hw, hb, fi, se, targets)
     return res

@@ -99,7 +99,14 @@ def eval_data(cfg: Config, data: str | None = None, split: str = "eval") -> Eval
 
 
 def _path_batches(cfg: Config, p: Path) -> Any:
-    from neorec.data.loader import MANIFEST, ShardedReader, ShardSet, _check_tables, is_preprocessed
+    from neorec.data.loader import (
+        MANIFEST,
+        SampleOrder,
+        ShardedReader,
+        ShardSet,
+        _check_tables,
+        is_preprocessed,
+    )
 
     tables, bs = cfg.embedding.tables, cfg.data.batch_size
     if not p.exists():
@@ -112,7 +119,7 @@ def _path_batches(cfg: Config, p: Path) -> Any:
         _check_tables(shards, tables)
         shards.check_files()
         keys = [t.features[0] for t in tables]
-        reader = ShardedReader(shards, bs, keys=keys, shuffle=False, workers=0)
+        reader = ShardedReader(shards, bs, keys=keys, order=SampleOrder(shuffle=False), workers=0)
         return lambda: iter(reader)
     if (p / "shards").is_dir():
         raise DataError(

@@ -11,6 +11,7 @@ beyond the model: ``tables_file`` (relative to the config; replaces its tables),
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from neorec.sharding.tables import TableSpec, load_tables, tables_from_config
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import CACHED_STORAGES
 
-__all__ = ["PlanInputs", "plan_inputs"]
+__all__ = ["PlanFlags", "PlanInputs", "plan_inputs"]
 
 _OPTIONS = {"weight_bytes", "allow_host", "max_cw_slices", "allow_cached_tiers", "cache_fractions"}
 
@@ -44,32 +45,44 @@ class PlanInputs:
         self.options = options
 
 
+@dataclass(frozen=True)
+class PlanFlags:
+    """The flags of ``neorec plan`` that ``plan_inputs`` reads; 0 / empty: not given."""
+
+    world_size: int
+    ranks_per_host: int = 0
+    batch_size: int = 0
+    tables: str = ""
+    """A tables file (replaces the config's tables)."""
+    topology: str = ""
+    """A topology JSON."""
+    preset: str | None = None
+    """A GPU host preset (not together with ``topology``)."""
+    cached_tiers: bool = True
+    """False: ``--no-cached-tiers``."""
+
+
 def plan_inputs(
     embedding: EmbeddingConfig,
     data: DataConfig,
     sharding: ShardingConfig,
     planner: dict[str, Any],
+    flags: PlanFlags,
     *,
-    world_size: int,
-    ranks_per_host: int = 0,
-    batch_size: int = 0,
-    tables: str = "",
-    topology: str = "",
-    preset: str | None = None,
-    cached_tiers: bool = True,
     base: Path = Path("."),
     source: str | None = None,
 ) -> PlanInputs:
     """The inputs from the config's sections, its ``[planner]`` section (``planner``, emptied of
     the keys read; paths in it relative to ``base``; ``source`` names the config in messages)
-    and the flags: a tables file, a topology JSON, a GPU host ``preset`` (not together with
-    ``topology``), ``cached_tiers=False`` (``--no-cached-tiers``); 0 / empty: not given."""
+    and the ``flags`` (they win over the section)."""
+    world_size, ranks_per_host = flags.world_size, flags.ranks_per_host
+    tables, topology, preset = flags.tables, flags.topology, flags.preset
     topo_over = dict(planner.pop("topology", {}))
     tables_file = tables or (
         str(base / planner.pop("tables_file")) if "tables_file" in planner else ""
     )
     planner.pop("tables_file", None)
-    cached = bool(planner.get("allow_cached_tiers", True)) and cached_tiers
+    cached = bool(planner.get("allow_cached_tiers", True)) and flags.cached_tiers
     planner["allow_cached_tiers"] = cached
     if tables_file:
         specs = load_tables(tables_file)
@@ -83,7 +96,7 @@ def plan_inputs(
         )
         if cached:
             _config_storage(specs, embedding.tables)
-    batch = batch_size or int(planner.pop("batch_size", data.batch_size))
+    batch = flags.batch_size or int(planner.pop("batch_size", data.batch_size))
     planner.pop("batch_size", None)
     optimizer = str(planner.pop("optimizer", embedding.optimizer))
     topo_file = str(planner.pop("topology_file", "") or "")

@@ -58,6 +58,7 @@ __all__ = [
     "Traffic",
     "TowerCost",
     "TowerPlanResult",
+    "TowerOptions",
     "TOWER_MODULE_KINDS",
     "TOWER_PARTITIONS",
     "time_memory_groups",
@@ -326,26 +327,39 @@ def _module_s(topo: Topology, cm: CostModel, samples: float, fin: int, fout: int
     return max(flops / (topo.dense_tflops * 1e12), nbytes / (topo.device_bw_gbs * GB))
 
 
+@dataclass(frozen=True)
+class TowerOptions:
+    """How ``plan_towers`` builds and prices the towers (checked there, not here)."""
+
+    out_vectors: int = 1
+    """Vectors each ``mlp`` tower module outputs per sample (``--tower-out-vectors``)."""
+    module: str = "mlp"
+    """The tower module priced: one of ``TOWER_MODULE_KINDS``."""
+    groups: Sequence[Sequence[str]] | None = None
+    """The towers' table names; None: made by ``partition``."""
+    partition: str = "time+memory"
+    """Without ``groups``: one of ``TOWER_PARTITIONS``."""
+
+
 def plan_towers(
     tables: Sequence[TableSpec],
     topology: Topology,
     batch_size: int,
     towers: int,
     optimizer: str = "rowwise_adagrad",
-    out_vectors: int = 1,
-    module: str = "mlp",
-    groups: Sequence[Sequence[str]] | None = None,
-    partition: str = "time+memory",
+    options: TowerOptions = TowerOptions(),
     flat: PlanResult | None = None,
     **planner_kw: Any,
 ) -> TowerPlanResult:
     """Plan ``tables`` as ``towers`` towers (one per host of ``topology``) and price the tower plan
-    next to the flat plan (``flat``, else planned here). ``groups``: the towers' table names; by
-    default ``partition``: ``time+memory`` (``time_memory_groups``: every tower must fit in one
-    host's memory) or ``time`` (``neorec.sharding.towers.partition_tables`` "balanced": LPT by
-    each table's predicted time only, the runtime's default partition). Raises
+    next to the flat plan (``flat``, else planned here). ``options.groups``: the towers' table
+    names; by default ``options.partition``: ``time+memory`` (``time_memory_groups``: every tower
+    must fit in one host's memory) or ``time`` (``neorec.sharding.towers.partition_tables``
+    "balanced": LPT by each table's predicted time only, the runtime's default partition). Raises
     ``TowerPlanError`` for towers that do not fit the topology and ``PlanningError`` (naming the
     tower) when a tower does not fit in its host's memory."""
+    out_vectors, module = options.out_vectors, options.module
+    groups, partition = options.groups, options.partition
     check_towers(topology, towers, len(tables))
     if module not in TOWER_MODULE_KINDS:
         raise TowerPlanError(f"tower module must be one of {TOWER_MODULE_KINDS}, got {module!r}")
