@@ -79,7 +79,7 @@ def test_floors_are_positive_rates() -> None:
 def test_timing_hooks_leave_the_step_bitwise_unchanged() -> None:
     """The same step with and without the timer attached: the same loss and weights, bitwise."""
     from neorec.bench.step_timing import PhaseTimer, attach_timer, hook_collection
-    from neorec.build import build_dlrm, dense_optimizer
+    from neorec.builder import build_dlrm, dense_optimizer
     from neorec.config import load_config
     from neorec.train.steps import LossGuard, train_step
 

@@ -62,7 +62,7 @@ def _train(rank: int, world: int, cfg: Any, marked: bool) -> tuple[list, list]:
     marks on (the timer active, the staging wrapped, the collection's and the step's marks)."""
     from neorec.bench.step_dist_breakdown import _wrap_staging, attach_dist_timer
     from neorec.bench.step_timing import PhaseTimer, fresh_batches
-    from neorec.build import dense_optimizer, distributed_model, resolve_plan
+    from neorec.builder import dense_optimizer, distributed_model, resolve_plan
     from neorec.train.pipeline import make_pipeline
     from neorec.train.steps import LossGuard, Step
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from neorec.build.run import check_run
+from neorec.builder.run import check_run
 from neorec.config import ConfigError, load_config
 
 TABLES = (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.checkpoint import (
     CheckpointCorruptError,
     CheckpointManager,

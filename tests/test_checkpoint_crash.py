@@ -49,7 +49,7 @@ import pytest
 import torch
 from faults import campaign
 
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.checkpoint import (
     CheckpointError,
     CheckpointManager,

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from dist_util import run_ranks
 
-from neorec.build import build_dlrm, dense_optimizer, distributed_model
+from neorec.builder import build_dlrm, dense_optimizer, distributed_model
 from neorec.checkpoint import CheckpointManager
 from neorec.config import load_config
 from neorec.sharding.fixed_plan import plan_by_type

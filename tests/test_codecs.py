@@ -177,7 +177,7 @@ def _dp_codec_run(rank: int, world: int) -> None:
     # Data-parallel tables' row gradients under comm.allreduce: every rank decodes the same
     # bytes, so replicas stay bitwise identical; the tables end close to the fp32 run's, and the
     # all-gather sends fewer bytes.
-    from neorec.build import sharded_collection
+    from neorec.builder import sharded_collection
     from neorec.config import (
         CommConfig,
         Config,

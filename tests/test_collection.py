@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from neorec.build import build_collection, sharded_collection
+from neorec.builder import build_collection, sharded_collection
 from neorec.config import (
     Config,
     EmbeddingConfig,

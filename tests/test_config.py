@@ -176,7 +176,7 @@ def test_check_trainable(overrides, match):
 
 
 def test_dense_params_match_the_model():
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.config import dense_params
 
     for over in ([], ["model.interaction='dcn'", "model.dcn_low_rank=8"], ["model.dot_self=true"]):

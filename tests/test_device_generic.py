@@ -34,7 +34,7 @@ import torch
 from dist_util import DEVICE, run_ranks
 
 import neorec
-from neorec.build import build_dlrm, dense_optimizer, distributed_model
+from neorec.builder import build_dlrm, dense_optimizer, distributed_model
 from neorec.checkpoint.tracker import DirtyRowTracker
 from neorec.config import (
     CommConfig,
@@ -319,7 +319,7 @@ def _tower_model(cfg: Config) -> Any:
     identity tower modules."""
     from torch import nn
 
-    from neorec.build import towered_model
+    from neorec.builder import towered_model
     from neorec.distributed.towers import tower_features
     from neorec.modules.dlrm import DenseArch
 

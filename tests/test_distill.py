@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from faults import campaign
 
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.config import ConfigError, DistillConfig, check_trainable, load_config
 from neorec.data.batch import Batch
 from neorec.data.synthetic import SyntheticClickData

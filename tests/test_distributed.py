@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_util import run_ranks
 
-from neorec.build import build_dlrm, dense_optimizer, distributed_model
+from neorec.builder import build_dlrm, dense_optimizer, distributed_model
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
 from neorec.data.batch import Batch
 from neorec.distributed.model_parallel import DistributedModel

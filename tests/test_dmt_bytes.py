@@ -107,7 +107,7 @@ def _cfg(kind: str):
 
 
 def _sptt_rank(rank: int, world: int, kind: str, sync: str) -> None:
-    from neorec.build import build_dlrm, dense_optimizer, towered_model
+    from neorec.builder import build_dlrm, dense_optimizer, towered_model
     from neorec.data.synthetic import SyntheticClickData
     from neorec.train.trainer import train_step
 

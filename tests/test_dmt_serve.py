@@ -32,7 +32,7 @@ def _cfg(root: Path, *extra: str) -> Any:
 
 def _batches(cfg: Any, rank: int, world: int) -> list[Any]:
     """This rank's slices of the first ``STEPS`` global train batches."""
-    from neorec.build import data_source
+    from neorec.builder import data_source
 
     b = cfg.data.batch_size // world
     batches = data_source(cfg).train_batches(0)
@@ -42,7 +42,7 @@ def _batches(cfg: Any, rank: int, world: int) -> list[Any]:
 def _pipelined(cfg: Any, kind: str, rank: int, world: int) -> tuple[Any, ...]:
     """Train ``STEPS`` steps of the SPTT model through pipeline ``kind`` (``none``: no staging,
     each forward exchanges its ids itself)."""
-    from neorec.build import dense_optimizer, towered_model
+    from neorec.builder import dense_optimizer, towered_model
     from neorec.distributed.comm import Chain
     from neorec.train.pipeline import make_pipeline
     from neorec.train.trainer import train_step
@@ -84,7 +84,7 @@ def _stderr_of(fn: Any) -> str:
 
 
 def _rank(rank: int, world: int, root: str) -> None:
-    from neorec.build import dense_optimizer, towered_model
+    from neorec.builder import dense_optimizer, towered_model
     from neorec.train.trainer import Trainer, train_step
 
     base = Path(root)

@@ -277,7 +277,7 @@ def test_unadmitted_zeros_and_default_row() -> None:
 
 
 def test_build_mixed_model() -> None:
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.config import load_config
     from neorec.storage.dynamic import MixedEmbeddingBagCollection
 

@@ -203,7 +203,7 @@ def test_export_import_continue_bitwise(tmp_path: Path, into: str) -> None:
 
 
 def test_build_from_config_and_refusals(tmp_path: Path) -> None:
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.config import load_config
     from neorec.storage.dynamic import MixedEmbeddingBagCollection
 
@@ -326,7 +326,7 @@ def test_new_slots_are_not_read_from_the_store(tmp_path: Path) -> None:
 
 def test_mixed_collection_forwards_flush_and_close(tmp_path: Path) -> None:
     """A fixed + dynamic collection flushes and closes both parts (it did neither)."""
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.config import load_config
 
     cfg = load_config(

@@ -172,7 +172,7 @@ def test_rank0_reports_every_ranks_counters(runs: dict[str, Any]) -> None:
 def test_faults_dynamic_distributed(runs: dict[str, Any], tmp_path: Path) -> None:
     from faults import campaign
 
-    from neorec.build import sharded_collection
+    from neorec.builder import sharded_collection
     from neorec.checkpoint.format import CheckpointError
     from neorec.train.trainer import Trainer
 

@@ -1,6 +1,6 @@
 """Sharded dynamic tables on DRAM / SSD (issue 44): each rank's slot rows in its own store
 (``<storage.dir>/rank<r>``) behind a row cache smaller than the rank's slots, so rows are evicted
-to the store and read back. 2 gloo ranks built by ``neorec.build.sharded_collection`` train
+to the store and read back. 2 gloo ranks built by ``neorec.builder.sharded_collection`` train
 bitwise what the in-memory sharded module trains, and what the unsharded in-memory
 ``DynamicEmbeddingBagCollection`` (the specification) trains on the same global batches (as
 ``tests/test_dynamic_sharded.py`` claims it: tables bitwise with sum pooling, else to 1e-5);
@@ -20,7 +20,7 @@ import torch
 from dist_util import run_ranks
 from faults import campaign, run_cli
 
-from neorec.build import collection_spec
+from neorec.builder import collection_spec
 from neorec.distributed.dynamic_reshard import TableShard, merge_table_shards, owner_of
 from neorec.distributed.dynamic_sharded import ShardedDynamicEmbeddingBagCollection
 from neorec.modules.collection import CollectionSpec
@@ -79,7 +79,7 @@ def _in_memory(cfg: Any, sharded: bool) -> Any:
 
 def _cached(cfg: Any) -> Any:
     """The config's sharded collection, as a run builds it."""
-    from neorec.build import sharded_collection
+    from neorec.builder import sharded_collection
 
     m = sharded_collection(cfg, None)  # type: ignore[arg-type]  # (no fixed tables: no plan)
     assert isinstance(m, ShardedDynamicEmbeddingBagCollection)

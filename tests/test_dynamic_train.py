@@ -377,7 +377,7 @@ def test_compiled_init_rows_equal_the_reference(dim: int) -> None:
 
 
 def test_checkpoint_faults(tmp_path: Any) -> None:
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.checkpoint import CheckpointManager, list_checkpoints, open_storage
     from neorec.config import CheckpointConfig
 
@@ -388,7 +388,7 @@ def test_checkpoint_faults(tmp_path: Any) -> None:
     ck = CheckpointConfig(policy="consecutive", bits=32, opt_bits=32, async_write=False,
                           fsync=False)  # fmt: skip
     mgr = CheckpointManager(ck, model, opt, str(tmp_path / "ck"))
-    from neorec.build import data_source
+    from neorec.builder import data_source
 
     src = data_source(cfg)
     for j, b in enumerate(src.train_batches()):

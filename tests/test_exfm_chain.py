@@ -113,7 +113,7 @@ def test_exfm_chain_runs_and_saves(tmp_path: Path, capsys: pytest.CaptureFixture
     model, cfg = load_model(out / "student")
     assert cfg.data.window == 2
     # the saved student predicts (its serving head; aux head and adapter ride along for training)
-    from neorec.build import data_source
+    from neorec.builder import data_source
 
     batch = next(iter(data_source(cfg).eval_batches()))
     model.train(False)

@@ -17,7 +17,7 @@ from dist_util import run_ranks
 import neorec.train.distill as distill
 import neorec.train.losses as losses
 import neorec.train.steps as steps
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.config import (
     Config,
     DataConfig,
@@ -152,7 +152,7 @@ def _reference(cfg: Config, fast: bool):
 
 
 def _ranks(rank: int, world: int) -> None:
-    from neorec.build import distributed_model, towered_model
+    from neorec.builder import distributed_model, towered_model
     from neorec.sharding.fixed_plan import plan_by_type
 
     b = B // world

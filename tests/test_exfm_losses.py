@@ -11,7 +11,7 @@ import torch
 from test_distill import AUX, cfg_of, model_of, with_fm
 
 import neorec.train.distill as distill
-from neorec.build import dense_optimizer
+from neorec.builder import dense_optimizer
 from neorec.data.batch import Batch
 from neorec.errors import DataError
 from neorec.ops.exfm_losses import exfm_losses, native_lib

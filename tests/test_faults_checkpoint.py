@@ -28,7 +28,7 @@ import pytest
 import torch
 from faults import campaign, judge_cli, run_cli
 
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.checkpoint import CheckpointManager, list_checkpoints, open_storage
 from neorec.checkpoint.format import seal_manifest
 from neorec.checkpoint.inspect import format_inspect, format_ls

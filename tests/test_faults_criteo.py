@@ -448,7 +448,7 @@ def small_config(path: str, **data: Any) -> Config:
 
 
 def test_source_checks_come_first(tmp_path: Path) -> None:
-    from neorec.build import data_source
+    from neorec.builder import data_source
     from neorec.train.trainer import Trainer
 
     f = write(tmp_path / "train.txt", base_lines(9, 120))
@@ -532,7 +532,7 @@ def test_raw_tsv_source_skip_mode_reports_the_count(tmp_path: Path) -> None:
     import contextlib
     import io
 
-    from neorec.build import data_source
+    from neorec.builder import data_source
 
     lines = base_lines(11, 50)
     lines[3] = set_field(lines[3], 2, b"x")
@@ -575,7 +575,7 @@ def test_readme_flow_end_to_end(tmp_path: Path) -> None:
     ok = ok and m["rows"] == KAGGLE_ROWS and m["split"]["eval"] == round(300 / 7)
     SOURCE.record("README preprocess command", "handled" if ok else "crash", r.stderr[-300:])
     if ok:  # the Kaggle config accepts it (its checks only: building its tables takes a minute)
-        from neorec.build import data_source
+        from neorec.builder import data_source
 
         kaggle = load_config(KAGGLE)
         kaggle.data = dataclasses.replace(kaggle.data, path=str(tmp_path / "criteo_pre"), workers=0)

@@ -41,7 +41,7 @@ import torch
 from faults import campaign, judge_cli, run_cli
 
 import neorec.checkpoint.storage as storage_mod
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.checkpoint import CheckpointManager, open_storage
 from neorec.checkpoint.catalog import resolve_checkpoint, scan, verify_checkpoint
 from neorec.checkpoint.storage import TMP_MARK, FsspecStorage

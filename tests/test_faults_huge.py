@@ -42,7 +42,7 @@ def hwm_mb():  # the process's peak RSS (VmHWM: reset by exec, unlike ru_maxrss)
 
 import neorec.data.tabular, neorec.data.criteo, neorec.data.tabular_pre  # imports first
 import dataclasses
-from neorec.build import data_source
+from neorec.builder import data_source
 from neorec.config import load_config
 from neorec.errors import NeorecError
 kind, path, mode = sys.argv[1:4]

@@ -31,7 +31,7 @@ from neorec.sparse import SparseFeatures
 @pytest.fixture(scope="module")
 def art(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """An untrained model's artifact (fp32 and int8), and one batch of inputs."""
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
 
     root = tmp_path_factory.mktemp("serve")
     cfg = tiny_cfg(root)

@@ -18,7 +18,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from faults import campaign, run_cli  # noqa: E402
 
-from neorec.build import data_source  # noqa: E402
+from neorec.builder import data_source  # noqa: E402
 from neorec.config import load_config  # noqa: E402
 from neorec.data.example import example_columns, write_example  # noqa: E402
 from neorec.data.tabular_pre import TabularOptions, preprocess_tabular  # noqa: E402

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from neorec.bench.largebatch import ARMS, SameSamples, _cfg, _summary, arm_overrides, main, parse
-from neorec.build import lr_schedule
-from neorec.build.run import data_source
+from neorec.builder import lr_schedule
+from neorec.builder.run import data_source
 from neorec.config import ConfigError, load_config
 
 

@@ -271,7 +271,7 @@ def test_below_the_builder_no_whole_config() -> None:
     """Only the builder and the parts above it take the whole ``Config``; below it, code receives
     its own sections or plain values."""
     layers = declared_layers()
-    top = layers["build"]
+    top = layers["builder"]
     bad = []
     for path in source_files():
         part = part_of(module_name(path))

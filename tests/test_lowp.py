@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from test_trainer import tiny_cfg
 
-from neorec.build import build_dlrm, data_source, dense_optimizer
+from neorec.builder import build_dlrm, data_source, dense_optimizer
 from neorec.config import LowpConfig, load_config
 from neorec.lowp.dispatch import Dispatcher, LowpLinear, choose, install, uninstall
 from neorec.lowp.formats import CANDIDATES, FP8, candidate, fp8_round, quantize

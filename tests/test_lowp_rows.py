@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist_util import run_ranks
 
-from neorec.build import build_dlrm
+from neorec.builder import build_dlrm
 from neorec.checkpoint import CheckpointManager
 from neorec.config import ConfigError, EmbeddingConfig, TableConfig, load_config
 from neorec.modules.collection import CollectionSpec
@@ -300,7 +300,7 @@ def _tiny(tmp_path, *extra):
 
 @pytest.mark.parametrize("policy", ["full", "consecutive"])
 def test_checkpoint_restores_low_precision_tables_exactly(tmp_path, policy):
-    from neorec.build import dense_optimizer
+    from neorec.builder import dense_optimizer
     from neorec.config import CheckpointConfig
     from neorec.data.synthetic import SyntheticClickData
     from neorec.train.trainer import train_step
@@ -337,7 +337,7 @@ def test_checkpoint_restores_low_precision_tables_exactly(tmp_path, policy):
 def _sharded_rank(rank: int, world: int, precision: str, rounding: str) -> None:
     import test_distributed as td
 
-    from neorec.build import distributed_model
+    from neorec.builder import distributed_model
     from neorec.sharding.fixed_plan import plan_by_type
 
     cfg = td.make_cfg("rowwise_adagrad")
@@ -370,7 +370,7 @@ def test_sharded_low_precision_tables_equal_one_process(precision, rounding):
 
 
 def test_dlrm_trains_with_low_precision_tables_like_fp32(tmp_path):
-    from neorec.build import dense_optimizer
+    from neorec.builder import dense_optimizer
     from neorec.data.synthetic import SyntheticClickData
     from neorec.train.trainer import train_step
 

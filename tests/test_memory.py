@@ -32,7 +32,7 @@ def test_small_buffers_are_left_alone() -> None:
 
 
 def test_switched_off_by_the_system_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from neorec.build import apply_system
+    from neorec.builder import apply_system
     from neorec.config import SystemConfig
     from neorec.ops import settings
 
@@ -67,7 +67,7 @@ def test_keep_freed_heap_sets_glibc_thresholds_or_says_it_did_not() -> None:
 
 
 def test_keep_heap_only_on_distributed_ranks_that_ask(monkeypatch: pytest.MonkeyPatch) -> None:
-    import neorec.build.run as build_run
+    import neorec.builder.run as build_run
     from neorec.config import SystemConfig
 
     calls: list[int] = []

@@ -9,7 +9,7 @@ import torch
 from dist_util import run_ranks
 from test_distributed import B, global_batch, make_cfg, plans
 
-from neorec.build import dense_optimizer, distributed_model
+from neorec.builder import dense_optimizer, distributed_model
 from neorec.config import CommConfig, load_config
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import Trainer, train_step

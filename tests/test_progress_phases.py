@@ -16,7 +16,7 @@ import torch
 from test_trainer import tiny_cfg
 
 from neorec import phases
-from neorec.build import build_model, data_source
+from neorec.builder import build_model, data_source
 from neorec.cli import line_buffered, main
 from neorec.phases import Phase, no_table_init, watch_init
 from neorec.serve import load_model, save_model

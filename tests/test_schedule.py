@@ -11,7 +11,7 @@ import torch
 from test_checkpoint import _same_state, tiny_cfg
 from test_collection import KINDS, _batch, _cfg
 
-from neorec.build import (
+from neorec.builder import (
     build_collection,
     lr_scale,
     lr_schedule,

@@ -208,7 +208,7 @@ def test_mean_pooling_weights_empty_bags_and_torchscript(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mean pooling, per-id weights and empty bags in the loader; the TorchScript fallback."""
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.sparse import SparseFeatures
 
     cfg = tiny_cfg(tmp_path, "embedding.pooling='mean'", "model.interaction='dcn'")

@@ -199,7 +199,7 @@ def test_cached_storage_json_round_trip_validation_and_runtime_check(tmp_path) -
         check_storage(plan, who="the distributed runtime")
     check_storage(ShardingPlan(4, 2, [plain]))
     # ... also when it arrives as a hand-written plan file (sharding.plan).
-    from neorec.build import resolve_plan
+    from neorec.builder import resolve_plan
     from neorec.config import Config, EmbeddingConfig, ModelConfig
 
     tables = [_t("ssd", rows=100), _t("dram", rows=50), _t("dev")]

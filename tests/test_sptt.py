@@ -6,7 +6,7 @@ import torch
 from dist_util import run_ranks
 from torch import nn
 
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.config import Config, DataConfig, EmbeddingConfig, ModelConfig, TableConfig, TrainConfig
 from neorec.data.batch import Batch
 from neorec.modules.dlrm import DenseArch
@@ -70,7 +70,7 @@ def _tower_order() -> list[TableConfig]:
 def _identity_rank(rank: int, world: int, opt: str, weighted: bool, root: str = "") -> None:
     """Train the towered model and the flat one; compare. With ``root``, also save a checkpoint
     every step and the final predictions (``_restore_rank`` restores them on another world)."""
-    from neorec.build import towered_model
+    from neorec.builder import towered_model
     from neorec.checkpoint import CheckpointManager
     from neorec.config import CheckpointConfig
     from neorec.distributed.towers import tower_features
@@ -131,7 +131,7 @@ def test_sptt_adam_weighted_equals_flat_and_restores_under_another_world_size(tm
 
 
 def _identity_model(cfg):
-    from neorec.build import towered_model
+    from neorec.builder import towered_model
     from neorec.distributed.towers import tower_features
 
     feats = tower_features(cfg.embedding.tables, GROUPS)

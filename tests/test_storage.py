@@ -292,7 +292,7 @@ def test_disk_full_on_write_back_loses_nothing(tmp_path, monkeypatch):
 
 
 def test_config_and_build_dlrm_choose_the_cache(tmp_path):
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="storage"):

@@ -20,7 +20,7 @@ import torch
 from faults import campaign
 from test_trainer import tiny_cfg
 
-from neorec.build import data_source
+from neorec.builder import data_source
 from neorec.config import Config, ConfigError, load_config
 from neorec.data.batch import Batch
 from neorec.data.sources import StreamSource

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from faults import campaign
 
 from neorec.bench.towers_quality import adjusted_rand, captured, grouped_config, grouped_data
-from neorec.build import build_dlrm, build_flat_dlrm, tower_groups
+from neorec.builder import build_dlrm, build_flat_dlrm, tower_groups
 from neorec.config import Config, ConfigError, TowersConfig, load_config
 from neorec.data.synthetic import SyntheticClickData
 from neorec.modules.dlrm import DLRM

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from dist_util import TRANSPORT, run_ranks
 
-from neorec.build import build_dlrm, dense_optimizer, distributed_model
+from neorec.builder import build_dlrm, dense_optimizer, distributed_model
 from neorec.config import (
     CommConfig,
     Config,

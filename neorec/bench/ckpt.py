@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.checkpoint.manager import CheckpointManager, list_checkpoints
 from neorec.checkpoint.storage import open_storage
 from neorec.config import (

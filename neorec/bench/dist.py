@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from neorec.bench.stats import paired_ratio, rotated
 from neorec.bench.step import make_batches
-from neorec.build import dense_optimizer, distributed_model
+from neorec.builder import dense_optimizer, distributed_model
 from neorec.config import CommConfig, load_config
 from neorec.distributed.comm import (
     TRANSPORTS,

@@ -107,7 +107,7 @@ def time_students(
     (after a warm-up round) runs ``steps`` steps of every setup, in an order rotated by the round
     (``stats.rotated``), so a slower moment of a shared machine hits them alike; a setup's rate in
     a round is from its median step. Every setup's loss takes the fused C kernel."""
-    from neorec.build import data_source
+    from neorec.builder import data_source
     from neorec.train.losses import make_loss
     from neorec.train.steps import train_step
 

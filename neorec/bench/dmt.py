@@ -108,7 +108,7 @@ def _measure(rank: int, world: int, a: argparse.Namespace, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from neorec.bench.stats import paired_ratio, rotated
-    from neorec.build import (
+    from neorec.builder import (
         dense_optimizer,
         distributed_model,
         resolve_plan,

@@ -102,7 +102,7 @@ class Table:
     """One model and what its batches go through: ``prep(sparse, training)`` -> its ids."""
 
     def __init__(self, cfg: Config, a: argparse.Namespace, kind: str, m: int, thr: int) -> None:
-        from neorec.build import build_dlrm
+        from neorec.builder import build_dlrm
 
         c = deepcopy(cfg)
         for t in c.embedding.tables:

@@ -28,7 +28,7 @@ from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.bench.stats import paired_ratio
 from neorec.bench.step_breakdown import main_args, run_breakdown
 from neorec.bench.step_timing import make_batches
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.config import LowpConfig, load_config
 from neorec.config.model import PRECISIONS
 from neorec.data.batch import Batch

@@ -30,7 +30,7 @@ from neorec.bench.step_timing import (
     result_fields,
     step_shape,
 )
-from neorec.build import build_dlrm, dense_optimizer
+from neorec.builder import build_dlrm, dense_optimizer
 from neorec.data.batch import Batch
 from neorec.train.lowp import TrainerLowp
 from neorec.train.pipeline import StepHook, TrainPipeline

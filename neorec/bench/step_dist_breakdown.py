@@ -2,7 +2,7 @@
 next to its floor (``docs/performance.md``, "The distributed step against its floors").
 
 N gloo ranks on this machine each run the trainer's own distributed step: the model of
-``build.distributed_model`` under the config's plan (``build.resolve_plan``), the trainer's
+``builder.distributed_model`` under the config's plan (``builder.resolve_plan``), the trainer's
 pipeline (``train.pipeline``) and ``train.steps.train_step`` with the NaN guard, on the rank's
 slice of the same global batches as the one-process breakdown. Steps alternate between timed by
 phase and untimed (whose medians give the whole step); a barrier precedes each step, outside it.
@@ -52,7 +52,7 @@ from neorec.bench.step_timing import (
     row_state_bytes,
     step_shape,
 )
-from neorec.build import apply_system, dense_optimizer, distributed_model, resolve_plan
+from neorec.builder import apply_system, dense_optimizer, distributed_model, resolve_plan
 from neorec.data.batch import Batch
 from neorec.distributed.comm import close_host_transports, host_transport
 from neorec.errors import ConfigError

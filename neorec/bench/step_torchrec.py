@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from neorec.build import dense_optimizer
+from neorec.builder import dense_optimizer
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError
 

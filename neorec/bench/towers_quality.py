@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from neorec.build import build_dlrm, build_flat_dlrm, tower_groups
+from neorec.builder import build_dlrm, build_flat_dlrm, tower_groups
 from neorec.config import Config, load_config
 from neorec.data.synthetic import SyntheticClickData
 from neorec.metrics import binary_metrics

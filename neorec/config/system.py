@@ -2,7 +2,7 @@
 
 They change how fast a run goes, never what it computes: every switch has a fallback that takes
 bitwise the same decisions (tests compare the two). The builder applies them once per process
-(``neorec.build.run.apply_system``).
+(``neorec.builder.run.apply_system``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the saved world is a multiple of the new one (a merge), and copies of a saved ra
 each rank that takes part of its range otherwise (ids may then be admitted early, never late).
 
 Placement in a distributed model: dynamic tables are never placed by a ``ShardingPlan``
-(``without_dynamic``); ``neorec.build.sharded_collection`` builds a config's collection (fixed
+(``without_dynamic``); ``neorec.builder.sharded_collection`` builds a config's collection (fixed
 tables by the plan, dynamic tables row-wise by id hash over every rank).
 """
 

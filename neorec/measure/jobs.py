@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from neorec.build import sharded_collection
+from neorec.builder import sharded_collection
 from neorec.config import load_config
 from neorec.data.synthetic import zipf_batches
 from neorec.distributed.comm import close_host_transports, init_host_transport

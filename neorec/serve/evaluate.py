@@ -83,7 +83,7 @@ def eval_data(cfg: Config, data: str | None = None, split: str = "eval") -> Eval
             "use --data PATH for other data"
         )
     if data is None:
-        from neorec.build import data_source
+        from neorec.builder import data_source
 
         source = data_source(cfg)
         where = {

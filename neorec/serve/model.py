@@ -256,7 +256,7 @@ def load_model(path: str | Path, dense_blocks: bool = True) -> tuple[Any, Config
     Everything is checked before the model is built (model.json, the checkpoint's manifest and
     its model description); a missing, unfinished or corrupt directory is a ``CheckpointError``.
     """
-    from neorec.build import build_dlrm
+    from neorec.builder import build_dlrm
     from neorec.modules.collection_parts import check_tables_memory
     from neorec.phases import Phase, no_table_init
 

@@ -218,7 +218,7 @@ def distill_loss(
     if arch is None or arch.aux_head is None or (cfg.adapter and arch.adapter is None):
         raise ConfigError(
             "distill.aux_head / distill.adapter need a model built from this config with them "
-            "(neorec.build: build_dlrm, distributed_model, towered_model)"
+            "(neorec.builder: build_dlrm, distributed_model, towered_model)"
         )
     if hidden is None:
         raise ConfigError("distill.aux_head needs the penultimate layer: call with hidden")

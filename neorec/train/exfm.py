@@ -49,7 +49,7 @@ def replace_section(cfg: Config, section: str, **kw: Any) -> Config:
 def student_model(cfg: Config) -> Any:
     """The unsharded model of ``cfg`` as the trainer builds it (dense blocks; the FM's too) and
     its dense optimizer."""
-    from neorec.build import build_dlrm, dense_optimizer
+    from neorec.builder import build_dlrm, dense_optimizer
     from neorec.distributed.dense_blocks import block_dense
 
     model = build_dlrm(cfg)
@@ -77,7 +77,7 @@ def train_fm(
     ``work/{das_name}`` for one k); per window the FM's eval metrics on the student's eval split
     of that window (fresh FM; ``recal_ne``: after the best constant shift; ``own_ne``: on the
     FM's own traffic) and the seconds its training took; ``log(line)`` as each window ends."""
-    from neorec.build import data_source
+    from neorec.builder import data_source
     from neorec.serve import save_model
     from neorec.serve.das import write_fm_logits
     from neorec.train.steps import evaluate, train_step
@@ -161,7 +161,7 @@ def train_student(
     NE of the stale FM logits it read (NaN where none))``; ``log(line)`` per window if given.
     Steps without distillation (``alone``, windows w < k) compute their BCE by the distilled
     steps' C kernel (``fused_bce``: ``neorec.train.losses.FusedBce``), so every setup has the same loss path."""
-    from neorec.build import data_source
+    from neorec.builder import data_source
     from neorec.data.stream import read_fm_logits
     from neorec.metrics import binary_metrics
     from neorec.train.losses import make_loss

@@ -1,7 +1,7 @@
 """The towers of a run (DMT), decided before its model is built: the config's own (given,
-balanced, random: ``neorec.build.towers.tower_groups``), or ``learned`` after a warm-up of the flat
+balanced, random: ``neorec.builder.towers.tower_groups``), or ``learned`` after a warm-up of the flat
 model (``train_step`` on the first train batches, then the features' interaction clustered).
-The trainer passes them to ``neorec.build.build_model``."""
+The trainer passes them to ``neorec.builder.build_model``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neorec.build import build_flat_dlrm, tower_groups
+from neorec.builder import build_flat_dlrm, tower_groups
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 from neorec.data.sources import DataSource

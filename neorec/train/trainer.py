@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from neorec.build import (
+from neorec.builder import (
     apply_system,
     build_model,
     check_run,
@@ -26,7 +26,7 @@ from neorec.build import (
     lr_schedule,
     scaling_line,
 )
-from neorec.build.run import check_cache_capacity
+from neorec.builder.run import check_cache_capacity
 from neorec.config import Config, ConfigError
 from neorec.data.batch import Batch
 from neorec.data.sources import DataSource

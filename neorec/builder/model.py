@@ -1,6 +1,6 @@
 """The model a config describes: its embedding collections' shared ``CollectionSpec``, its
 embedding collection (in memory, low precision, behind a row cache, dynamic), the flat DLRM, and
-their distributed forms under a plan. (The towered model: ``neorec.build.towers``.)"""
+their distributed forms under a plan. (The towered model: ``neorec.builder.towers``.)"""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ optimizer; ``schedule``: the lr scaling and schedule. The learned towers are dec
 trainer (``neorec.train.towers_warmup``) and passed in.
 """
 
-from neorec.build.model import (
+from neorec.builder.model import (
     build_collection,
     build_flat_dlrm,
     collection_spec,
@@ -18,8 +18,8 @@ from neorec.build.model import (
     sharded_collection,
     store_settings,
 )
-from neorec.build.plan import resolve_plan
-from neorec.build.run import (
+from neorec.builder.plan import resolve_plan
+from neorec.builder.run import (
     BuiltModel,
     apply_system,
     build_model,
@@ -27,8 +27,8 @@ from neorec.build.run import (
     data_source,
     dense_optimizer,
 )
-from neorec.build.schedule import lr_scale, lr_schedule, scaling_line
-from neorec.build.towers import build_dlrm, tower_groups, towered_model
+from neorec.builder.schedule import lr_scale, lr_schedule, scaling_line
+from neorec.builder.towers import build_dlrm, tower_groups, towered_model
 
 __all__ = [
     "build_collection",

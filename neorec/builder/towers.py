@@ -11,13 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from neorec.build.model import (
+from neorec.builder.model import (
     attach_student,
     build_collection,
     build_flat_dlrm,
     sharded_collection,
 )
-from neorec.build.plan import resolve_plan
+from neorec.builder.plan import resolve_plan
 from neorec.config import Config, ConfigError, TableConfig
 from neorec.distributed.comm import CommStats
 from neorec.distributed.towers import DistributedTowerModel, tower_features

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from neorec.build.model import distributed_model
-from neorec.build.plan import resolve_plan
-from neorec.build.towers import build_dlrm, tower_groups, towered_model
+from neorec.builder.model import distributed_model
+from neorec.builder.plan import resolve_plan
+from neorec.builder.towers import build_dlrm, tower_groups, towered_model
 from neorec.config import Config, ConfigError, SystemConfig, TrainConfig, check_trainable
 from neorec.data.sources import DataSource, make_source
 from neorec.distributed.dense_blocks import block_dense
