@@ -71,3 +71,19 @@ def test_dense_blocks_default_and_plain(tmp_path):
     assert a["ne"] == pytest.approx(b["ne"], rel=1e-4)  # the same sums, in another order
     with pytest.raises(ConfigError, match="train.dense_blocks must be >= 1"):
         tiny_cfg(tmp_path, "train.dense_blocks=0")
+
+
+def test_a_train_split_without_batches_names_its_data(tmp_path, monkeypatch):
+    """A source whose train split yields nothing (past the size checks) is one line naming it."""
+    import neorec.train.trainer as trainer_mod
+
+    real = trainer_mod.data_source
+
+    def empty(cfg):
+        src = real(cfg)
+        src.train_batches = lambda start=0: iter(())
+        return src
+
+    monkeypatch.setattr(trainer_mod, "data_source", empty)
+    with pytest.raises(ConfigError, match="the synthetic train split produced no batches .*64"):
+        Trainer(tiny_cfg(tmp_path, "train.steps=5")).fit()

@@ -229,7 +229,11 @@ class Trainer(RunSummary):
                 produced, left = produced + 1, left - 1
                 yield b, (epoch, start + produced)
             if produced == 0 and start == 0:
-                raise ConfigError("the train split produced no batches (too few samples?)")
+                d = self.cfg.data
+                where = f"{d.path}: the train split" if d.path else f"the {d.source} train split"
+                raise ConfigError(
+                    f"{where} produced no batches (fewer samples than one batch of {d.batch_size}?)"
+                )
             epoch, start = epoch + 1, 0
 
     def _feed(self, positions: deque[tuple[int, int]]) -> Iterator[Batch]:
