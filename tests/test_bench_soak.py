@@ -5,9 +5,9 @@ No timing assertions: the machine is shared; only the shape of the JSON line is 
 
 from __future__ import annotations
 
-import json
-
 from faults import run_cli
+
+from neorec.bench.report import last_json
 
 
 def test_soak_reports_series_and_verdicts(tmp_path) -> None:
@@ -16,7 +16,7 @@ def test_soak_reports_series_and_verdicts(tmp_path) -> None:
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = last_json(r.stdout)  # (its provenance line follows it)
     assert out["bench"] == "soak" and out["minutes"] == 0.25
     n = len(out["t_s"])
     assert n >= 1
