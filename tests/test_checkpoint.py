@@ -334,3 +334,25 @@ def test_manifest_checksum_covers_every_field(tmp_path):
     p.write_text(json.dumps(m))
     with pytest.raises(CheckpointCorruptError, match="manifest checksum mismatch"):
         verify_checkpoint(open_storage(str(tmp_path / "ck")), p.parent.name)
+
+
+def test_checkpoints_keep_the_eval_count_not_the_evals(tmp_path, capsys):
+    """A checkpoint's size does not grow with the run's evals: it holds their number, and a
+    resumed run reads them back from events.jsonl (equal to an uninterrupted run's); without
+    the file, one line says how many it lacks."""
+    common = ["train.eval_every=2", "checkpoint.bits=32", "checkpoint.opt_bits=32"]
+    straight = Trainer(tiny_cfg(tmp_path / "a", "train.steps=12", *common)).fit()
+    cfg = tiny_cfg(tmp_path / "b", "train.steps=8", "checkpoint.every_steps=4", *common)
+    Trainer(cfg).fit()
+    model, opt = _model(cfg)
+    mgr = CheckpointManager(cfg.checkpoint, model, opt, str(tmp_path / "b" / "checkpoints"))
+    extra = mgr.restore("latest")
+    assert "evals" not in extra and extra["evals_count"] == 4, sorted(extra)
+    again = [*common, "checkpoint.every_steps=4", "checkpoint.resume=latest", "train.steps=12"]
+    resumed = Trainer(tiny_cfg(tmp_path / "b", *again)).fit()
+    assert resumed["evals"] == straight["evals"] and len(straight["evals"]) == 6
+    (tmp_path / "b" / "events.jsonl").unlink()
+    Trainer(
+        tiny_cfg(tmp_path / "b", *[a for a in again if "steps=" not in a], "train.steps=14")
+    ).fit()
+    assert "holds 0 of the 6 periodic evals before step 12" in capsys.readouterr().out

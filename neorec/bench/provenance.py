@@ -2,7 +2,7 @@
 
 ``neorec bench NAME ...`` runs the benchmark, then prints one more JSON line after the benchmark's
 own: ``{"provenance": {...}}`` with the exact argv the process received, the neorec commit it ran
-(``+dirty`` when tracked files differed from it), the CPU, the CPUs this process may use, the
+(``+dirty`` when its source differed from it), the CPU, the CPUs this process may use, the
 1-minute load before and after, and a digest: the SHA-256 of the benchmark's JSON line together
 with every other provenance field. ``neorec bench report`` stores both lines; a stored row whose
 result or provenance was edited by hand no longer matches its digest (``verify``), and
@@ -42,9 +42,14 @@ FIELDS = ("argv", "commit", "cpu", "cores", "load_before", "load_after", "date")
 """What every stored result's provenance holds (and ``digest``, over these and the result)."""
 
 
+SOURCE_PATHS = ("neorec", "configs", "pyproject.toml", "constraints.txt")
+"""What a result depends on: the package, the configs, the dependencies (``bench-results.json``
+and the README, which ``bench report`` itself rewrites, are not)."""
+
+
 def source_commit() -> str:
-    """The commit of the neorec source this process runs (``<sha>+dirty`` when tracked files
-    differ from it; ``unknown`` outside a git checkout)."""
+    """The commit of the neorec source this process runs (``<sha>+dirty`` when its
+    ``SOURCE_PATHS`` differ from it; ``unknown`` outside a git checkout)."""
     root = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
@@ -54,7 +59,7 @@ def source_commit() -> str:
 
     try:
         sha = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--", *SOURCE_PATHS)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     if len(sha) != 40:

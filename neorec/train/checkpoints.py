@@ -46,7 +46,7 @@ from neorec.config import Config
 from neorec.modules.schedule import LrSchedule
 from neorec.train.progress import Progress
 from neorec.train.runlock import held_for_us
-from neorec.train.state import TrainState
+from neorec.train.state import TrainState, evals_from_events
 
 __all__ = [
     "TrainerCheckpoints",
@@ -272,12 +272,27 @@ class TrainerCheckpoints:
             note += " (removed at this run's first checkpoint)"
         step = self.state.step
         self._say(f"resumed from step {step} ({t.which}: {t.path}){note}")
+        self._evals_back(step)
         saved = self.run.saved_schedule
         changed = self.run.schedule.differences(saved) if saved is not None else []
         if changed:  # the lr is a function of the step: the same settings resume it exactly
             self._say(
                 f"resume: the lr schedule differs from the checkpoint's ({'; '.join(changed)}): "
                 f"steps from {step + 1} on follow this run's",
+            )
+
+    def _evals_back(self, step: int) -> None:
+        """The periodic evals before ``step``, read back from the run's ``events.jsonl`` (a
+        checkpoint holds their number, not them); one line when some are missing there."""
+        st = self.state
+        if len(st.evals) >= st.evals_expected:
+            return
+        path = Path(self.cfg.train.run_dir) / "events.jsonl"
+        st.evals = evals_from_events(path, step)
+        if len(st.evals) != st.evals_expected:
+            self._say(
+                f"resume: {path} holds {len(st.evals)} of the {st.evals_expected} periodic evals "
+                f"before step {step}; metrics.json lists those it holds"
             )
 
     def after_step(self) -> None:

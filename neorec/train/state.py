@@ -1,16 +1,21 @@
 """Where a run is: its step, its data position, the step it resumed from and its periodic evals.
 
 ``TrainState`` is what the trainer, its checkpoints and its summary share instead of the trainer
-itself. A checkpoint keeps it (``state_dict``: ``step``, ``epoch``, ``next_batch``, ``evals``, the
-keys checkpoints have always had) through the ``CheckpointManager`` it is registered with.
+itself. A checkpoint keeps it (``state_dict``: ``step``, ``epoch``, ``next_batch`` and the number
+of periodic evals, ``evals_count``) through the ``CheckpointManager`` it is registered with. The
+evals themselves live in the run's ``events.jsonl`` (a checkpoint of a long run would otherwise
+grow by every eval): a resumed run reads them back from there (``evals_from_events``). A
+checkpoint written before this holds the list (``evals``) and is read as it is.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainState"]
+__all__ = ["TrainState", "evals_from_events"]
 
 
 @dataclass
@@ -28,6 +33,9 @@ class TrainState:
     """The step of the checkpoint this run resumed from (None: a new run)."""
     evals: list[dict[str, Any]] = field(default_factory=list)
     """The periodic evals so far: ``{"step": s, **metrics}`` each (a resumed run's included)."""
+    evals_expected: int = 0
+    """After a restore: how many periodic evals the checkpoint's run had made (the ones to read
+    back from ``events.jsonl``)."""
 
     @property
     def position(self) -> tuple[int, int]:
@@ -44,17 +52,46 @@ class TrainState:
         return bool(every) and self.step % every == 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Step, data position and evals (a checkpoint's keys)."""
+        """Step, data position and the number of evals (a checkpoint's keys): constant size."""
         return {
             "step": self.step,
             "epoch": self.epoch,
             "next_batch": self.next_batch,
-            "evals": self.evals,
+            "evals_count": len(self.evals),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a checkpoint's step, data position and evals (``KeyError`` / ``TypeError`` /
-        ``ValueError`` when it has none)."""
+        """Take a checkpoint's step and data position, and its evals when it holds them (older
+        checkpoints); else ``evals_expected`` says how many to read back (``KeyError`` /
+        ``TypeError`` / ``ValueError`` when it has none)."""
         step, epoch, nxt = int(state["step"]), int(state["epoch"]), int(state["next_batch"])
-        evals = [dict(e) for e in state["evals"]]
+        if "evals" in state:
+            evals = [dict(e) for e in state["evals"]]
+            expected = len(evals)
+        else:
+            evals, expected = [], int(state["evals_count"])
         self.step, self.epoch, self.next_batch, self.evals = step, epoch, nxt, evals
+        self.evals_expected = expected
+
+
+def evals_from_events(path: Path, step: int) -> list[dict[str, Any]]:
+    """The periodic evals of ``events.jsonl`` up to ``step``, as ``{"step": s, **metrics}`` (the
+    trainer's own records; the last line of a step wins). Empty when the file is missing."""
+    found: dict[int, dict[str, Any]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a cut last line (the process was killed while writing)
+        if not isinstance(rec, dict) or rec.get("final") or not isinstance(rec.get("step"), int):
+            continue
+        metrics = {
+            k[5:]: v for k, v in rec.items() if k.startswith("eval_") and k != "eval_batches"
+        }
+        if metrics and rec["step"] <= step:
+            found[rec["step"]] = {"step": rec["step"], **metrics}
+    return [found[s] for s in sorted(found)]
