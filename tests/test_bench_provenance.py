@@ -22,11 +22,9 @@ ARGV = ("locality", "--tables", "2", "--scale", "256")
 # Rows stored before the benchmark processes recorded their provenance: re-run each (``neorec
 # bench report --only NAME``) and take it off this list. A row not on it must verify.
 WITHOUT_PROVENANCE = {
-    "cache", "ckpt", "costcheck", "data", "dist_step", "distill", "dmt", "dynamic",
-    "largebatch", "lowp_ne", "lowp_tables", "movielens", "op_adam", "op_uniform", "op_zipf",
-    "planner_measured", "planner_pred", "step_breakdown", "step_breakdown_dcn",
-    "step_breakdown_dist", "step_breakdown_lowp", "step_lowp", "step_torchrec",
-    "step_torchrec_dcn", "step_torchrec_lowp", "train_default",
+    "cache", "costcheck", "dist_step", "distill", "dmt", "dynamic", "largebatch", "lowp_ne",
+    "lowp_tables", "movielens", "op_uniform", "op_zipf", "planner_measured", "step_torchrec",
+    "step_torchrec_dcn", "step_torchrec_lowp",
 }  # fmt: skip
 
 
