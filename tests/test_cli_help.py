@@ -3,22 +3,7 @@ worker side reads its restart attempt from the environment."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _loaded_after(code: str) -> set[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sorted(sys.modules)))"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    ).stdout
-    return set(out.split())
+from test_layers import _imported_modules
 
 
 def test_top_level_help_loads_no_numpy_nor_planner() -> None:
@@ -28,7 +13,7 @@ def test_top_level_help_loads_no_numpy_nor_planner() -> None:
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
     )
-    loaded = _loaded_after(code)
+    loaded = _imported_modules(code)
     assert "numpy" not in loaded and "torch" not in loaded
     assert not any(m.startswith(("neorec.sharding", "neorec.launch")) for m in loaded)
 

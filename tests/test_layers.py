@@ -51,22 +51,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _from_target(node: ast.ImportFrom, mod: str, is_pkg: bool) -> str:
+    """The module a ``from ... import`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".")[: None if is_pkg else -1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(path: Path) -> list[tuple[str, int]]:
     """Every ``neorec`` module ``path`` imports (resolved, relative imports too), with its line."""
-    mod = module_name(path)
-    is_pkg = path.name == "__init__.py"
+    mod, is_pkg = module_name(path), path.name == "__init__.py"
     out: list[tuple[str, int]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".")[: None if is_pkg else -1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            out.append((target, node.lineno))
+            out.append((_from_target(node, mod, is_pkg), node.lineno))
     return [(t, ln) for t, ln in out if t == "neorec" or t.startswith("neorec.")]
 
 
@@ -99,12 +101,7 @@ def file_imports(path: Path, modules: set[str]) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".")[: None if is_pkg else -1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, mod, is_pkg)
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 out.append((sub if sub in modules else target, node.lineno))

@@ -127,16 +127,15 @@ def run_entry(entry: Entry, quick: bool, lock: str = "") -> dict[str, Any]:
             if not found:
                 raise RuntimeError(f"entry '{entry.name}': the run wrote no metrics.json")
             result = json.loads(found[-1].read_text())
-            printed: dict[str, Any] | None = provenance.finish(prov, result)
-            printed = {**(printed or {}), "recorded_by": "bench report"}
-            printed["digest"] = provenance.digest(result, printed)
+            printed = provenance.finish({**prov, "recorded_by": "bench report"}, result)
         else:
             try:
-                result, printed = provenance.split_output("".join(lines))
+                result, got = provenance.split_output("".join(lines))
             except ValueError as e:
                 raise RuntimeError(f"entry '{entry.name}': {e}") from None
-            if printed is None:
+            if got is None:
                 raise RuntimeError(f"entry '{entry.name}': the benchmark printed no provenance")
+            printed = got
     return {
         "command": entry.command(quick),
         "quick": quick,
