@@ -72,12 +72,25 @@ def _step_lowp(j: Json) -> str:
 
 
 def _lowp_ne(j: Json) -> str:
+    ref = j.get("reference")
+    head = []
+    if ref is not None:  # the reference's absolute NE and AUC: a change means something only if
+        # it learned (NE < 1)
+        learns = "" if ref["learns"] else " (**learned nothing**: no verdict)"
+        head.append(f"fp32 NE {iv(ref['ne'], '.4f')}, AUC {iv(ref['auc'], '.4f')}{learns}")
     parts = []
     for m, label in (("auto", "auto"), ("bf16", "bf16"), ("autocast", "autocast")):
         if m in j["modes"]:
             r = j["modes"][m]
-            parts.append(f"{label} {pct(r['rel_vs_base'])} ({r['low_precision_sites']} sites)")
-    return f"{'; '.join(parts)}; seeds {_seeds(j['seeds'])}"
+            sites = f"{r['low_precision_sites']} sites"
+            if m == "auto" and "plan" in j:
+                low = j["plan"]["low_precision"]
+                sites = f"plan: {', '.join(low) or 'every site fp32'}"
+            parts.append(f"{label} NE {pct(r['rel_vs_base'])} ({sites})")
+    return f"{'; '.join([*head, *parts])}; seeds {_seeds(j['seeds'])}"
+
+
+_LOWP_NE = ("lowp", "--modes", "off,auto,bf16,autocast", "--plan-seed", "0")
 
 
 def _lowp_tables(j: Json) -> str:
@@ -329,11 +342,27 @@ ENTRIES: tuple[Entry, ...] = (
         ("step", "--lowp", "off,auto,autocast", "--iters", "5", "--rows", "100000"), _step_lowp,
     ),
     Entry(
-        "lowp_ne", "LoKA NE vs fp32, `dlrm_benchmark.toml`, paired by seed", "within 0.1%",
-        ("lowp", "--config", "configs/dlrm_benchmark.toml", "--modes", "off,auto,bf16,autocast",
-         "--seeds", "5", "--seed-base", "10"),
+        "lowp_ne", "LoKA NE vs fp32, default config (300k samples), paired by seed", "within 0.1%",
+        (*_LOWP_NE, "--set", "data.train_samples=300000", "--seeds", "5", "--seed-base", "10",
+         "--save-plan", "/tmp/neorec-lowp-plan-default.json"),
         ("lowp", "--modes", "off,auto", "--seeds", "2", "--seed-base", "10",
          "--set", "train.steps=50"), _lowp_ne,
+    ),
+    Entry(
+        "lowp_ne_dcn", "LoKA NE vs fp32, DCNv2 (`dcn_small.toml`, 300k samples), paired by seed",
+        "within 0.1%",
+        (*_LOWP_NE, "--config", "configs/dcn_small.toml", "--set", "data.train_samples=300000",
+         "--seeds", "4", "--seed-base", "10", "--save-plan", "/tmp/neorec-lowp-plan-dcn.json"),
+        ("lowp", "--config", "configs/dcn_small.toml", "--modes", "off,auto", "--seeds", "2",
+         "--seed-base", "10", "--set", "train.steps=50"), _lowp_ne,
+    ),
+    Entry(
+        "lowp_ne_movielens", "LoKA NE vs fp32, MovieLens-100K recipe, paired by seed",
+        "within 0.1%",
+        (*_LOWP_NE, "--movielens", "--seeds", "5", "--seed-base", "100", "--save-plan",
+         "/tmp/neorec-lowp-plan-movielens.json"),
+        ("lowp", "--movielens", "--modes", "off,auto", "--seeds", "2", "--seed-base", "100"),
+        _lowp_ne,
     ),
     Entry(
         "lowp_tables", "low-precision tables, default config: memory and NE vs fp32", "—",

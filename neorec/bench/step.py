@@ -83,6 +83,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tolerance", type=float, default=None, help="lowp.tolerance override")
     p.add_argument(
+        "--plan",
+        default="",
+        metavar="FILE",
+        help="the auto arm runs this pinned plan (lowp.plan; e.g. what neorec bench lowp "
+        "--save-plan wrote), so the speed and the quality runs run the same sites",
+    )
+    p.add_argument(
         "--precision",
         default="",
         metavar="P[,P...]",
@@ -121,7 +128,10 @@ class _Mode:
         if mode and mode not in ("off", "autocast"):
             tol = a.tolerance if a.tolerance is not None else 0.01
             warm = max(a.warmup, 1)
-            policy = LowpConfig(mode=mode, tolerance=tol, probe_steps=warm, reprobe_every=0)
+            plan = a.plan if mode == "auto" else ""
+            policy = LowpConfig(
+                mode=mode, tolerance=tol, probe_steps=warm, reprobe_every=0, plan=plan
+            )
             self.disp = Dispatcher(self.model.dense_arch, cfg.data.batch_size, policy)
         self.times: list[float] = []
 
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m and m not in known]
     if bad:
         raise SystemExit(f"neorec bench step: --lowp {bad[0]!r}: modes are {', '.join(known)}")
+    if a.plan and "auto" not in modes:
+        raise SystemExit(f"neorec bench step: --plan {a.plan}: only the auto arm runs a plan")
     precisions = [p.strip() for p in a.precision.split(",") if p.strip()] or [""]
     bad = [p for p in precisions if p and p not in PRECISIONS]
     if bad:
@@ -356,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             for m, r in runs.items()
         }
+        if a.plan:
+            result["lowp_plan_file"] = a.plan
+        if "auto" in runs and "autocast" in runs:  # > 1: auto is faster than plain autocast
+            result["auto_vs_autocast"] = paired_ratio(times["autocast"], times["auto"]).to_dict()
         print(f"{'lowp mode':<12}{'ms/step':>10}{'speedup vs ' + ref:>26}{'lowp sites':>12}")
         for m, r in result["lowp"].items():
             iv, sites = r["speedup_vs_off"], r.get("lowp_sites", 0)

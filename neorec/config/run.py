@@ -466,6 +466,16 @@ class LowpConfig:
     row_scale: bool = True
     """Mod: the dot interaction divides each vector by a power of two before the cast (exact), so
     fp16 cannot overflow there."""
+    plan: str = ""
+    """A pinned plan for ``auto``: a JSON file of ``{site: precision}`` (or a run's ``lowp.json``,
+    whose ``plan`` it takes) installed at the first choice instead of choosing; it must name every
+    GEMM site of the model. The probe still runs and reports, and a site that drifts still falls
+    back to fp32. Empty = choose."""
 
     def __post_init__(self) -> None:
         check_fields(self, "lowp")
+        if self.plan and self.mode != "auto":
+            raise ConfigError(
+                f"lowp.plan = {self.plan!r} needs lowp.mode = 'auto' (a pinned plan is what auto "
+                f"runs), got {self.mode!r}"
+            )

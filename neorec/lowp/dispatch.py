@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from neorec.config import LowpConfig
 from neorec.lowp.formats import CANDIDATES, Candidate, candidate
 from neorec.lowp.kernels import dot_bmm, linear
+from neorec.lowp.plan_file import check_plan, load_plan
 from neorec.lowp.probe import Probe, SiteStats, upper_bound
 from neorec.lowp.timing import Timings
 from neorec.modules.dlrm import DotInteraction
@@ -49,6 +51,16 @@ MIN_GAIN = 0.9
 """A candidate must take at most this fraction of fp32's time: timings are noisy, and a switch
 that only measures as faster within the noise costs casts and can be slower in the run."""
 FP32 = candidate("fp32")
+
+
+def _amax(y: Tensor) -> float:
+    """``max |y|`` in one pass without a temporary (``aminmax``; ``abs().amax()`` writes a
+    tensor of ``|y|`` first: a second and third pass over every watched output, each step);
+    NaN if ``y`` holds one."""
+    if not y.numel():
+        return 0.0
+    lo, hi = torch.aminmax(y.detach())
+    return max(-float(lo), float(hi)) if not math.isnan(float(hi)) else math.nan
 
 
 class LowpLinear(nn.Linear):
@@ -264,6 +276,13 @@ class Dispatcher:
             [linears[0], linears[-1]] if policy.keep_ends and len(linears) > 1 else []
         )
         self.plan: dict[str, str] = {s.name: "fp32" for s in gemm}
+        # lowp.plan: the plan installed at every choice instead of choosing (checked now, before
+        # any step); sites that drifted since stay fp32
+        self.pinned: dict[str, str] | None = None
+        if policy.plan:
+            self.pinned = load_plan(policy.plan)
+            check_plan(self.pinned, [s.name for s in gemm], policy.plan)
+        self._fell_back: set[str] = set()
         self.decisions: list[Decision] = []
         self._drifted: list[str] = []
         self._force_probe = False
@@ -291,10 +310,13 @@ class Dispatcher:
     def decide(self, step: int) -> dict[str, str]:
         """Choose and install the plan from what the probe has seen so far."""
         times = self.site_times()
-        plan = choose(self.probe.results, times, self.tolerance, self.mode, self.keep_fp32)
-        pooled = self.probe.results.get("pooled")
-        if self.wire is not None and self.mode == "auto" and pooled is not None:
-            plan.update(choose_wire(pooled, self.tolerance))
+        if self.pinned is not None:
+            plan = {n: "fp32" if n in self._fell_back else p for n, p in self.pinned.items()}
+        else:
+            plan = choose(self.probe.results, times, self.tolerance, self.mode, self.keep_fp32)
+            pooled = self.probe.results.get("pooled")
+            if self.wire is not None and self.mode == "auto" and pooled is not None:
+                plan.update(choose_wire(pooled, self.tolerance))
         if self.sync is not None:
             plan = self.sync(plan)
         self.plan = plan
@@ -366,7 +388,7 @@ class Dispatcher:
 
         def watch(y: Tensor) -> None:
             # note: a host sync on low-precision sites only, to catch overflow before it spreads
-            amax = float(y.detach().abs().amax()) if y.numel() else 0.0
+            amax = _amax(y)
             if state["ref"] is None:
                 state["ref"] = amax
             if not math.isfinite(amax) or amax > self.drift * max(state["ref"], 1e-30):
@@ -379,6 +401,7 @@ class Dispatcher:
         plan = dict(self.plan)
         for name in self._drifted:
             plan[name] = "fp32"
+            self._fell_back.add(name)
         self.plan = plan
         uninstall(self.dense)
         install(self.dense, plan)
