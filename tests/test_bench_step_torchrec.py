@@ -93,8 +93,8 @@ def test_compare_refuses_what_it_cannot_compare_in_one_line(args: list[str], mat
 @needs_torchrec
 @pytest.mark.parametrize(("sets", "params"), [(DOT, DOT_PARAMS), (DCN, DCN_PARAMS)])
 def test_torchrecs_dlrm_is_our_model(sets: list[str], params: int) -> None:
-    from neorec.bench.step_compare import ours_shapes
-    from neorec.bench.step_torchrec import torchrec_dlrm, torchrec_shapes
+    from neorec.bench.step_compare import ours_shapes, torchrec_shapes
+    from neorec.bench.step_torchrec import torchrec_dlrm
     from neorec.builder import build_dlrm
     from neorec.config import load_config
 

@@ -6,9 +6,10 @@ DLRM whose embeddings are FBGEMM GPU's CUDA TBE (``--compare fbgemm``, the defau
 FBGEMM table per feature). Without a CUDA device or fbgemm_gpu it stops with a one-line error.
 
 ``--breakdown`` splits the step into its phases, each next to its floor on this machine
-(``step_breakdown``); ``--compare torchrec`` times the same DLRM in TorchRec against ours, each side
-in fresh processes over ``--rounds`` rounds in rotated order (``step_compare``). ``--set key=value`` overrides the config as ``neorec train`` does (e.g.
-``lowp.mode=auto``, which the breakdown runs with the trainer's LoKA hooks).
+(``step_breakdown``); ``--compare torchrec`` times the same DLRM in TorchRec against ours, each
+side in fresh processes over ``--rounds`` rounds in rotated order (``step_compare``). ``--set
+key=value`` overrides the config as ``neorec train`` does (e.g. ``lowp.mode=auto``, which the
+breakdown runs with the trainer's LoKA hooks).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ import torch
 from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.bench.stats import paired_ratio
 from neorec.bench.step_breakdown import main_args, run_breakdown
-from neorec.bench.step_compare import SIDES, check_compare_args, ours_shapes, run_compare
+from neorec.bench.step_compare import (
+    SIDES,
+    check_compare_args,
+    ours_shapes,
+    run_compare,
+    torchrec_shapes,
+)
 from neorec.bench.step_timing import make_batches
 from neorec.builder import build_dlrm, dense_optimizer
 from neorec.config import LowpConfig, load_config
@@ -220,7 +227,7 @@ def _worker(cfg: Any, a: argparse.Namespace, mode: str, precision: str) -> int:
         tr = _Mode(cfg, a, mode, precision)
         shapes = ours_shapes(tr.model)
     else:
-        from neorec.bench.step_torchrec import TorchRecPeer, torchrec_shapes
+        from neorec.bench.step_torchrec import TorchRecPeer
 
         # Ours in a low-precision mode: TorchRec's dense part under bf16 autocast, its own
         # mixed-precision route on the CPU (the peer LoKA's --lowp autocast baseline is too).

@@ -35,6 +35,7 @@ __all__ = [
     "SIDES",
     "model_shapes",
     "ours_shapes",
+    "torchrec_shapes",
     "check_same_model",
     "run_rounds",
     "check_compare_args",
@@ -79,6 +80,18 @@ def ours_shapes(model: Any) -> Json:
     shapes = model_shapes(tables, arch.bottom, arch.interaction, arch.top)
     shapes["params"] += _numel(extra)  # an ExFM student's parts: a model TorchRec's is not
     return shapes
+
+
+def torchrec_shapes(model: Any) -> Json:
+    """``model_shapes`` of TorchRec's DLRM (``step_torchrec``): its tables as FBGEMM holds them."""
+    ebc = model.sparse_arch.embedding_bag_collection
+    prefix = "embedding_bags."
+    tables = [
+        (k[len(prefix) : -len(".weight")], *w.shape)
+        for k, w in ebc.state_dict().items()
+        if k.startswith(prefix) and k.endswith(".weight")
+    ]
+    return model_shapes(tables, model.dense_arch, model.inter_arch, model.over_arch)
 
 
 def check_same_model(ours: Json, theirs: Json) -> None:

@@ -22,7 +22,7 @@ from neorec.builder import dense_optimizer
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError
 
-__all__ = ["TorchRecPeer", "PEER_NAME", "check_peer_config", "torchrec_dlrm", "torchrec_shapes"]
+__all__ = ["TorchRecPeer", "PEER_NAME", "check_peer_config", "torchrec_dlrm"]
 
 PEER_NAME = "TorchRec 1.x DLRM + FusedEmbeddingBagCollection (FBGEMM CPU TBE)"
 
@@ -97,20 +97,6 @@ def torchrec_dlrm(cfg: Any) -> torch.nn.Module:
     if m.interaction == "dot":
         return DLRM(**common)
     return DLRM_DCN(**common, dcn_num_layers=m.dcn_layers, dcn_low_rank_dim=m.dcn_low_rank)
-
-
-def torchrec_shapes(model: Any) -> dict[str, Any]:
-    """``step_compare.model_shapes`` of TorchRec's DLRM: its tables as FBGEMM holds them."""
-    from neorec.bench.step_compare import model_shapes
-
-    ebc = model.sparse_arch.embedding_bag_collection
-    prefix = "embedding_bags."
-    tables = [
-        (k[len(prefix) : -len(".weight")], *w.shape)
-        for k, w in ebc.state_dict().items()
-        if k.startswith(prefix) and k.endswith(".weight")
-    ]
-    return model_shapes(tables, model.dense_arch, model.inter_arch, model.over_arch)
 
 
 def to_kjt(batch: Batch, feature_names: list[str]) -> Any:
