@@ -90,6 +90,15 @@ def test_compare_refuses_what_it_cannot_compare_in_one_line(args: list[str], mat
         step.main([*TINY, *args])
 
 
+def test_a_config_torchrecs_dlrm_cannot_express_is_refused_before_any_process() -> None:
+    from neorec.bench.step_torchrec import check_peer_config
+    from neorec.config import load_config
+
+    check_peer_config(load_config(None, DCN))
+    with pytest.raises(ConfigError, match="bottom MLP's last width"):  # DLRM_DCN requires it
+        check_peer_config(load_config(None, [*DCN, "model.bottom_mlp=[16, 4]"]))
+
+
 @needs_torchrec
 @pytest.mark.parametrize(("sets", "params"), [(DOT, DOT_PARAMS), (DCN, DCN_PARAMS)])
 def test_torchrecs_dlrm_is_our_model(sets: list[str], params: int) -> None:

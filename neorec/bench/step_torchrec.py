@@ -58,6 +58,12 @@ def check_peer_config(cfg: Any) -> None:
         raise ConfigError("bench step --compare torchrec: fp32 tables only (embedding.precision)")
     if cfg.towers.enabled:
         raise ConfigError("bench step --compare torchrec: [towers] has no TorchRec DLRM form")
+    dims = sorted({t.dim for t in emb.tables})
+    if dims != [m.bottom_mlp[-1]]:
+        raise ConfigError(
+            f"bench step --compare torchrec: TorchRec's DLRM needs every table's dim equal to the "
+            f"bottom MLP's last width (dims {dims}, model.bottom_mlp[-1] {m.bottom_mlp[-1]})"
+        )
     if m.interaction == "dot" and m.dot_self:
         raise ConfigError("bench step --compare torchrec: model.dot_self has no TorchRec form")
     if m.interaction != "dot" and m.dcn_low_rank <= 0:
