@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-isa test-shm lint bench-op bench-step clean
+.PHONY: install install-peers run test test-isa test-shm lint bench-op bench-step clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,23 @@ $(GPU_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gpu]"
 	touch $(GPU_STAMP)
 
+PEERS_STAMP := $(VENV)/.installed-peers
+
+# The peers `neorec bench op --compare fbgemm` and `bench step --compare torchrec` measure against
+# (the [bench] extra, ~200 MB with scikit-learn's scipy), so their tests run instead of skipping.
+# torchrec goes in with --no-deps (pins in constraints.txt; docs/performance.md): it declares
+# fbgemm-gpu, the CUDA wheel, which would overwrite fbgemm-gpu-cpu's module.
+TORCHREC_PEER := torchrec torchmetrics tensordict pyre-extensions typing-inspect lightning-utilities \
+	cloudpickle pyvers
+$(PEERS_STAMP): $(GPU_STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,gpu,bench]"
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps $(TORCHREC_PEER)
+	$(BIN)/python -c "import fbgemm_gpu, torchrec, sklearn"
+	touch $(PEERS_STAMP)
+
 install: $(STAMP)
+
+install-peers: $(PEERS_STAMP)
 
 run: $(STAMP)
 	$(BIN)/neorec train $(ARGS)
@@ -31,7 +47,7 @@ lint: $(STAMP)
 
 # Two workers (pytest-xdist; a file's tests stay on one worker): much of the suite waits on the
 # processes its tests start. The slowest tests are listed at the end.
-test: lint $(GPU_STAMP)
+test: lint $(PEERS_STAMP)
 	$(BIN)/python -m pytest tests -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-isa
 

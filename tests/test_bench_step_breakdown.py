@@ -4,7 +4,6 @@ No timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -128,12 +127,3 @@ def test_breakdown_refuses_a_peer_in_one_line() -> None:
 
     with pytest.raises(ConfigError, match="--breakdown"):
         step.main([*TINY, "--breakdown", "--compare", "fbgemm"])
-
-
-@pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="torchrec not installed")
-def test_compare_torchrec_reports_the_paired_ratio(capsys: pytest.CaptureFixture[str]) -> None:
-    assert step.main([*TINY, "--compare", "torchrec", "--iters", "3", "--warmup", "1"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    iv = out["vs_torchrec"]
-    assert iv["n"] == 3 and iv["lo"] <= iv["value"] <= iv["hi"]
-    assert out["torchrec_ms_per_step"] > 0 and "TorchRec" in out["peer"]

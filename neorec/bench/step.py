@@ -6,9 +6,10 @@ DLRM whose embeddings are FBGEMM GPU's CUDA TBE (``--compare fbgemm``, the defau
 FBGEMM table per feature). Without a CUDA device or fbgemm_gpu it stops with a one-line error.
 
 ``--breakdown`` splits the step into its phases, each next to its floor on this machine
-(``step_breakdown``); ``--compare torchrec`` times the same DLRM in TorchRec in turn with ours
-(``step_torchrec``). ``--set key=value`` overrides the config as ``neorec train`` does (e.g.
-``lowp.mode=auto``, which the breakdown runs with the trainer's LoKA hooks).
+(``step_breakdown``); ``--compare torchrec`` times the same DLRM in TorchRec against ours, each
+side in fresh processes over ``--rounds`` rounds in rotated order (``step_compare``). ``--set
+key=value`` overrides the config as ``neorec train`` does (e.g. ``lowp.mode=auto``, which the
+breakdown runs with the trainer's LoKA hooks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import copy
 import json
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,13 @@ import torch
 from neorec.bench.op import check_gpu_bench, fbgemm_tbe
 from neorec.bench.stats import paired_ratio
 from neorec.bench.step_breakdown import main_args, run_breakdown
+from neorec.bench.step_compare import (
+    SIDES,
+    check_compare_args,
+    ours_shapes,
+    run_compare,
+    torchrec_shapes,
+)
 from neorec.bench.step_timing import make_batches
 from neorec.builder import build_dlrm, dense_optimizer
 from neorec.config import LowpConfig, load_config
@@ -66,8 +75,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         choices=("fbgemm", "torchrec", "none"),
         default=None,
         help="also time the DLRM with FBGEMM's TBE as its embeddings (default: fbgemm on cuda), "
-        "or the same DLRM in TorchRec (CPU; JSON vs_torchrec = ours / TorchRec's, paired)",
+        "or the same DLRM in TorchRec (CPU; JSON vs_torchrec = ours / TorchRec's, paired by round)",
     )
+    p.add_argument(
+        "--rounds", type=int, default=None,
+        help="--compare torchrec: rounds, each side in a fresh process, order rotated (default 5)",
+    )  # fmt: skip
+    p.add_argument("--worker", choices=SIDES, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
         help="config override, repeatable (e.g. lowp.mode=auto)",
@@ -214,8 +228,36 @@ def _fbgemm_dlrm(cfg, device: str) -> DLRM:
     return DLRM(cfg.model, _FbgemmCollection(cfg, device), seed=cfg.train.seed, device=device)
 
 
+def _worker(cfg: Any, a: argparse.Namespace, mode: str, precision: str) -> int:
+    """One side of ``--compare torchrec`` in this (fresh) process: its step timed on the seed's
+    batches, its model's shapes; one JSON line."""
+    batches = make_batches(cfg, 4, a.alpha)
+    tr: Any
+    if a.worker == "ours":
+        tr = _Mode(cfg, a, mode, precision)
+        shapes = ours_shapes(tr.model)
+    else:
+        from neorec.bench.step_torchrec import TorchRecPeer
+
+        # Ours in a low-precision mode: TorchRec's dense part under bf16 autocast, its own
+        # mixed-precision route on the CPU (the peer LoKA's --lowp autocast baseline is too).
+        tr = TorchRecPeer(cfg, bf16=a.bf16 or mode not in ("", "off"))
+        shapes = torchrec_shapes(tr.model)
+    # LoKA decides at the end of the warm-up; one more untimed step runs its kernels once (their
+    # first call builds oneDNN's primitives). Both sides take the same number of steps.
+    warm = a.warmup + (mode not in ("", "off", "autocast"))
+    for i in range(warm + a.iters):
+        tr.step(i, batches[i % len(batches)], timed=i >= warm)
+    res = tr.result()
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    extra = {"bf16_autocast": tr.bf16, "mode": mode, "threads": torch.get_num_threads()}
+    print(json.dumps({"side": a.worker, **res, **extra, "shapes": shapes, "peak_rss_mb": rss_mb}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and a JSON line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse(argv)
     a.compare = a.compare or ("fbgemm" if a.device == "cuda" else "none")
     check_gpu_bench("step", a.device, a.compare)
@@ -267,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"neorec bench step: --precision {bad[0]!r}: one of {', '.join(PRECISIONS)}"
         )
+    rounds = check_compare_args(a, modes, precisions)
+    if a.worker:
+        return _worker(cfg, a, modes[0], precisions[0])
+    if rounds and not a.breakdown:
+        return run_compare(cfg, a, argv, rounds)
     batches = [b.to(a.device) for b in make_batches(cfg, 4, a.alpha)]
     if a.breakdown:
         if a.device != "cpu" or a.lowp or a.precision or a.compare != "none":
@@ -281,13 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(trainers)
     if a.compare == "fbgemm":
         trainers["fbgemm"] = _Mode(cfg, a, "", "", peer=True)
-    if a.compare == "torchrec":
-        from neorec.bench.step_torchrec import TorchRecPeer
-
-        # Our model in a low-precision mode: TorchRec's dense part under bf16 autocast, its
-        # own mixed-precision route on the CPU (the same peer LoKA's --lowp autocast baseline is).
-        peer_bf16 = a.bf16 or modes[0] not in ("", "off")
-        trainers["torchrec"] = TorchRecPeer(cfg, bf16=peer_bf16)  # type: ignore[assignment]
     # LoKA decides at the end of the warm-up (its probe window): one more untimed step runs the
     # chosen kernels once (their first call builds oneDNN's primitives) before the timing.
     warm = a.warmup + any(tr.disp is not None for tr in trainers.values() if isinstance(tr, _Mode))
@@ -325,16 +365,6 @@ def main(argv: list[str] | None = None) -> int:
         fb = runs.pop("fbgemm")["ms"]
         result["fbgemm_ms_per_step"] = round(fb, 2)
         result["speedup_vs_fbgemm"] = round(fb / ms, 3)
-    if "torchrec" in runs:
-        from neorec.bench.step_torchrec import PEER_NAME
-
-        result["peer"] = PEER_NAME
-        peer = runs.pop("torchrec")
-        result["torchrec_ms_per_step"] = round(peer["ms"], 2)
-        result["torchrec_bf16_autocast"] = peer["bf16_autocast"]
-        result["lowp_mode"] = modes[0] or "off"
-        # ours / TorchRec's, the geometric mean of the per-step ratios (steps interleaved)
-        result["vs_torchrec"] = paired_ratio(times[modes[0]], times["torchrec"]).to_dict()
     print(f"{'metric':<22}{'value':>14}")
     for k in ("tables", "rows", "dim", "batch", "pooling", "alpha", "optimizer", "backend"):
         print(f"{k:<22}{result[k]!s:>14}")
@@ -343,10 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("device", "peak_hbm_mb", "fbgemm_ms_per_step", "speedup_vs_fbgemm"):
         if k in result:
             print(f"{k:<22}{result[k]!s:>14}")
-    if "vs_torchrec" in result:
-        iv = result["vs_torchrec"]
-        print(f"{'torchrec_ms_per_step':<22}{result['torchrec_ms_per_step']!s:>14}")
-        print(f"{'vs_torchrec':<22}{iv['value']:>8.3f}x [{iv['lo']:.3f}, {iv['hi']:.3f}]")
     if a.precision:
         result["precision"] = {
             m: {"ms_per_step": round(r["ms"], 2), "speedup_vs_first": round(ms / r["ms"], 3),
@@ -379,3 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m:<12}{r['ms_per_step']:>10.2f}{cell:>26}{sites:>12}")
     print(json.dumps(result))
     return 0
+
+
+if __name__ == "__main__":  # a --compare torchrec worker: python -m neorec.bench.step ... --worker
+    sys.exit(main())

@@ -22,7 +22,7 @@ from neorec.builder import dense_optimizer
 from neorec.data.batch import Batch
 from neorec.errors import ConfigError
 
-__all__ = ["TorchRecPeer", "PEER_NAME"]
+__all__ = ["TorchRecPeer", "PEER_NAME", "check_peer_config", "torchrec_dlrm"]
 
 PEER_NAME = "TorchRec 1.x DLRM + FusedEmbeddingBagCollection (FBGEMM CPU TBE)"
 
@@ -50,16 +50,37 @@ def _optimizer(kind: str) -> type:
     return by_kind[kind]
 
 
+def check_peer_config(cfg: Any) -> None:
+    """One line (``ConfigError``) for a config TorchRec's DLRM cannot express (no torchrec
+    import: the parent of the rounds checks before any process starts)."""
+    emb, m = cfg.embedding, cfg.model
+    if any(t.precision != "fp32" for t in emb.tables):
+        raise ConfigError("bench step --compare torchrec: fp32 tables only (embedding.precision)")
+    if cfg.towers.enabled:
+        raise ConfigError("bench step --compare torchrec: [towers] has no TorchRec DLRM form")
+    dims = sorted({t.dim for t in emb.tables})
+    if dims != [m.bottom_mlp[-1]]:
+        raise ConfigError(
+            f"bench step --compare torchrec: TorchRec's DLRM needs every table's dim equal to the "
+            f"bottom MLP's last width (dims {dims}, model.bottom_mlp[-1] {m.bottom_mlp[-1]})"
+        )
+    if m.interaction == "dot" and m.dot_self:
+        raise ConfigError("bench step --compare torchrec: model.dot_self has no TorchRec form")
+    if m.interaction != "dot" and m.dcn_low_rank <= 0:
+        raise ConfigError(
+            "bench step --compare torchrec: TorchRec's DLRM_DCN is low-rank; set model.dcn_low_rank"
+        )
+
+
 def torchrec_dlrm(cfg: Any) -> torch.nn.Module:
     """The config's DLRM in TorchRec (CPU), embeddings trained by FBGEMM's fused optimizer."""
+    check_peer_config(cfg)
     _torchrec()
     from torchrec.models.dlrm import DLRM, DLRM_DCN
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
     emb, m = cfg.embedding, cfg.model
-    if any(t.precision != "fp32" for t in emb.tables):
-        raise ConfigError("bench step --compare torchrec: fp32 tables only (embedding.precision)")
     tables = [
         EmbeddingBagConfig(
             name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.features)
@@ -80,13 +101,7 @@ def torchrec_dlrm(cfg: Any) -> torch.nn.Module:
         over_arch_layer_sizes=list(m.top_mlp),
     )
     if m.interaction == "dot":
-        if m.dot_self:
-            raise ConfigError("bench step --compare torchrec: model.dot_self has no TorchRec form")
         return DLRM(**common)
-    if m.dcn_low_rank <= 0:
-        raise ConfigError(
-            "bench step --compare torchrec: TorchRec's DLRM_DCN is low-rank; set model.dcn_low_rank"
-        )
     return DLRM_DCN(**common, dcn_num_layers=m.dcn_layers, dcn_low_rank_dim=m.dcn_low_rank)
 
 
