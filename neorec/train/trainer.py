@@ -19,6 +19,7 @@ from torch import Tensor
 
 from neorec.builder import (
     apply_system,
+    apply_threads,
     build_model,
     check_run,
     data_source,
@@ -118,8 +119,7 @@ class Trainer(RunSummary):
         self._host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))  # on this host
         check_run(cfg, self.world, one_host=self.world == self._host_ranks)
         self.device = rank_device(cfg.train.device)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
+        self._threads_line = apply_threads(cfg.train.threads, self._host_ranks)
         apply_system(cfg.system)
         self.tb: TBWriter | None = None
         self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
@@ -276,7 +276,7 @@ class Trainer(RunSummary):
                 towers=self.tower_groups,
             )
             print(text, file=self.out, flush=True)
-            lines = [scaling_line(self.cfg)]
+            lines = [self._threads_line, scaling_line(self.cfg)]
             if self.cfg.train.schedule.active:
                 lines.append(self.schedule.describe())
             for line in lines:
