@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     except NeorecError as e:
         print(f"neorec: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # the reader of stdout ended (`neorec plan ... | head -1`): its choice
+        from neorec.train.tee import silence
+
+        silence(sys.stdout)
+        return 0
     except KeyboardInterrupt:
         from neorec.launch.worker import is_worker
 

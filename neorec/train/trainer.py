@@ -41,7 +41,7 @@ from neorec.train.lowp import TrainerLowp
 from neorec.train.metrics import DynamicLine, dynamic_counters
 from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of
-from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run
+from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
 from neorec.train.state import TrainState
 from neorec.train.steps import (
     LossGuard,
@@ -116,6 +116,8 @@ class Trainer(RunSummary):
         self.tee = Tee(out or sys.stdout) if self.rank == 0 else None
         self.out: TextIO = cast(TextIO, self.tee) if self.tee is not None else out or sys.stdout
         self.runlog: RunLog | None = None
+        if self.tee is not None:
+            self.tee.on_closed = self._stdout_closed
         self._host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))  # on this host
         check_run(cfg, self.world, one_host=self.world == self._host_ranks)
         self.device = rank_device(cfg.train.device)
@@ -262,6 +264,8 @@ class Trainer(RunSummary):
         if self._tb_wanted:
             self.tb = TBWriter(self.run.path, None if resumed is None else resumed + 1)
         self.events.runlog, self.events.tb = self.runlog, self.tb
+        if self.tee.terminal_closed:  # closed while the run was set up: train.log has it
+            self._stdout_closed(log=False)
         if self.cfg.train.progress:
             dense = sum(p.numel() for p in self.model.dense_parameters())
             text = banner(
@@ -282,6 +286,18 @@ class Trainer(RunSummary):
             for line in lines:
                 if line is not None:
                     print(line, file=self.out, flush=True)
+
+    def _stdout_closed(self, log: bool = True) -> None:
+        """The terminal's reader went away (``| head``): say so in train.log and events.jsonl
+        (now, or when they open); training goes on."""
+        note = (
+            f"stdout closed at step {self.state.step} (its reader ended): training goes on, its "
+            "lines in train.log"
+        )
+        if self.tee is not None and log:
+            self.tee.log_only(note + "\n")
+        if self.runlog is not None:
+            self.runlog.event({"step": self.state.step, "time_utc": utc_now(), "note": note})
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, write the run folder's files; return the metrics."""
