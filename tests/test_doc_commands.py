@@ -81,6 +81,7 @@ COMMANDS: dict[str, Spec] = {
     "neorec ckpt ls runs/latest/checkpoints": run(),
     "neorec ckpt inspect runs/latest/checkpoints --verify": run(),
     "neorec runs": run(),
+    "neorec config --keys train.": run(),
     "neorec report latest": run(),
     "neorec eval --model runs/latest [--data PATH]": run(),
     "neorec predict --model runs/latest --out preds.npy": run(),

@@ -33,6 +33,7 @@ COMMANDS = (
     "bench",
     "data",
     "ckpt",
+    "config",
 )
 """Each is ``neorec.cli.<name>``."""
 
