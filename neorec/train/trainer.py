@@ -34,13 +34,14 @@ from neorec.data.sources import DataSource
 from neorec.distributed.comm import rank_device
 from neorec.errors import NeorecError
 from neorec.metrics import binary_metrics
+from neorec.phases import Phase
 from neorec.train.checkpoints import RunProgressState, TrainerCheckpoints, preflight_resume
 from neorec.train.events import EventLog
 from neorec.train.losses import make_loss
 from neorec.train.lowp import TrainerLowp
 from neorec.train.metrics import DynamicLine, dynamic_counters
 from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipeline
-from neorec.train.progress import Progress, banner, eval_line, every_of
+from neorec.train.progress import Progress, banner, eval_line, every_of, whole_batches_line
 from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
 from neorec.train.state import TrainState
 from neorec.train.steps import (
@@ -280,7 +281,7 @@ class Trainer(RunSummary):
                 towers=self.tower_groups,
             )
             print(text, file=self.out, flush=True)
-            lines = [self._threads_line, scaling_line(self.cfg)]
+            lines = [self._threads_line, whole_batches_line(self.cfg), scaling_line(self.cfg)]
             if self.cfg.train.schedule.active:
                 lines.append(self.schedule.describe())
             for line in lines:
@@ -306,6 +307,9 @@ class Trainer(RunSummary):
         except BaseException as e:
             if self.tee is not None:  # train.log says how it ended (the terminal got the error)
                 self.tee.log_only(f"stopped at step {self.state.step}: {type(e).__name__}: {e}\n")
+            if self.runlog is not None:  # the step reached, for `neorec runs` (not the last log's)
+                stop = {"step": self.state.step, "time_utc": utc_now(), "stopped": type(e).__name__}
+                self.runlog.event(stop)
             raise
         finally:
             if self.runlog is not None:
@@ -457,6 +461,23 @@ class Trainer(RunSummary):
         source: Iterator[Batch] = iter(self.source.eval_batches())
         if periodic and self.cfg.train.eval_batches:
             source = itertools.islice(source, self.cfg.train.eval_batches)
+        if not periodic:  # the final eval's progress line, when it takes a while
+            shown = self.rank == 0 and self.cfg.train.progress
+            with Phase("final eval", self._eval_total(), "batches", self.out, shown) as phase:
+                return self._evaluate(_counted(source, phase))
+        return self._evaluate(source)
+
+    def _eval_total(self) -> int | None:
+        """Batches of the eval split, when the source can tell (the progress line's ETA)."""
+        counter = getattr(getattr(self.source, "data", None), "num_batches", None)
+        if callable(counter):
+            return int(counter("eval", self.cfg.data.batch_size))
+        try:
+            return len(self.source.eval)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            return None
+
+    def _evaluate(self, source: Iterator[Batch]) -> dict[str, float]:
         dev = self.device
         batches = (self._local(b) if dev.type == "cpu" else self._local(b).to(dev) for b in source)
         if self.world == 1:
@@ -469,6 +490,13 @@ class Trainer(RunSummary):
         probs = torch.cat([p[i][0] for i in range(len(mine)) for p in parts])
         labels = torch.cat([p[i][1] for i in range(len(mine)) for p in parts])
         return binary_metrics(probs, labels)
+
+
+def _counted(batches: Iterator[Batch], phase: Phase) -> Iterator[Batch]:
+    """``batches``, each counted by ``phase`` once it has been used."""
+    for b in batches:
+        yield b
+        phase.advance(1)
 
 
 def train(cfg: Config, out: TextIO | None = None, run: RunFolder | None = None) -> dict[str, Any]:
