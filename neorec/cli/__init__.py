@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Iterable
 from types import ModuleType
@@ -55,7 +56,7 @@ def load_torch(after: float | None = None) -> None:
 
     from neorec.phases import QUIET_S, fmt_duration
 
-    wait = QUIET_S if after is None else after
+    wait = QUIET_S if after is None else after  # (inf: quiet, as ranks other than 0 are)
     shown = threading.Event()
 
     def note() -> None:
@@ -67,7 +68,7 @@ def load_torch(after: float | None = None) -> None:
     timer.daemon = True
     if wait <= 0:
         note()
-    else:
+    elif wait != float("inf"):
         timer.start()
     try:
         import torch  # noqa: F401
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 return int(code)
         args = build_parser(argv[:1]).parse_args(argv)
         if argv[0] in TORCH_COMMANDS:
-            load_torch()
+            load_torch(None if os.environ.get("RANK", "0") == "0" else float("inf"))
         return int(args.func(args))
     except NeorecError as e:
         print(f"neorec: error: {e}", file=sys.stderr)
