@@ -142,4 +142,7 @@ def test_a_criteo_model_refuses_a_tabular_directory(
     sets = ["data.train_samples=256", "data.eval_samples=128", f"train.run_dir={run}", *SMALL]
     assert main(["train", *_sets(sets)]) == 0
     err = _error(capsys, ["eval", "--model", str(run), "--data", str(pre)])
-    assert "was preprocessed from tabular data" in err and "Criteo data as the model" in err
+    assert "was preprocessed from tabular data" in err
+    assert "Criteo data (what --data reads for a model trained on synthetic data)" in err
+    err = _error(capsys, ["predict", "--model", str(run), "--data", str(files[1]), "--out", "x"])
+    assert "is parquet data; the model was trained on 'synthetic' data" in err

@@ -34,9 +34,11 @@ def expected_format(cfg: Config) -> str:
             f"tabular data as the model was trained on (Parquet / CSV files with columns "
             f"{d.schema.label}, {', '.join(cols)}; or a directory preprocessed from them)"
         )
+    how = "as the model was trained on" if d.source == "criteo" else "(what --data reads for "
+    how += "" if d.source == "criteo" else f"a model trained on {d.source} data)"
     return (
-        "Criteo data as the model was trained on (TSV files: label, 13 integer and 26 "
-        "categorical fields; or a directory from `neorec data preprocess`)"
+        f"Criteo data {how} (TSV files: label, 13 integer and 26 categorical fields; or a "
+        "directory from `neorec data preprocess`)"
     )
 
 

@@ -144,9 +144,16 @@ def _path_batches(cfg: Config, p: Path) -> Any:
     from neorec.data.sources import report_skipped
 
     d = cfg.data
-    dataset = CriteoTSVDataset(
-        [str(f) for f in criteo_files(p)], tables, bs, d.bad_lines, d.hash_categories
-    )
+    files = criteo_files(p)
+    other = [f for f in files if f.suffix.lower() in (".parquet", ".pq", ".csv")]
+    if other:
+        from neorec.serve.eval_tabular import expected_format
+
+        raise DataError(
+            f"--data {other[0]} is {other[0].suffix[1:]} data; the model was trained on "
+            f"'{d.source}' data: --data must be {expected_format(cfg)}"
+        )
+    dataset = CriteoTSVDataset([str(f) for f in files], tables, bs, d.bad_lines, d.hash_categories)
 
     def batches() -> Iterator[Batch]:
         yield from dataset
