@@ -81,6 +81,7 @@ COMMANDS: dict[str, Spec] = {
     "neorec ckpt ls runs/latest/checkpoints": run(),
     "neorec ckpt inspect runs/latest/checkpoints --verify": run(),
     "neorec runs": run(),
+    "neorec config --keys train.": run(),
     "neorec report latest": run(),
     "neorec eval --model runs/latest [--data PATH]": run(),
     "neorec predict --model runs/latest --out preds.npy": run(),
@@ -117,6 +118,9 @@ COMMANDS: dict[str, Spec] = {
     ),
     "neorec train --config configs/parquet_example.toml": parse(
         "trains 2 epochs (test_schema_tabular trains it)"
+    ),
+    "neorec eval --model runs/latest --data data/parquet_example/part-1.parquet": parse(
+        "needs the Parquet-trained run (tests/test_eval_own_data.py evaluates one so)"
     ),
     "neorec data preprocess --config configs/parquet_example.toml --input data/parquet_example "
     "--output data/parquet_example_pre": run(),
@@ -362,3 +366,30 @@ def test_documented_commands_work(
     assert not failed, "documented commands that fail:\n" + "\n".join(failed)
     assert (workdir / "serving" / "serving.py").is_file()
     assert (workdir / "criteo_pre" / "manifest.json").is_file()
+
+
+def test_the_quickstart_shell_step_runs_as_written(tmp_path: Path) -> None:
+    """The README Quickstart's activation line, run as written by a POSIX shell in a folder whose
+    ``.venv`` is this test's virtualenv: ``neorec`` is on PATH afterwards, in a fresh shell."""
+    import os
+    import subprocess
+    import sys
+
+    quick = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    block = _FENCE.search(quick)
+    assert block is not None, "the Quickstart has no shell block"
+    lines = [x.split(" #")[0].strip() for x in block.group(2).splitlines()]
+    step = [x for x in lines if x.startswith(". ") or x.startswith("source ")]
+    assert step == [". .venv/bin/activate"], step
+    if sys.prefix == sys.base_prefix or not (Path(sys.prefix) / "bin" / "activate").is_file():
+        pytest.skip("the tests do not run in a virtualenv")
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    env["PATH"] = "/usr/bin:/bin"  # a fresh shell: no virtualenv on PATH
+    script = f"{step[0]} && command -v neorec && neorec --help"
+    out = subprocess.run(
+        ["sh", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].endswith("/bin/neorec")
+    assert "usage: neorec" in out.stdout

@@ -22,6 +22,7 @@ from neorec.builder.plan import resolve_plan
 from neorec.builder.run import (
     BuiltModel,
     apply_system,
+    apply_threads,
     build_model,
     check_run,
     data_source,
@@ -41,6 +42,7 @@ __all__ = [
     "sharded_collection",
     "resolve_plan",
     "apply_system",
+    "apply_threads",
     "BuiltModel",
     "build_model",
     "check_run",

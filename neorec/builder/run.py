@@ -20,6 +20,7 @@ from neorec.data.sources import DataSource, make_source
 from neorec.distributed.dense_blocks import block_dense
 from neorec.distributed.dynamic_reshard import without_dynamic
 from neorec.distributed.model_parallel import check_same_everywhere
+from neorec.machine import default_threads
 from neorec.modules.collection_parts import check_tables_memory
 from neorec.ops import settings
 from neorec.ops.memory import keep_freed_heap
@@ -47,6 +48,19 @@ def apply_system(system: SystemConfig, distributed: bool = False) -> None:
     settings.NATIVE = system.native
     if distributed and system.keep_heap:
         keep_freed_heap()  # no page faults on every step's buffers (ops.memory)
+
+
+def apply_threads(threads: int, local_ranks: int = 1) -> str:
+    """Set torch's intra-op threads: ``threads`` (``train.threads``), or for 0 the CPUs this
+    process may use split among ``local_ranks`` (``neorec.machine.default_threads``); returns
+    the banner's line saying how many and why."""
+    if threads:
+        n, why = threads, "train.threads"
+    else:
+        auto, why = default_threads(local_ranks)
+        n = auto if auto is not None else torch.get_num_threads()
+    torch.set_num_threads(n)
+    return f"threads  {n} intra-op thread{'s' if n != 1 else ''} ({why}; train.threads sets it)"
 
 
 def data_source(cfg: Config) -> DataSource:

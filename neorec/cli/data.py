@@ -230,7 +230,7 @@ def movielens_main(argv: list[str] | None = None, out: Any = None) -> int:
     p = argparse.ArgumentParser(
         prog="neorec data movielens",
         description="MovieLens (ML-100K, ML-1M, ML-20M/25M, or RecBole's atomic ml-100k) -> a "
-        "click task (rating >= 4) with the last 10%% of each user's ratings held out, "
+        "click task (rating >= 4) with the last 10% of each user's ratings held out, "
         "preprocessed for configs/movielens.toml",
     )
     p.add_argument("--input", required=True, help="the unpacked GroupLens directory")

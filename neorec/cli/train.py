@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set train.steps=100",
+        help="override a config value (repeatable), e.g. --set train.steps=100; every key, its "
+        "default and meaning: neorec config --keys",
     )
     p.add_argument(
         "--nproc",

@@ -214,7 +214,10 @@ class TrainConfig:
     seed: int = field(default=0, metadata=rule(0, MAX_SEED))
     """Model init seed."""
     threads: int = field(default=0, metadata=rule(0, _MAX_THREADS))
-    """torch intra-op threads (0 = leave PyTorch's default)."""
+    """torch intra-op threads per process; 0 = the cores this process may use (CPU affinity, the
+    cgroup CPU quota), at most the host's idle ones, split among the ranks on this host
+    (``neorec.machine.CpuShare``; ``OMP_NUM_THREADS``, when set, is used instead). The banner's
+    ``threads`` line says how many and why. Docs: docs/running.md "Threads"."""
     bf16_dense: bool = False
     """Run the dense MLPs under bf16 autocast (CPU AMX); embeddings stay float32."""
     progress: bool = True

@@ -205,7 +205,8 @@ def movielens(
         order = np.lexsort((ratings[:, 1], ratings[:, 3]))  # by time within each split
         _write(t / "part-0-train.csv", ratings[order][~held[order]], users, movies)
         _write(t / "part-1-eval.csv", ratings[order][held[order]], users, movies)
-        opts = TabularOptions(workers=workers)
+        note = f"eval = the last {EVAL_SHARE:.0%} of each user's ratings by time"
+        opts = TabularOptions(workers=workers, split_note=note)
         m = preprocess_tabular([t], out, movielens_schema(), movielens_tables(), opts, out=stdout)
     if stdout is not None:
         print(f"MovieLens layout {layout}: {len(ratings):,} ratings, {len(users):,} users with "

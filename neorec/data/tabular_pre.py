@@ -58,6 +58,8 @@ class TabularOptions:
     shard_rows: int = 1 << 20
     workers: int = 0
     eval_fraction: float | None = None
+    split_note: str = ""
+    """How the input files were split, said instead of the file rule (a recipe's own split)."""
 
 
 def split_counts(where: str, counts: Sequence[int], fraction: float | None) -> tuple[int, str]:
@@ -194,6 +196,7 @@ def preprocess_tabular(
     if sum(counts) == 0:
         raise DataError(f"{where}: no samples; nothing to write")
     n_train, how = split_counts(where, counts, opts.eval_fraction)
+    how = opts.split_note or how
     fitted = fit(paths, schema, tables, n_train)
     if fitted.vocab:
         (outp / "vocab").mkdir(exist_ok=True)

@@ -65,6 +65,20 @@ class TabularSource:
         self.fitted = fit(self.train_files, self.schema, self.tables, None)
         self.keys = [f.name for f in self.schema.sparse]
 
+    @classmethod
+    def reading(
+        cls, files: Sequence[Path], d: DataConfig, tables: Sequence[TableConfig], fitted: Any
+    ) -> TabularSource:
+        """A source whose eval split is every row of ``files``, encoded with ``fitted`` (a
+        trained model's statistics and vocabularies: ``neorec eval | predict --data``)."""
+        self = cls.__new__(cls)
+        self.schema, self.tables, self.bs = d.schema, list(tables), d.batch_size
+        self.train_files, self.eval_files, self.world = [], list(files), 1
+        next(read_blocks(self.eval_files[0], self.schema, 1), None)  # columns and types, cheaply
+        self.counts = {"train": 0, "eval": sum(count_rows(p, self.schema) for p in files)}
+        self.fitted, self.keys = fitted, [f.name for f in self.schema.sparse]
+        return self
+
     def _batches(self, files: Sequence[Path], start: int) -> Iterator[Batch]:
         pending: list[Encoded] = []
         have, index = 0, 0

@@ -35,6 +35,7 @@ from neorec.launch.messages import (
     reports,
 )
 from neorec.launch.worker import LAUNCHER_PID_ENV, proc_state
+from neorec.machine import THREADS_WHY_ENV, default_threads
 
 __all__ = ["Nodes", "Recovery", "Job", "launch"]
 
@@ -201,6 +202,15 @@ def _restore_signals() -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
+def worker_threads_env(nproc: int, env: dict[str, str]) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for ``nproc`` workers on this host when the user set none: this
+    process's usable CPUs split among them (``neorec.machine.default_threads``), and why."""
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return {}
+    n, why = default_threads(nproc, env)
+    return {"OMP_NUM_THREADS": str(n), THREADS_WHY_ENV: why}
+
+
 def launch(
     nproc: int,
     worker_argv: list[str],
@@ -245,18 +255,19 @@ def launch(
     # /tmp/torchelastic_* per run, is never removed)
     argv.insert(0, f"--log-dir={os.path.join(errdir, 'agent')}")
     job = Job(errdir, max_restarts, recovery)
+    ours = {LAUNCHER_PID_ENV: str(os.getpid()), ERROR_DIR_ENV: errdir}
+    ours.update(worker_threads_env(nproc, {**os.environ, **(env or {})}))
     try:
-        with _quiet_torchrun():
+        # (torchrun reads OMP_NUM_THREADS as it is configured: 1 per worker when unset)
+        with _quiet_torchrun(), _env(**ours, **(env or {})):
             targs = torchrun.parse_args(argv)
             if targs.master_port is None:
                 targs.master_port = 29500  # as torchrun's run(); unused by c10d rendezvous
             config, cmd, cmd_args = torchrun.config_from_args(targs)
-            ours = {LAUNCHER_PID_ENV: str(os.getpid()), ERROR_DIR_ENV: errdir}
-            with _env(**ours, **(env or {})):
-                try:
-                    run_agent(config, cmd, list(cmd_args), job)
-                finally:
-                    _restore_signals()
+            try:
+                run_agent(config, cmd, list(cmd_args), job)
+            finally:
+                _restore_signals()
         return 0
     except ChildFailedError as e:
         note = job.no_restart if max_restarts else ""

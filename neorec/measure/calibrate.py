@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from neorec.distributed.comm import close_host_transports, init_host_transport
+from neorec.machine import cpu_share
 from neorec.measure.calibrate_learned import (
     DEFAULT_BUDGET_S,
     _print_model,
@@ -184,7 +185,7 @@ def _comm_rank(rank: int, world: int, port: int, q, repeat: int, optimizer: str)
     from neorec.distributed.comm import all_to_all
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, cpu_share().usable() // world))  # the CPUs it may use
     keep_freed_heap()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     init_host_transport()

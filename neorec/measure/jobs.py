@@ -23,6 +23,7 @@ from neorec.builder import sharded_collection
 from neorec.config import load_config
 from neorec.data.synthetic import zipf_batches
 from neorec.distributed.comm import close_host_transports, init_host_transport
+from neorec.machine import cpu_share
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.plan_json import parse_plan_dict
 from neorec.sharding.types import ShardingPlan
@@ -130,7 +131,7 @@ def _jobs_rank(
     rank: int, world: int, port: int, jobs: list, deadline: float, opts: dict, q
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, cpu_share().usable() // world))  # the CPUs it may use
     keep_freed_heap()  # as a training rank does (launch.init_rank_group)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     init_host_transport()

@@ -20,6 +20,7 @@ __all__ = ["run_eval", "run_predict", "run_export"]
 def _prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(model dir, config with overrides, eval data) of a command, checked before the model is
     built; then the model is loaded."""
+    from neorec.builder import apply_threads
     from neorec.serve.evaluate import eval_data, override_config
     from neorec.serve.model import MODEL_FILE, config_from_dict, find_model_dir, read_model_info
 
@@ -37,10 +38,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             sets.append(f"data.windows={window + 1}")
         sets.append(f"data.window={window}")
     cfg = override_config(cfg, sets)
-    if cfg.train.threads:
-        import torch
-
-        torch.set_num_threads(cfg.train.threads)
+    apply_threads(cfg.train.threads)
     return src, cfg, eval_data(cfg, args.data, getattr(args, "split", "eval"))
 
 

@@ -1,9 +1,10 @@
 """Eval and batch inference of a saved model: which data, and the trainer's prediction loop.
 
-Data: the saved config's eval split (synthetic, Criteo TSV or preprocessed, as the trainer reads
-it), or ``--data PATH``: a Criteo TSV file / directory of them (every line, in file and line
-order) or a preprocessed directory (its held-out split when it has one, else all of it, in shard
-order). ``--set data.KEY=VALUE`` overrides the saved data section (e.g. ``data.eval_samples``).
+Data: the saved config's eval split (its own source and schema, as the trainer reads it), or
+``--data PATH`` in the format the model was trained on: for tabular data (Parquet / CSV, their
+preprocessed directory, MovieLens) ``neorec.serve.eval_tabular``; otherwise a Criteo TSV file /
+directory of them (every line, in file and line order) or a preprocessed directory (its held-out
+split when it has one, else all of it, in shard order). ``--set data.KEY=VALUE`` overrides the saved data section (e.g. ``data.eval_samples``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def eval_data(cfg: Config, data: str | None = None, split: str = "eval") -> Eval
         if split == "train":
             return EvalData(source.train_batches, None, where, total)
         return EvalData(source.eval_batches, source.reference_metrics, where, total)
+    if not Path(data).exists():
+        raise DataError(f"{data}: no such file or directory (--data); check the path")
+    if cfg.data.source == "tabular":  # read as the model was trained: its schema, its vocabularies
+        from neorec.serve.eval_tabular import tabular_batches
+
+        return EvalData(tabular_batches(cfg, Path(data)), None, str(data))
     return EvalData(_path_batches(cfg, Path(data)), None, str(data))
 
 
@@ -113,6 +120,13 @@ def _path_batches(cfg: Config, p: Path) -> Any:
         raise DataError(f"{p}: no such file or directory (--data); check the path")
     if is_preprocessed(p):
         shards = ShardSet(p)
+        if shards.manifest.get("layout") == "jagged":
+            from neorec.serve.eval_tabular import expected_format
+
+            raise DataError(
+                f"--data {p} was preprocessed from tabular data; the model was trained on "
+                f"'{cfg.data.source}' data: --data must be {expected_format(cfg)}"
+            )
         held = [s for s in shards.shards if s.get("split") == "eval"]
         if held:
             shards = ShardSet(p, held)
@@ -130,9 +144,16 @@ def _path_batches(cfg: Config, p: Path) -> Any:
     from neorec.data.sources import report_skipped
 
     d = cfg.data
-    dataset = CriteoTSVDataset(
-        [str(f) for f in criteo_files(p)], tables, bs, d.bad_lines, d.hash_categories
-    )
+    files = criteo_files(p)
+    other = [f for f in files if f.suffix.lower() in (".parquet", ".pq", ".csv")]
+    if other:
+        from neorec.serve.eval_tabular import expected_format
+
+        raise DataError(
+            f"--data {other[0]} is {other[0].suffix[1:]} data; the model was trained on "
+            f"'{d.source}' data: --data must be {expected_format(cfg)}"
+        )
+    dataset = CriteoTSVDataset([str(f) for f in files], tables, bs, d.bad_lines, d.hash_categories)
 
     def batches() -> Iterator[Batch]:
         yield from dataset

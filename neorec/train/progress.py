@@ -23,7 +23,14 @@ from torch import Tensor
 
 from neorec.phases import fmt_duration
 
-__all__ = ["Progress", "banner", "eval_line", "fmt_duration", "lowp_decision"]
+__all__ = [
+    "Progress",
+    "banner",
+    "eval_line",
+    "fmt_duration",
+    "lowp_decision",
+    "whole_batches_line",
+]
 
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
@@ -319,3 +326,21 @@ def lowp_decision(disp: Any, step: int) -> str:
     wire = {k: v for k, v in disp.plan.items() if k.startswith("pooled.")}
     tail = (" | pooled wire " + ", ".join(f"{k[7:]} {v}" for k, v in wire.items())) if wire else ""
     return f"lowp {disp.mode} at step {step}: {head}" + (f" ({reasons})" if reasons else "") + tail
+
+
+def whole_batches_line(cfg: Any) -> str | None:
+    """For generated data (synthetic, stream) whose split sizes are not whole global batches:
+    the samples actually used (the remainder of each split is dropped); None when nothing is."""
+    d = cfg.data
+    if d.source not in ("synthetic", "stream"):
+        return None  # (files' own sources say what they drop)
+    train_key = "window_samples" if d.source == "stream" else "train_samples"
+    parts = []
+    for name, key in (("train", train_key), ("eval", "eval_samples")):
+        n = int(getattr(d, key))
+        if n % d.batch_size:
+            used = n // d.batch_size * d.batch_size
+            parts.append(f"{name} {used:,} of data.{key} {n:,} ({n // d.batch_size:,} batches)")
+    if not parts:
+        return None
+    return f"data     whole batches of {d.batch_size:,} only: " + "; ".join(parts)

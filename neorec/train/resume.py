@@ -21,7 +21,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from neorec.config import Config, TrainConfig, load_config, read_toml
+from neorec.config import Config, ConfigError, TrainConfig, load_config, read_toml
 from neorec.config.checks import show
 from neorec.config.load import config_from_data
 from neorec.errors import NeorecError
@@ -146,6 +146,7 @@ def finished_line(run: RunFolder, cfg: Config) -> str | None:
         finished = was.get("steps") == 0 and epochs is not None and t.epochs <= epochs
     if not finished:
         return None
+    unapplied = _unapplied(run, cfg, done)
     again = ["neorec", "train", "--resume", "latest"]
     if run.root is not None:
         if str(run.root) != TrainConfig().runs_dir:
@@ -156,5 +157,28 @@ def finished_line(run: RunFolder, cfg: Config) -> str | None:
     again += ["--set", "train.steps=M"]
     return (
         f"neorec: run {run.name} is already finished at step {done} ({path}): nothing to train, "
-        f"nothing rewritten; to train further: {shlex.join(again)} (M > {done})"
+        f"nothing rewritten{unapplied}; to train further: {shlex.join(again)} (M > {done})"
     )
+
+
+def _unapplied(run: RunFolder, cfg: Config, done: int) -> str:
+    """What of ``cfg`` differs from the finished run's own config, said (", the change of K is
+    not applied"); a different model shape is refused (``ConfigError``): a resume trains on
+    from the checkpoint, whose model it cannot change."""
+    try:
+        saved = load_config(run.path / "config.toml")
+    except (OSError, NeorecError):
+        return ""
+    mine, theirs = cfg.describe_model(), saved.describe_model()
+    if mine != theirs:
+        what = ", ".join(k for k in mine if mine[k] != theirs.get(k))
+        raise ConfigError(
+            f"run {run.name} is already finished at step {done}, and the config given with "
+            f"--resume changes its model ({what}): a resume trains on from its checkpoint and "
+            "cannot change the model; for this model start a new run (without --resume)"
+        )
+    before, after = _flat(saved.to_dict()), _flat(cfg.to_dict())
+    keys = [k for k in after if k != "checkpoint.resume" and before.get(k) != after[k]]
+    if not keys:
+        return ""
+    return f", the change{'s' if len(keys) > 1 else ''} of {', '.join(keys)} not applied"

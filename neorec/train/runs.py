@@ -36,6 +36,7 @@ from neorec.errors import ConfigError
 from neorec.machine import cpu_model_and_flags
 from neorec.train import runlock
 from neorec.train.runlock import RunFolderError
+from neorec.train.tee import Tee
 
 __all__ = [
     "RUN_DIR_ENV",
@@ -392,58 +393,6 @@ def dump_toml(sections: dict[str, dict[str, Any]], header: str = "") -> str:
 
 
 # ---- the files of the run ------------------------------------------------------------------------
-class Tee:
-    """A text stream that writes to the terminal and (once attached) to ``train.log``.
-
-    Before ``attach`` the log's text is kept, so lines printed while the run is being set up
-    land in the log too. With a progress bar showing (``bar``), the bar is cleared before a
-    line is written and drawn again after it.
-    """
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.log: TextIO | None = None
-        self.pending: list[str] = []
-        self.bar: Any = None
-
-    def write(self, s: str) -> int:
-        """Write ``s`` to both."""
-        self.log_only(s)
-        bar = self.bar
-        if bar is not None:
-            bar.clear()
-            self.stream.write(s)
-            if s.endswith("\n"):
-                bar.refresh()
-        else:
-            self.stream.write(s)
-        return len(s)
-
-    def log_only(self, s: str) -> None:
-        """Write ``s`` to train.log only (the plain progress line behind a bar)."""
-        if self.log is None:
-            self.pending.append(s)
-        else:
-            self.log.write(s)
-
-    def flush(self) -> None:
-        """Flush both."""
-        self.stream.flush()
-        if self.log is not None:
-            self.log.flush()
-
-    def isatty(self) -> bool:
-        """Whether the terminal side is a terminal."""
-        isatty = getattr(self.stream, "isatty", None)
-        return bool(isatty and isatty())
-
-    def attach(self, log: TextIO) -> None:
-        """Start writing to ``log`` (after what was printed so far)."""
-        log.write("".join(self.pending))
-        log.flush()
-        self.pending, self.log = [], log
-
-
 def _keep_events(path: Path, step: int) -> int:
     """Drop the lines of ``events.jsonl`` after ``step`` (an interrupted session's, replayed by
     the resumed run); returns how many were dropped. The file is replaced atomically."""

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from neorec.builder import (
     apply_system,
+    apply_threads,
     build_model,
     check_run,
     data_source,
@@ -33,14 +34,15 @@ from neorec.data.sources import DataSource
 from neorec.distributed.comm import rank_device
 from neorec.errors import NeorecError
 from neorec.metrics import binary_metrics
+from neorec.phases import Phase
 from neorec.train.checkpoints import RunProgressState, TrainerCheckpoints, preflight_resume
 from neorec.train.events import EventLog
 from neorec.train.losses import make_loss
 from neorec.train.lowp import TrainerLowp
 from neorec.train.metrics import DynamicLine, dynamic_counters
 from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipeline
-from neorec.train.progress import Progress, banner, eval_line, every_of
-from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run
+from neorec.train.progress import Progress, banner, eval_line, every_of, whole_batches_line
+from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
 from neorec.train.state import TrainState
 from neorec.train.steps import (
     LossGuard,
@@ -115,11 +117,12 @@ class Trainer(RunSummary):
         self.tee = Tee(out or sys.stdout) if self.rank == 0 else None
         self.out: TextIO = cast(TextIO, self.tee) if self.tee is not None else out or sys.stdout
         self.runlog: RunLog | None = None
+        if self.tee is not None:
+            self.tee.on_closed = self._stdout_closed
         self._host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))  # on this host
         check_run(cfg, self.world, one_host=self.world == self._host_ranks)
         self.device = rank_device(cfg.train.device)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
+        self._threads_line = apply_threads(cfg.train.threads, self._host_ranks)
         apply_system(cfg.system)
         self.tb: TBWriter | None = None
         self._tb_wanted = tensorboard_wanted(cfg.train.tensorboard)  # "on" and missing: refused
@@ -262,6 +265,8 @@ class Trainer(RunSummary):
         if self._tb_wanted:
             self.tb = TBWriter(self.run.path, None if resumed is None else resumed + 1)
         self.events.runlog, self.events.tb = self.runlog, self.tb
+        if self.tee.terminal_closed:  # closed while the run was set up: train.log has it
+            self._stdout_closed(log=False)
         if self.cfg.train.progress:
             dense = sum(p.numel() for p in self.model.dense_parameters())
             text = banner(
@@ -276,12 +281,24 @@ class Trainer(RunSummary):
                 towers=self.tower_groups,
             )
             print(text, file=self.out, flush=True)
-            lines = [scaling_line(self.cfg)]
+            lines = [self._threads_line, whole_batches_line(self.cfg), scaling_line(self.cfg)]
             if self.cfg.train.schedule.active:
                 lines.append(self.schedule.describe())
             for line in lines:
                 if line is not None:
                     print(line, file=self.out, flush=True)
+
+    def _stdout_closed(self, log: bool = True) -> None:
+        """The terminal's reader went away (``| head``): say so in train.log and events.jsonl
+        (now, or when they open); training goes on."""
+        note = (
+            f"stdout closed at step {self.state.step} (its reader ended): training goes on, its "
+            "lines in train.log"
+        )
+        if self.tee is not None and log:
+            self.tee.log_only(note + "\n")
+        if self.runlog is not None:
+            self.runlog.event({"step": self.state.step, "time_utc": utc_now(), "note": note})
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, write the run folder's files; return the metrics."""
@@ -290,6 +307,9 @@ class Trainer(RunSummary):
         except BaseException as e:
             if self.tee is not None:  # train.log says how it ended (the terminal got the error)
                 self.tee.log_only(f"stopped at step {self.state.step}: {type(e).__name__}: {e}\n")
+            if self.runlog is not None:  # the step reached, for `neorec runs` (not the last log's)
+                stop = {"step": self.state.step, "time_utc": utc_now(), "stopped": type(e).__name__}
+                self.runlog.event(stop)
             raise
         finally:
             if self.runlog is not None:
@@ -441,6 +461,23 @@ class Trainer(RunSummary):
         source: Iterator[Batch] = iter(self.source.eval_batches())
         if periodic and self.cfg.train.eval_batches:
             source = itertools.islice(source, self.cfg.train.eval_batches)
+        if not periodic:  # the final eval's progress line, when it takes a while
+            shown = self.rank == 0 and self.cfg.train.progress
+            with Phase("final eval", self._eval_total(), "batches", self.out, shown) as phase:
+                return self._evaluate(_counted(source, phase))
+        return self._evaluate(source)
+
+    def _eval_total(self) -> int | None:
+        """Batches of the eval split, when the source can tell (the progress line's ETA)."""
+        counter = getattr(getattr(self.source, "data", None), "num_batches", None)
+        if callable(counter):
+            return int(counter("eval", self.cfg.data.batch_size))
+        try:
+            return len(self.source.eval)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            return None
+
+    def _evaluate(self, source: Iterator[Batch]) -> dict[str, float]:
         dev = self.device
         batches = (self._local(b) if dev.type == "cpu" else self._local(b).to(dev) for b in source)
         if self.world == 1:
@@ -453,6 +490,13 @@ class Trainer(RunSummary):
         probs = torch.cat([p[i][0] for i in range(len(mine)) for p in parts])
         labels = torch.cat([p[i][1] for i in range(len(mine)) for p in parts])
         return binary_metrics(probs, labels)
+
+
+def _counted(batches: Iterator[Batch], phase: Phase) -> Iterator[Batch]:
+    """``batches``, each counted by ``phase`` once it has been used."""
+    for b in batches:
+        yield b
+        phase.advance(1)
 
 
 def train(cfg: Config, out: TextIO | None = None, run: RunFolder | None = None) -> dict[str, Any]:
