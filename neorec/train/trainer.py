@@ -27,6 +27,7 @@ from neorec.builder import (
     scaling_line,
 )
 from neorec.config import Config, ConfigError
+from neorec.data.bad_rows import RECORDS_FILE
 from neorec.data.batch import Batch
 from neorec.data.sources import DataSource
 from neorec.distributed.comm import rank_device
@@ -39,7 +40,7 @@ from neorec.train.lowp import TrainerLowp
 from neorec.train.metrics import DynamicLine, dynamic_counters
 from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of
-from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run
+from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
 from neorec.train.sigterm import sigterm_unwinds
 from neorec.train.state import TrainState
 from neorec.train.steps import (
@@ -260,6 +261,7 @@ class Trainer(RunSummary):
         if self._tb_wanted:
             self.tb = TBWriter(self.run.path, None if resumed is None else resumed + 1)
         self.events.runlog, self.events.tb = self.runlog, self.tb
+        self._note_bad_rows(resumed is not None)
         if self.cfg.train.progress:
             dense = sum(p.numel() for p in self.model.dense_parameters())
             text = banner(
@@ -280,6 +282,26 @@ class Trainer(RunSummary):
             for line in lines:
                 if line is not None:
                     print(line, file=self.out, flush=True)
+
+    def _note_bad_rows(self, resumed: bool) -> None:
+        """Rank 0, ``data.bad_rows = "skip"``: the rows the source skips (the same in every pass
+        and every attempt: derived from the files) listed in ``bad_rows.jsonl`` and counted in an
+        event at the run's start; a resumed run keeps the first attempt's (counted once)."""
+        bad = getattr(self.source, "bad_rows", None)  # (tabular sources that skip)
+        if bad is None or self.runlog is None:
+            return
+        listed = self.run.path / RECORDS_FILE
+        if not (resumed and listed.is_file()):
+            bad.write(self.run.path)
+        if not resumed:
+            self.runlog.event({"step": 0, "time_utc": utc_now(), "bad_rows": bad.summary()})
+        if bad.total and self.cfg.train.progress:
+            s = bad.summary()
+            print(
+                f"data: skipped {s['skipped']:,} bad rows of {s['rows']:,} (listed in {listed})",
+                file=self.out,
+                flush=True,
+            )
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, write the run folder's files; return the metrics. At the end, also
