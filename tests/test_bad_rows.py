@@ -26,6 +26,7 @@ CONFIG = ROOT / "configs" / "parquet_example.toml"
 N_TRAIN, N_EVAL = 300, 100
 # CSV line (1-based, header = line 1) -> how the row is broken
 CSV_BAD = {
+    2: ("click", ""),  # the first row: a missing label
     5: ("click", "x"),  # a label that is not a number
     9: ("price", "abc"),  # a dense value that is not a number
     13: (None, None),  # a field missing
@@ -102,9 +103,10 @@ def _batches(src: TabularSource) -> list[Any]:
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_fail_names_a_bad_row(data: dict[str, Path], fmt: str) -> None:
-    """The default (``fail``, today's behaviour): one line naming the file, line or row, column
-    (CSV: a record of the wrong length is seen as it is read, before its block's values)."""
-    where = "part-0.csv:13: 7 fields" if fmt == "csv" else "part-0.parquet: row 4: column 'click'"
+    """The default (``fail``, today's behaviour): one line naming the file, line or row, column."""
+    where = (
+        "part-0.csv:2: column 'click'" if fmt == "csv" else "part-0.parquet: row 4: column 'click'"
+    )
     with pytest.raises(DataError, match=where):
         TabularSource(cfg(data[fmt]).data, cfg(data[fmt]).embedding.tables)
 
@@ -124,8 +126,9 @@ def test_skip_reads_the_files_without_their_bad_rows(data: dict[str, Path], fmt:
     recs = got.bad_rows.records
     if fmt == "csv":
         assert [(r["line"], r["column"]) for r in recs] == [(n, c) for n, (c, _) in CSV_BAD.items()]
-        assert recs[2]["reason"] == "7 fields, the header has 8"
-        assert "'x' is not a number" in recs[0]["reason"]
+        assert recs[3]["reason"] == "7 fields, the header has 8"
+        assert "'x' is not a number" in recs[1]["reason"]
+        assert recs[0]["reason"] == "column 'click' is empty"
     else:
         assert [(r["row"], r["column"]) for r in recs] == [
             (n, c) for n, (c, _) in PARQUET_BAD.items()
@@ -140,10 +143,10 @@ def test_max_bad_fraction_is_one_line_with_the_count_and_file(data: dict[str, Pa
     with pytest.raises(DataError) as e:
         TabularSource(c.data, c.embedding.tables)
     msg = str(e.value)
-    assert "\n" not in msg and "part-0.csv: 4 of 300 rows are bad (1.33%)" in msg
-    assert "data.max_bad_fraction (0.01)" in msg and "the first at line 5" in msg
+    assert "\n" not in msg and "part-0.csv: 5 of 300 rows are bad (1.67%)" in msg
+    assert "data.max_bad_fraction (0.01)" in msg and "the first at line 2" in msg
     c = cfg(data["csv"], bad_rows="skip", max_bad_fraction=0.02)
-    assert TabularSource(c.data, c.embedding.tables).counts["train"] == 296
+    assert TabularSource(c.data, c.embedding.tables).counts["train"] == 295
 
 
 def test_bad_rows_is_for_tabular_data() -> None:
@@ -220,5 +223,5 @@ def test_a_resumed_run_counts_them_once(data: dict[str, Path], tmp_path: Path) -
     counted = [e["bad_rows"] for e in events if "bad_rows" in e]
     assert len(counted) == 1 and counted[0]["skipped"] == len(CSV_BAD)
     assert got["bad_rows"] == want["bad_rows"] and got["bad_rows"]["skipped"] == len(CSV_BAD)
-    assert got["train"]["steps"] == want["train"]["steps"] == 6  # 296 samples: 5 x 50 + 46
+    assert got["train"]["steps"] == want["train"]["steps"] == 6  # 295 samples: 5 x 50 + 45
     assert got["eval"] == want["eval"]

@@ -50,10 +50,11 @@ class TabularSource:
                 "or preprocess it (`neorec data preprocess --config C --input FILE --output DIR` "
                 "holds out its last 1/7) and set data.path to DIR"
             )
-        for p in (self.train_files[0], self.eval_files[0]):
-            next(read_blocks(p, self.schema, 1), None)  # the columns and their types, cheaply
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.policy = BadRowPolicy(d.bad_rows, d.max_bad_fraction)
+        for p in (self.train_files[0], self.eval_files[0]):
+            bad = BadRows(self.policy) if self.policy.skip else None
+            next(read_blocks(p, self.schema, 1, bad), None)  # the columns and their types, cheaply
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Skipping: a pass counts the good rows and records the bad ones (the same every pass).
         self.bad_rows = BadRows(self.policy) if self.policy.skip else None
         self.counts = {
