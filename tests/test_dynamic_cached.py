@@ -283,25 +283,32 @@ def test_trainer_checkpoint_resume_equals_in_memory(tmp_path: Path) -> None:
     assert got["storage"]["hits"] == st["hits"] > 0  # the run summary reports the cache
 
 
-def test_batch_beyond_the_cache(tmp_path: Path) -> None:
-    """A batch whose slots do not fit the cache is refused (one line naming the table) after its
-    ids were admitted: their fresh rows still reach the store and no slot stays pinned."""
-    from neorec.storage.cached import CacheCapacityError
-    from neorec.storage.dynamic import dynamic_init_rows
-
-    t = TableConfig(name="a", rows=8, dim=4, kind="dynamic", storage="ssd", cache_rows=2)
-    got = DynamicCachedEmbeddingBagCollection(
-        [t], CollectionSpec(seed=4), storage=StoreSettings(dir=tmp_path)
+@pytest.mark.parametrize(
+    "storage,opt,pooling",
+    [("ssd", "sgd", "sum"), ("ssd", "rowwise_adagrad", "mean"), ("dram", "adam", "sum")],
+)
+@pytest.mark.parametrize("policy", ["lru", "lfu-threshold-default"])
+def test_batch_beyond_the_cache_spills(
+    tmp_path: Path, storage: str, opt: str, pooling: str, policy: str
+) -> None:
+    """Batches whose slots do not fit the cache (3 rows; a batch uses up to 12) run in chunks
+    that fit (``storage.spill``; they stopped the run with CacheCapacityError): the in-memory
+    collection's outputs, rows, state and counters."""
+    kw = POLICIES[policy]
+    batches = _batches(0, 12, b=6)
+    ref = _make("memory", opt, pooling, tmp_path, **kw)
+    got = _make(storage, opt, pooling, tmp_path, cache_rows=3, **kw)
+    for want, have in zip(_train(ref, batches), _train(got, batches)):
+        torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6)
+    for t in ("a", "b"):
+        a, b = ref.export_table(t), got.export_table(t)
+        assert torch.equal(a.ids, b.ids) and a.step == b.step
+        torch.testing.assert_close(b.rows, a.rows, rtol=1e-5, atol=1e-6)
+    c = got.stats()["a"]["cache"]
+    assert (
+        c["spilled"] > 0 and c["resident"] <= 3 and int(got.slot_cache._cached[0].pins.sum()) == 0
     )
-    out = got(SparseFeatures.from_lists({"a": [[5]]}))
-    out.backward(torch.ones_like(out))
-    got.flush()
-    with pytest.raises(CacheCapacityError, match="table 'a'.*cache_rows"):
-        got(SparseFeatures.from_lists({"a": [[7, 8], [9]]}))
-    assert int(got._pins[0].sum()) == 0 and int(got.slot_cache._cached[0].pins.sum()) == 0
-    st = got.export_table("a")
-    assert st.ids.tolist() == [5, 7, 8, 9]
-    assert torch.equal(st.rows[1:], dynamic_init_rows(t, 4, torch.tensor([7, 8, 9])))
+    got.close()
 
 
 def test_new_slots_are_not_read_from_the_store(tmp_path: Path) -> None:

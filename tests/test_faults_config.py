@@ -191,6 +191,8 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "data.teacher_groups": ("int", 0),
     "data.hash_categories": ("bool",),
     "data.bad_lines": ("choice", ("fail", "skip")),
+    "data.bad_rows": ("choice", ("fail", "skip")),
+    "data.max_bad_fraction": ("float", 0, False, 1),
     "data.seed": ("int", 0, 2**63 - 1),
     "data.shuffle": ("bool",),
     "data.shuffle_buffer": ("int", 1),

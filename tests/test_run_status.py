@@ -1,19 +1,26 @@
-"""Checks that can fail early fail early (a row cache smaller than a batch's distinct rows, before
-the row store is written), and `neorec runs` tells how a run ended: finished, failed with the
-error line, interrupted; `neorec exfm` folders too."""
+"""A run's row stores are flushed and closed at its end, also on SIGTERM (a row cache smaller
+than a batch's distinct rows trains in chunks), and `neorec runs` tells how a run ended: finished,
+failed with the error line, interrupted; `neorec exfm` folders too."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_runs import TINY, cfg_of
 
 from neorec.cli import main
-from neorec.storage.cache_table import CacheCapacityError
+from neorec.storage.store import SsdStore
 from neorec.train import exfm
 from neorec.train.runlist import describe_run
 from neorec.train.runstatus import STATUS_FILE, mark_ended, mark_run, run_status
@@ -22,22 +29,53 @@ from neorec.train.trainer import Trainer, train
 SSD = "[{name='a', rows=5000, dim=8, storage='ssd', cache_rows=4}, {name='b', rows=100, dim=8}]"
 
 
-def test_ssd_cache_smaller_than_a_batch_fails_before_the_store_is_written(
-    tmp_path: Path, capsys: Any
-) -> None:
+def test_ssd_cache_smaller_than_a_batch_trains_and_flushes_the_store(tmp_path: Path) -> None:
+    """A cache of 4 rows under batches of up to 32 distinct rows (it stopped the run before,
+    ``CacheCapacityError``) trains in chunks that fit; at the end of the run the row store is
+    flushed (its file clean: ``SsdStore.open`` refuses an unflushed one) and its rows are the
+    final table, what the all-in-memory run trains (to rounding)."""
     store = tmp_path / "store"
-    cfg = cfg_of(tmp_path / "runs", f"embedding.tables={SSD}", f"storage.dir='{store}'")
-    with pytest.raises(CacheCapacityError, match="table 'a': the first batch needs"):
-        Trainer(cfg)
-    assert not store.exists() or not any(store.iterdir())  # no row store was created
-    runs = tmp_path / "runs"
-    assert not runs.exists() or not [p for p in runs.iterdir() if p.name != "latest"]
-    given = [*TINY, f"embedding.tables={SSD}", f"storage.dir='{store}'", f"train.runs_dir='{runs}'"]
-    sets = [x for s in given for x in ("--set", s)]
-    assert main(["train", *sets]) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "cache holds 4" in err
-    assert not store.exists() or not any(store.iterdir())
+    sets = [f"embedding.tables={SSD}", f"storage.dir='{store}'", "train.save_model=false"]
+    got = Trainer(cfg_of(tmp_path / "a", *sets))  # (no model saved: nothing else flushes)
+    got.fit()
+    assert got.model.ebc.stats()["spilled"] > 0
+    ref = Trainer(cfg_of(tmp_path / "b", f"embedding.tables={SSD.replace('ssd', 'memory')}"))
+    ref.fit()
+    on_disk = SsdStore.open(store / "a.rows")  # (refused unless flushed)
+    rows = on_disk.read(torch.arange(5000))[:, :8]
+    on_disk.close()
+    torch.testing.assert_close(rows, ref.model.ebc.table_weight("a"), rtol=1e-4, atol=1e-6)
+
+
+def test_sigterm_flushes_the_row_stores(tmp_path: Path) -> None:
+    """SIGTERM while training (a scheduler's stop): the run unwinds, flushes and closes its row
+    store (before: killed with the store unflushed, refused by ``SsdStore.open``), and the
+    process still ends by SIGTERM; train.log says where it stopped."""
+    store, runs = tmp_path / "store", tmp_path / "runs"
+    sets = [
+        *TINY, f"embedding.tables={SSD.replace('cache_rows=4', 'cache_rows=40')}",
+        f"storage.dir='{store}'", f"train.runs_dir='{runs}'",
+        "train.name=t", "train.log_every=1", "train.steps=100000", "data.train_samples=3200000",
+    ]  # fmt: skip
+    argv = [sys.executable, "-m", "neorec", "train", *[x for s in sets for x in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    events = runs / "t" / "events.jsonl"
+    try:
+        while proc.poll() is None and (
+            not events.is_file() or len(events.read_text().splitlines()) < 3
+        ):
+            time.sleep(0.05)  # (until 3 steps were logged: the store has been written to)
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    SsdStore.open(store / "a.rows").close()  # clean: flushed on the way out
+    log = (runs / "t" / "train.log").read_text()
+    assert "Terminated: SIGTERM" in log
+    assert re.fullmatch(r"interrupted at step \d+", run_status(runs / "t") or ""), log
 
 
 def test_mark_run_and_run_status(tmp_path: Path) -> None:

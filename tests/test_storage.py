@@ -18,7 +18,7 @@ from neorec.ops import settings
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops, rowio
-from neorec.storage.cached import CacheCapacityError, CachedEmbeddingBagCollection
+from neorec.storage.cached import CachedEmbeddingBagCollection
 from neorec.storage.store import HEADER_BYTES, SsdStore, StoreError, StoreSettings, record_fields
 
 # Bitwise equalities: make test-isa reruns them under every other vector ISA of the CPU.
@@ -165,15 +165,40 @@ def test_prefetch_pipeline_equals_memory(tmp_path):
     _assert_same(cached, ref)
 
 
-def test_capacity_smaller_than_batch_is_an_error(tmp_path):
-    batches = _batches(2)
-    small = _max_distinct(batches) - 1
+@pytest.mark.parametrize(
+    ("kind", "storage", "pooling", "weighted"),
+    [
+        ("sgd", "dram", "sum", False),
+        ("adam", "ssd", "mean", True),
+        ("rowwise_adagrad", "ssd", "sum", True),
+    ],
+)
+def test_batch_beyond_the_cache_spills(tmp_path, kind, storage, pooling, weighted):
+    """A batch needing more distinct rows than the cache holds runs in chunks that fit
+    (``storage.spill``; it stopped the run with CacheCapacityError): the same model as in
+    memory, the pooled outputs within rounding (rows added in another order)."""
+    batches = _batches(6, weighted=weighted)
+    small = max(2, _max_distinct(batches) // 3)
+    spec = CollectionSpec(RowOptimizer(kind=kind, lr=0.05), pooling, backend="cpu", seed=3)
+    ref = EmbeddingBagCollection(TABLES, spec)
     cached = CachedEmbeddingBagCollection(
-        _with("dram", small, "lru"), CollectionSpec(backend="cpu")
+        _with(storage, small, "lru"), spec, storage=StoreSettings(dir=tmp_path)
     )
-    with torch.no_grad(), pytest.raises(CacheCapacityError, match="distinct rows"):
-        for b in batches:
-            cached(b)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for b in batches:
+        want, got = ref(b), cached(b)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        want.backward(torch.randn(want.shape, generator=g1))
+        got.backward(torch.randn(got.shape, generator=g2))
+    with torch.no_grad():  # eval spills too
+        torch.testing.assert_close(cached(batches[0]), ref(batches[0]), rtol=1e-6, atol=1e-6)
+    st = cached.stats()
+    assert st["spilled"] >= len(batches) and st["tables"]["a"]["resident"] <= small
+    for t in TABLES:
+        got_t, want_t = cached.read_table(t.name), _reference_state(ref, t.name)
+        for k in want_t:
+            torch.testing.assert_close(got_t[k], want_t[k], rtol=1e-5, atol=1e-6)
+    cached.close()
 
 
 def test_eviction_writes_back_before_flush(tmp_path):

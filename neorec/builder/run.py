@@ -27,12 +27,10 @@ from neorec.ops.memory import keep_freed_heap
 from neorec.phases import Phase, watch_init
 from neorec.sharding.plan_json import load_plan
 from neorec.sharding.types import ShardingPlan
-from neorec.storage.cache_table import CacheCapacityError, cache_capacity
 
 __all__ = [
     "apply_system",
     "check_run",
-    "check_cache_capacity",
     "init_progress",
     "data_source",
     "dense_optimizer",
@@ -112,34 +110,6 @@ def check_run(cfg: Config, world: int = 1, one_host: bool = True) -> None:
         load_plan(cfg.sharding.plan, tables=cfg.embedding.tables, world_size=1)
 
 
-def check_cache_capacity(cfg: Config, source: DataSource) -> None:
-    """Tables on dram / ssd: the first train batch's distinct rows of each fit its row cache
-    (``CacheCapacityError`` naming the table), checked before any row store is written."""
-    cached = [t for t in cfg.embedding.tables if t.storage != "memory" and t.kind != "dynamic"]
-    if not cached:
-        return
-    batches = source.train_batches(0)
-    try:
-        batch = next(iter(batches), None)
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()
-    if batch is None:
-        return  # (no batches: the trainer says so)
-    sparse = batch.sparse
-    for t in cached:
-        ids = [sparse.feature(f)[0] for f in t.features if f in sparse.keys]
-        need = int(torch.unique(torch.cat(ids)).numel()) if ids else 0
-        if need > cache_capacity(t):
-            raise CacheCapacityError(
-                f"table '{t.name}': the first batch needs {need} distinct rows but its cache "
-                f"holds {cache_capacity(t)} (of {t.rows:,} rows on {t.storage}); raise "
-                "cache_rows / cache_fraction or lower the batch size (checked before the row "
-                "store is written)"
-            )
-
-
 @contextmanager
 def init_progress(cfg: Config, rank: int = 0, world: int = 1) -> Iterator[Phase]:
     """A ``Phase`` over the rows the tables' initializer generates inside the block (rank 0
@@ -181,8 +151,6 @@ def build_model(
     ``learned`` partition's come from the trainer's warm-up, ``neorec.train.towers_warmup``), one
     process or sharded (the plan resolved here, the same on every rank or an error naming the
     difference)."""
-    if world == 1:
-        check_cache_capacity(cfg, source)
     if groups is None:
         groups = tower_groups(cfg)
     with init_progress(cfg, rank, world):

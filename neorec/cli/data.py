@@ -198,7 +198,13 @@ def _preprocess_tabular(a: argparse.Namespace, out: Any) -> int:
     if f is not None and not (0.0 <= f < 1.0):
         raise ConfigError(f"--eval-fraction must be in [0, 1), got {f}")
     cfg = load_config(a.config)
-    opts = TabularOptions(shard_rows=a.shard_rows, workers=a.workers, eval_fraction=f)
+    opts = TabularOptions(
+        shard_rows=a.shard_rows,
+        workers=a.workers,
+        eval_fraction=f,
+        bad_rows=cfg.data.bad_rows,
+        max_bad_fraction=cfg.data.max_bad_fraction,
+    )
     preprocess_tabular(a.input, a.output, cfg.data.schema, cfg.embedding.tables, opts, out=out)
     return 0
 

@@ -79,6 +79,13 @@ class DataConfig:
     """Criteo: hash hex categories into rows modulo the table size."""
     bad_lines: str = field(default="fail", metadata=rule(choices=("fail", "skip")))
     """Criteo malformed lines: ``fail`` (error with file:line) or ``skip`` (counted)."""
+    bad_rows: str = field(default="fail", metadata=rule(choices=("fail", "skip")))
+    """Tabular (Parquet / CSV / TSV) rows with a bad value: ``fail`` (one error naming the file,
+    line or row and column) or ``skip`` (left out, counted in events.jsonl and the summary, listed
+    in the run folder's ``bad_rows.jsonl``; docs/data.md)."""
+    max_bad_fraction: float = field(default=0.01, metadata=rule(0, 1))
+    """Tabular, ``bad_rows = "skip"``: a file whose bad rows exceed this fraction of its rows is
+    an error (one line with the count and the file)."""
     seed: int = field(default=1234, metadata=rule(0, MAX_SEED))
     """Data seed (synthetic generation, shuffling)."""
     shuffle: bool = True
@@ -137,6 +144,11 @@ class DataConfig:
                     f"{names}: setting(s) of the stream, but data.source is {self.source!r}: "
                     f"they would be ignored; set data.source = 'stream' or remove {names}"
                 )
+        if self.bad_rows != "fail" and self.source != "tabular":
+            raise ConfigError(
+                f"data.bad_rows = {self.bad_rows!r} is for tabular data, but data.source is "
+                f"{self.source!r}; Criteo TSV lines: data.bad_lines"
+            )
         if not isinstance(self.schema, SchemaConfig):
             raise ConfigError(
                 f"data.schema must be a [data.schema] section, got {show(self.schema)}"

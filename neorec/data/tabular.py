@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from neorec.config.schema import FeatureSpec, SchemaConfig
+from neorec.data.bad_rows import BadRows
+from neorec.data.csv_lines import LINE_FIELDS, LongLine, capped_lines, long_field, open_text
 from neorec.data.encode import Block, SparseColumn, str_keys
 from neorec.errors import DataError
 
@@ -67,11 +69,14 @@ def tabular_files(path: str | Path) -> list[Path]:
     return [p]
 
 
-def count_rows(path: Path, schema: SchemaConfig) -> int:
-    """Data rows of a file (Parquet: from its footer; CSV: its records, header excluded)."""
+def count_rows(path: Path, schema: SchemaConfig, bad: BadRows | None = None) -> int:
+    """Data rows of a file (Parquet: from its footer; CSV: its records, header excluded). With
+    ``bad`` skipping: its good rows (a pass over the file, the bad ones recorded in ``bad``)."""
+    if bad is not None and bad.policy.skip:
+        return sum(b.n for b in read_blocks(path, schema, BLOCK_ROWS, bad))
     if file_format(path, schema) == "parquet":
         return int(_parquet_file(path).metadata.num_rows)
-    with _open_text(path) as f:
+    with open_text(path) as f:
         try:
             n = sum(1 for _ in _records(path, _reader(f, schema, path)))
         except UnicodeDecodeError as e:
@@ -81,12 +86,17 @@ def count_rows(path: Path, schema: SchemaConfig) -> int:
     return n - 1
 
 
-def read_blocks(path: Path, schema: SchemaConfig, rows: int = BLOCK_ROWS) -> Iterator[Block]:
-    """Blocks of about ``rows`` rows of a file, in order."""
+def read_blocks(
+    path: Path, schema: SchemaConfig, rows: int = BLOCK_ROWS, bad: BadRows | None = None
+) -> Iterator[Block]:
+    """Blocks of about ``rows`` rows of a file, in order; ``bad``: the bad-row policy and what it
+    skipped (``neorec.data.bad_rows``; None: fail on the first)."""
     if file_format(path, schema) == "parquet":
-        yield from _parquet_blocks(path, schema, rows)
+        yield from _parquet_blocks(path, schema, rows, bad)
     else:
-        yield from _csv_blocks(path, schema, rows)
+        yield from _csv_blocks(path, schema, rows, bad)
+    if bad is not None:
+        bad.end_file(path)
 
 
 # ---- CSV / TSV -----------------------------------------------------------------------------------
@@ -96,40 +106,12 @@ def _delim(schema: SchemaConfig, path: Path) -> str:
     return schema.delimiter or ("," if file_format(path, schema) == "csv" else "\t")
 
 
-def _open_text(path: Path) -> io.TextIOWrapper:
-    """UTF-8 text; a leading byte-order mark (as spreadsheet programs write) is not data."""
-    try:
-        return open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - the caller closes it
-    except OSError as e:
-        raise DataError(f"{path}: cannot open ({e.strerror})") from None
-
-
-LINE_FIELDS = 64
-"""A physical CSV line may hold ``LINE_FIELDS`` x ``max_field_bytes`` characters: a longer one is
-refused without being held (the csv module reads whole lines)."""
-
-
-class _LongLine(Exception):
-    def __init__(self, line: int) -> None:
-        self.line = line
-
-
-def _capped_lines(f: io.TextIOWrapper, cap: int) -> Iterator[str]:
-    """The lines of ``f``; one longer than ``cap`` characters raises ``_LongLine``."""
-    n = 0
-    while line := f.readline(cap + 1):
-        n += 1
-        if len(line) > cap and not line.endswith("\n"):
-            raise _LongLine(n)
-        yield line
-
-
 def _reader(f: io.TextIOWrapper, schema: SchemaConfig, path: Path) -> Any:
     """A strict CSV reader: a quote that does not end is an error, not the rest of the file; no
     field longer than ``max_field_bytes`` characters, no line longer than ``LINE_FIELDS`` of
     them, is ever held."""
     csv.field_size_limit(schema.max_field_bytes)
-    lines = _capped_lines(f, schema.max_field_bytes * LINE_FIELDS)
+    lines = capped_lines(f, schema.max_field_bytes * LINE_FIELDS)
     return csv.reader(lines, delimiter=_delim(schema, path), strict=True)
 
 
@@ -142,15 +124,15 @@ def _records(path: Path, reader: Any) -> Iterator[tuple[int, list[str]]]:
             rec = next(reader)
         except StopIteration:
             return
-        except (csv.Error, _LongLine) as e:
+        except (csv.Error, LongLine) as e:
             msg = str(e)
-            if isinstance(e, _LongLine):
+            if isinstance(e, LongLine):
                 start, msg = e.line, "field limit"
             if "unexpected end of data" in msg:
                 msg = f"a quoted field opened in this record does not end (an unterminated quote; {msg})"
             elif "field limit" in msg:
                 limit = csv.field_size_limit()
-                col = _long_field(path, reader.dialect.delimiter, start, limit)
+                col = long_field(path, reader.dialect.delimiter, start, limit)
                 what = f"column {col + 1}" if col is not None else "a field"
                 if col is not None and header:
                     what = f"column '{header[col]}'" if col < len(header) else what
@@ -163,32 +145,6 @@ def _records(path: Path, reader: Any) -> Iterator[tuple[int, list[str]]]:
             header = rec
         yield start, rec
         start = reader.line_num + 1
-
-
-def _long_field(path: Path, delimiter: str, line: int, limit: int) -> int | None:
-    """The 0-based column of the first field longer than ``limit`` characters in the record that
-    starts on ``line`` (streamed in pieces: never holds the field); None if none is found."""
-    col = size = 0
-    quoted = False
-    with _open_text(path) as f:
-        for _ in range(line - 1):
-            while True:  # skip a line without holding it
-                piece = f.readline(1 << 16)
-                if not piece or piece.endswith("\n"):
-                    break
-        while piece := f.read(1 << 16):
-            for ch in piece:
-                if ch == '"':
-                    quoted = not quoted
-                elif ch == delimiter and not quoted:
-                    col, size = col + 1, 0
-                    continue
-                elif ch == "\n" and not quoted:
-                    return None
-                size += 1
-                if size > limit:
-                    return col
-    return None
 
 
 def _check_lengths(
@@ -206,8 +162,10 @@ def _check_lengths(
     return texts
 
 
-def _csv_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
-    with _open_text(path) as f:
+def _csv_blocks(
+    path: Path, schema: SchemaConfig, rows: int, bad: BadRows | None
+) -> Iterator[Block]:
+    with open_text(path) as f:
         reader = _records(path, _reader(f, schema, path))
         try:
             _, header = next(reader, (0, None))
@@ -224,18 +182,42 @@ def _csv_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
             lines: list[int] = []
             for line, rec in reader:
                 if len(rec) != len(header):
-                    raise DataError(
-                        f"{path.name}:{line}: {len(rec)} fields, the header has {len(header)}"
-                    )
+                    msg = f"{path.name}:{line}: {len(rec)} fields, the header has {len(header)}"
+                    if bad is None or not bad.policy.skip:
+                        raise DataError(msg)
+                    bad.read(path, 1)
+                    bad.skip(path, {"line": line}, msg)
+                    continue
                 recs.append(rec)
                 lines.append(line)
                 if len(recs) == rows:
-                    yield _csv_block(path, schema, index, recs, lines)
+                    yield from _csv_good(path, schema, index, (recs, lines), bad)
                     recs, lines = [], []
             if recs:
-                yield _csv_block(path, schema, index, recs, lines)
+                yield from _csv_good(path, schema, index, (recs, lines), bad)
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _csv_good(
+    path: Path,
+    schema: SchemaConfig,
+    index: dict[str, int],
+    got: tuple[list[list[str]], list[int]],
+    bad: BadRows | None,
+) -> Iterator[Block]:
+    """The block of records ``got`` (fields, lines); with ``bad``, of its good ones."""
+    recs, lines = got
+    if bad is None:
+        yield _csv_block(path, schema, index, recs, lines)
+        return
+
+    def build(rs: list[int]) -> Block:
+        return _csv_block(path, schema, index, [recs[r] for r in rs], [lines[r] for r in rs])
+
+    block = bad.good_rows(build, len(recs), path, lambda r: {"line": lines[r]})
+    if block is not None:
+        yield block
 
 
 def _csv_block(
@@ -425,14 +407,20 @@ def _check_parquet_schema(path: Path, pf: Any, schema: SchemaConfig) -> None:
             )
 
 
-def _parquet_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Block]:
+def _parquet_blocks(
+    path: Path, schema: SchemaConfig, rows: int, bad: BadRows | None
+) -> Iterator[Block]:
     pf = _parquet_file(path)
     _check_parquet_schema(path, pf, schema)
     first = 0
     try:
         batches = pf.iter_batches(batch_size=rows, columns=schema.columns)
         for rb in batches:
-            yield _parquet_block(path, schema, rb, first)
+            numbers = np.arange(first + 1, first + rb.num_rows + 1)  # 1-based row numbers
+            if bad is None:
+                yield _parquet_block(path, schema, rb, numbers)
+            elif (block := _parquet_good(path, schema, rb, numbers, bad)) is not None:
+                yield block
             first += rb.num_rows
     except DataError:
         raise
@@ -440,6 +428,17 @@ def _parquet_blocks(path: Path, schema: SchemaConfig, rows: int) -> Iterator[Blo
         raise DataError(
             f"{path}: cannot read rows after {first} ({type(e).__name__}: {e})"
         ) from None
+
+
+def _parquet_good(
+    path: Path, schema: SchemaConfig, rb: Any, numbers: np.ndarray, bad: BadRows
+) -> Block | None:
+    """The block of the good rows of record batch ``rb`` (row numbers ``numbers``)."""
+
+    def build(rs: list[int]) -> Block:
+        return _parquet_block(path, schema, rb.take(rs), numbers[rs])
+
+    return bad.good_rows(build, rb.num_rows, path, lambda r: {"row": int(numbers[r])})
 
 
 def _null_mask(arr: Any) -> np.ndarray:
@@ -536,11 +535,11 @@ def _parquet_sparse(
     return SparseColumn(lengths, keys, weights)
 
 
-def _parquet_block(path: Path, schema: SchemaConfig, rb: Any, first: int) -> Block:
+def _parquet_block(path: Path, schema: SchemaConfig, rb: Any, numbers: np.ndarray) -> Block:
     name = path.name
 
     def where(i: int) -> str:
-        return f"{name}: row {first + i + 1}"
+        return f"{name}: row {int(numbers[i])}"
 
     labels = _labels(
         _numbers(rb.column(schema.label), schema.label, where, False), schema.label, where

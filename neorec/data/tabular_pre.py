@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from neorec.config.schema import SchemaConfig
+from neorec.data.bad_rows import RECORDS_FILE, BadRowPolicy, BadRows
 from neorec.data.encode import (
     Block,
     Encoded,
@@ -60,6 +61,13 @@ class TabularOptions:
     eval_fraction: float | None = None
     split_note: str = ""
     """How the input files were split, said instead of the file rule (a recipe's own split)."""
+    bad_rows: str = "fail"
+    max_bad_fraction: float = 0.01
+
+    @property
+    def policy(self) -> BadRowPolicy:
+        """The bad-row policy (``data.bad_rows``, ``data.max_bad_fraction``)."""
+        return BadRowPolicy(self.bad_rows, self.max_bad_fraction)
 
 
 def split_counts(where: str, counts: Sequence[int], fraction: float | None) -> tuple[int, str]:
@@ -88,11 +96,13 @@ def split_counts(where: str, counts: Sequence[int], fraction: float | None) -> t
     return total - n_eval, how
 
 
-def _blocks(files: Sequence[Path], schema: SchemaConfig, limit: int | None) -> Iterator[Block]:
+def _blocks(
+    files: Sequence[Path], schema: SchemaConfig, limit: int | None, policy: BadRowPolicy
+) -> Iterator[Block]:
     """Blocks of the files in order, stopping after ``limit`` samples (None = all)."""
     seen = 0
     for p in files:
-        for b in read_blocks(p, schema):
+        for b in read_blocks(p, schema, bad=BadRows(policy) if policy.skip else None):
             if limit is not None and seen + b.n >= limit:
                 if limit > seen:
                     yield slice_block(b, 0, limit - seen)
@@ -102,12 +112,16 @@ def _blocks(files: Sequence[Path], schema: SchemaConfig, limit: int | None) -> I
 
 
 def fit(
-    files: Sequence[Path], schema: SchemaConfig, tables: Sequence[Any], train: int | None
+    files: Sequence[Path],
+    schema: SchemaConfig,
+    tables: Sequence[Any],
+    train: int | None,
+    policy: BadRowPolicy | None = None,
 ) -> Fitted:
-    """The statistics and vocabularies of the first ``train`` samples of the files."""
+    """The statistics and vocabularies of the first ``train`` (good) samples of the files."""
     f = Fitter(schema, tables)
     if f.needed:
-        for b in _blocks(files, schema, train):
+        for b in _blocks(files, schema, train, policy or BadRowPolicy()):
             f.add(b)
     return f.fitted()
 
@@ -135,6 +149,7 @@ def _convert(
     out_dir: str,
     shard_rows: int,
     dtype: str,
+    policy: BadRowPolicy,
 ) -> list[dict[str, Any]]:
     """Write the shards of one file; returns their manifest entries."""
     shards: list[dict[str, Any]] = []
@@ -159,7 +174,8 @@ def _convert(
         pos += len(e.labels)
         pending, have = [], 0
 
-    for block in read_blocks(Path(unit.path), schema):
+    bad = BadRows(policy) if policy.skip else None  # (counted and recorded before)
+    for block in read_blocks(Path(unit.path), schema, bad=bad):
         start = 0
         while start < block.n:
             # a shard ends at shard_rows samples, and where the eval split begins
@@ -191,13 +207,14 @@ def preprocess_tabular(
     paths = [p for x in inputs for p in tabular_files(x)]
     outp = Path(out_dir)
     _prepare_output(outp, paths)
-    counts = [count_rows(p, schema) for p in paths]
+    bad = BadRows(opts.policy)  # skipping: the good rows counted, the bad ones recorded
+    counts = [count_rows(p, schema, bad) for p in paths]
     where = ", ".join(str(p) for p in paths)
     if sum(counts) == 0:
         raise DataError(f"{where}: no samples; nothing to write")
     n_train, how = split_counts(where, counts, opts.eval_fraction)
     how = opts.split_note or how
-    fitted = fit(paths, schema, tables, n_train)
+    fitted = fit(paths, schema, tables, n_train, opts.policy)
     if fitted.vocab:
         (outp / "vocab").mkdir(exist_ok=True)
         for t, v in fitted.vocab.items():
@@ -207,7 +224,7 @@ def preprocess_tabular(
     dtype = "int32" if max(rows) <= np.iinfo(np.int32).max else "int64"
     firsts = np.concatenate(([0], np.cumsum(counts)))
     units = [_Unit(i, str(p), int(firsts[i]), n_train) for i, p in enumerate(paths)]
-    args = (schema, list(tables), fitted, str(outp), opts.shard_rows, dtype)
+    args = (schema, list(tables), fitted, str(outp), opts.shard_rows, dtype, opts.policy)
     workers = min(opts.workers or os.cpu_count() or 1, len(units))
     if workers == 1:
         results = [_convert(u, *args) for u in units]
@@ -237,8 +254,11 @@ def preprocess_tabular(
         "sources": [str(p) for p in paths],
         "shards": shards,
         "split": {"how": how, "train": total - n_eval, "eval": n_eval},
+        "bad_rows": bad.summary(),
         "seconds": time.perf_counter() - t0,
     }
+    if opts.policy.skip:
+        bad.write(outp)
     tmp = outp / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, outp / MANIFEST)
@@ -247,7 +267,12 @@ def preprocess_tabular(
         print(
             f"preprocessed {total:,} samples of {len(paths)} file(s) ({mb:,.1f} MB) into "
             f"{len(shards)} shards in {manifest['seconds']:.1f}s\n"
-            f"split: {total - n_eval:,} train, {n_eval:,} eval samples ({how})",
+            f"split: {total - n_eval:,} train, {n_eval:,} eval samples ({how})"
+            + (
+                f"\nskipped {bad.total:,} bad rows (listed in {outp / RECORDS_FILE})"
+                if bad.total
+                else ""
+            ),
             file=out,
             flush=True,
         )

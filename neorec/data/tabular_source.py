@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.config import ConfigError, DataConfig, TableConfig
+from neorec.data.bad_rows import BadRowPolicy, BadRows
 from neorec.data.batch import Batch
 from neorec.data.encode import (
     Encoded,
@@ -49,11 +50,15 @@ class TabularSource:
                 "or preprocess it (`neorec data preprocess --config C --input FILE --output DIR` "
                 "holds out its last 1/7) and set data.path to DIR"
             )
+        self.policy = BadRowPolicy(d.bad_rows, d.max_bad_fraction)
         for p in (self.train_files[0], self.eval_files[0]):
-            next(read_blocks(p, self.schema, 1), None)  # the columns and their types, cheaply
+            bad = BadRows(self.policy) if self.policy.skip else None
+            next(read_blocks(p, self.schema, 1, bad), None)  # the columns and their types, cheaply
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # Skipping: a pass counts the good rows and records the bad ones (the same every pass).
+        self.bad_rows = BadRows(self.policy) if self.policy.skip else None
         self.counts = {
-            s: sum(count_rows(p, self.schema) for p in fs)
+            s: sum(count_rows(p, self.schema, self.bad_rows) for p in fs)
             for s, fs in (("train", self.train_files), ("eval", self.eval_files))
         }
         for split, n in self.counts.items():
@@ -62,7 +67,7 @@ class TabularSource:
                     f"the {split} files hold {n} samples, less than one batch (data.batch_size "
                     f"{self.bs}); lower the batch size or use more data"
                 )
-        self.fitted = fit(self.train_files, self.schema, self.tables, None)
+        self.fitted = fit(self.train_files, self.schema, self.tables, None, self.policy)
         self.keys = [f.name for f in self.schema.sparse]
 
     @classmethod
@@ -83,7 +88,8 @@ class TabularSource:
         pending: list[Encoded] = []
         have, index = 0, 0
         for p in files:
-            for block in read_blocks(p, self.schema):
+            bad = BadRows(self.policy) if self.policy.skip else None  # (recorded above)
+            for block in read_blocks(p, self.schema, bad=bad):
                 pending.append(encode(block, self.schema, self.tables, self.fitted))
                 have += block.n
                 if have < self.bs:

@@ -17,6 +17,9 @@ same rows in the same order with slot numbers instead of ids, so each row's grad
 optimizer update are computed exactly as in the all-in-memory module. Slots used by a batch stay
 pinned until its backward has updated them. ``flush()`` writes every dirty row back and makes the
 stores durable (checkpoints call it); ``stats()`` reports hits, misses, evictions and bytes moved.
+
+A batch that needs more distinct rows of a table than its cache holds runs in chunks that fit
+(``neorec.storage.spill``: the same updates; pooled outputs to float rounding).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from neorec.storage.cache_table import (
     cache_stats,
     one_thread,
 )
+from neorec.storage.spill import SpillBackend, batch_fits
 from neorec.storage.store import (
     DramStore,
     Records,
@@ -197,7 +201,16 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
             free=torch.arange(cap - 1, -1, -1, dtype=torch.int64),  # pop from the end: slot 0 first
             n_free=cap,
             counts=dict.fromkeys(
-                ("hits", "misses", "lookups", "lookup_hits", "evictions", "writebacks", "staged"),
+                (
+                    "hits",
+                    "misses",
+                    "lookups",
+                    "lookup_hits",
+                    "evictions",
+                    "writebacks",
+                    "staged",
+                    "spilled",
+                ),
                 0,
             ),
         )
@@ -341,7 +354,11 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
         psw = sparse.weights.to(dev) if sparse.weights is not None else None
         samples = sparse.batch_size
         training = torch.is_grad_enabled() and self._anchor.requires_grad
-        slots, used = self._prepare(indices, offsets, pin=training)
+        backend: TBEBackend = self.backend
+        if batch_fits(self, indices, offsets):
+            slots, used = self._prepare(indices, offsets, pin=training)
+        else:  # in chunks that fit (neorec.storage.spill)
+            slots, used, backend = indices, {}, SpillBackend(self)
         slots, offsets_dev = slots.to(dev), offsets.to(dev)
         lookup = Lookup(slots, offsets_dev, psw, self.pooling)
 
@@ -352,7 +369,7 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
                     check_grad_output(grad_output, self.layout)
                     check_finite_weights(psw)
                     step = int(self.step) + 1
-                    self.backend.backward_update(
+                    backend.backward_update(
                         self.layout,
                         self.weights,
                         self.optimizer_state(),
@@ -370,7 +387,7 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
                     hook(self.table_layout, indices, offsets)
 
         try:
-            return tbe_lookup(self._anchor, self.backend, self.layout, self.weights, lookup, update)
+            return tbe_lookup(self._anchor, backend, self.layout, self.weights, lookup, update)
         except BaseException:
             if training:
                 self._release(used, dirty=False)

@@ -364,6 +364,7 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
         rows = indices if rows is slots else rows.to(dev)
         psw = psw.to(dev) if psw is not None else None
         layout, weights, state = self._fast()
+        backend = self._kernel(held)
         lookup = Lookup(rows, offsets, psw, self.pooling)
 
         def update(grad_output: Tensor) -> None:
@@ -374,7 +375,7 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
                 check_grad_output(grad_output, layout)
                 check_finite_weights(psw)
                 step = int(self.step) + 1
-                self.backend.backward_update(
+                backend.backward_update(
                     layout, weights, state, lookup, grad_output, self.optimizer, step
                 )
                 self.step.fill_(step)
@@ -386,7 +387,7 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
                 hook(self.layout, indices, offsets)
 
         try:
-            return tbe_lookup(self._anchor, self.backend, layout, weights, lookup, update)
+            return tbe_lookup(self._anchor, backend, layout, weights, lookup, update)
         except BaseException:
             if training:
                 self._unhold(held, False)
@@ -429,6 +430,10 @@ class DynamicEmbeddingBagCollection(EmbeddingCollection):
     def _fast(self) -> tuple[TBELayout, Tensor, dict[str, Tensor]]:
         """The kernel's layout, weights and optimizer state."""
         return self.layout, self.weights, self.optimizer_state()
+
+    def _kernel(self, held: Any) -> TBEBackend:
+        """The backend that runs a batch (``held``: what ``_resident`` returned)."""
+        return self.backend
 
     def _unhold(self, held: Any, written: bool) -> None:
         """After a batch's update (``written``) or its failure: release what ``_resident`` held."""

@@ -6,7 +6,8 @@ Composition: the id maps, admission, eviction, pins, stats and by-id state are t
 ``DynamicEmbeddingBagCollection`` (this class derives from it); its slot buffer is a
 ``CachedEmbeddingBagCollection`` over "slot tables" of ``capacity`` (+1 default) rows each
 (``_SlotCache``), whose ``cache_rows`` / ``cache_fraction`` / ``cache_policy`` are the dynamic
-table's, so they apply to the slot space. A batch maps its ids to slots, makes those slots resident
+table's, so they apply to the slot space; a batch whose slots outnumber the cache runs through
+``neorec.storage.spill`` (``_resident`` / ``_kernel``). A batch maps its ids to slots, makes those slots resident
 (``prepare``), and runs the same fused TBE forward and update on the cache buffer.
 
 Slot resets reach the tiers without a stale row ever winning: a reset slot resident in the cache
@@ -34,12 +35,13 @@ from neorec.config.model import DYNAMIC_DEFAULTS
 from neorec.modules.collection import CollectionSpec
 from neorec.modules.collection_parts import checked_batch
 from neorec.ops.id_map import RowTarget
-from neorec.ops.tbe import TBELayout
+from neorec.ops.tbe import TBEBackend, TBELayout
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
 from neorec.storage.cache_table import CacheTable, StagedRows, one_thread
 from neorec.storage.cached import CachedEmbeddingBagCollection
 from neorec.storage.dynamic import DynamicEmbeddingBagCollection, dynamic_init_rows
+from neorec.storage.spill import SpillBackend, batch_fits
 from neorec.storage.store import RowStore, StoreSettings, record_fields
 
 __all__ = ["DynamicCachedEmbeddingBagCollection"]
@@ -246,23 +248,30 @@ class DynamicCachedEmbeddingBagCollection(DynamicEmbeddingBagCollection):
         self.slot_cache.put_rows(i, slots, rec, fresh=ids is not None)
 
     def _resident(self, slots: Tensor, offsets: Tensor, training: bool) -> tuple[Tensor, Any]:
-        out = self.slot_cache._prepare(slots, offsets, pin=training)
+        out: tuple[Tensor, Any]
+        if batch_fits(self.slot_cache, slots, offsets):
+            out = self.slot_cache._prepare(slots, offsets, pin=training)
+        else:  # more slots than the cache holds: in chunks (neorec.storage.spill)
+            out = slots, SpillBackend(self.slot_cache)
         if self._deferred is not None:  # the next batch's slots, now that this one is mapped
             nxt, self._deferred = self._deferred, None
             try:
                 self._start_prefetch(nxt)
             except BaseException:
                 if training:
-                    self.slot_cache._release(out[1], dirty=False)
+                    self._unhold(out[1], False)
                 raise
         return out
+
+    def _kernel(self, held: Any) -> TBEBackend:
+        return held if isinstance(held, SpillBackend) else self.backend
 
     def _fast(self) -> tuple[TBELayout, Tensor, dict[str, Tensor]]:
         c = self.slot_cache
         return c.layout, c.weights, c.optimizer_state()
 
     def _unhold(self, held: Any, written: bool) -> None:
-        if held is not None:
+        if held is not None and not isinstance(held, SpillBackend):
             self.slot_cache._release(held, dirty=written)
 
     def _read_slots(self, i: int, slots: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

@@ -81,7 +81,7 @@ def _from_log(folder: Path) -> str | None:
         return None  # the run went on after it (resumed)
     step, _, rest = last[len(_STOPPED) :].partition(": ")
     kind, _, message = rest.partition(": ")
-    if kind == "KeyboardInterrupt":
+    if kind in ("KeyboardInterrupt", "Terminated"):  # Ctrl-C, SIGTERM (train.sigterm)
         return f"interrupted at step {step}"
     return f"failed at step {step}: {message.strip() or kind}"
 

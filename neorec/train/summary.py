@@ -115,6 +115,9 @@ class RunSummary:
             "config": self.cfg.to_dict(),
             "comm": getattr(self, "_comm", None),
         }
+        bad = getattr(self.source, "bad_rows", None)  # data.bad_rows = "skip" (tabular)
+        if bad is not None:
+            result["bad_rows"] = bad.summary()
         storage = self.model.ebc.stats()  # row cache hit rate, bytes per tier, evictions
         if storage:
             result["storage"] = storage
@@ -163,5 +166,10 @@ class RunSummary:
                 f"{te.get('calibration', 1.0):8.3f}"
             )
             lines.append(f"eval NE is {100 * r['eval_ne_gap_vs_teacher']:+.2f}% vs the teacher")
+        if r.get("bad_rows", {}).get("skipped"):
+            b = r["bad_rows"]
+            lines.append(
+                f"skipped {b['skipped']:,} bad rows of {b['rows']:,} read (bad_rows.jsonl)"
+            )
         lines.append(f"metrics written to {Path(self.cfg.train.run_dir) / 'metrics.json'}")
         print("\n".join(lines), file=self.out, flush=True)

@@ -27,8 +27,8 @@ from neorec.builder import (
     lr_schedule,
     scaling_line,
 )
-from neorec.builder.run import check_cache_capacity
 from neorec.config import Config, ConfigError
+from neorec.data.bad_rows import RECORDS_FILE
 from neorec.data.batch import Batch
 from neorec.data.sources import DataSource
 from neorec.distributed.comm import rank_device
@@ -43,6 +43,7 @@ from neorec.train.metrics import DynamicLine, dynamic_counters
 from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipeline
 from neorec.train.progress import Progress, banner, eval_line, every_of, whole_batches_line
 from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
+from neorec.train.sigterm import sigterm_unwinds
 from neorec.train.state import TrainState
 from neorec.train.steps import (
     LossGuard,
@@ -167,8 +168,6 @@ class Trainer(RunSummary):
     def _build_model(self) -> RecModel:
         """The run's model, its towers decided first (the learned partition warms up here)."""
         cfg, rank, world = self.cfg, self.rank, self.world
-        if world == 1 and cfg.towers.enabled and cfg.towers.method == "learned":
-            check_cache_capacity(cfg, self.source)  # before the warm-up's work
         groups = resolve_tower_groups(cfg, self.source, rank, world)
         built = build_model(
             cfg, self.source, self.device, rank, world, self._host_ranks, groups=groups
@@ -267,6 +266,7 @@ class Trainer(RunSummary):
         self.events.runlog, self.events.tb = self.runlog, self.tb
         if self.tee.terminal_closed:  # closed while the run was set up: train.log has it
             self._stdout_closed(log=False)
+        self._note_bad_rows(resumed is not None)
         if self.cfg.train.progress:
             dense = sum(p.numel() for p in self.model.dense_parameters())
             text = banner(
@@ -300,22 +300,69 @@ class Trainer(RunSummary):
         if self.runlog is not None:
             self.runlog.event({"step": self.state.step, "time_utc": utc_now(), "note": note})
 
+    def _note_bad_rows(self, resumed: bool) -> None:
+        """Rank 0, ``data.bad_rows = "skip"``: the rows the source skips (the same in every pass
+        and every attempt: derived from the files) listed in ``bad_rows.jsonl`` and counted in an
+        event at the run's start; a resumed run keeps the first attempt's (counted once)."""
+        bad = getattr(self.source, "bad_rows", None)  # (tabular sources that skip)
+        if bad is None or self.runlog is None:
+            return
+        listed = self.run.path / RECORDS_FILE
+        if not (resumed and listed.is_file()):
+            bad.write(self.run.path)
+        if not resumed:
+            self.runlog.event({"step": 0, "time_utc": utc_now(), "bad_rows": bad.summary()})
+        if bad.total and self.cfg.train.progress:
+            s = bad.summary()
+            print(
+                f"data: skipped {s['skipped']:,} bad rows of {s['rows']:,} (listed in {listed})",
+                file=self.out,
+                flush=True,
+            )
+
     def fit(self) -> dict[str, Any]:
-        """Train, evaluate, write the run folder's files; return the metrics."""
+        """Train, evaluate, write the run folder's files; return the metrics. At the end, also
+        after an error, Ctrl-C or SIGTERM (``train.sigterm``), the embedding collection's row
+        stores are flushed (``_close_tables``)."""
+        with sigterm_unwinds():
+            ended = False
+            try:
+                out = self._fit()
+                ended = True
+                return out
+            except BaseException as e:
+                if self.tee is not None:  # train.log says how it ended (the terminal got the error)
+                    self.tee.log_only(
+                        f"stopped at step {self.state.step}: {type(e).__name__}: {e}\n"
+                    )
+                if self.runlog is not None:  # the step reached, for `neorec runs`
+                    stop = {"step": self.state.step, "time_utc": utc_now()}
+                    self.runlog.event({**stop, "stopped": type(e).__name__})
+                raise
+            finally:
+                try:
+                    self._close_tables(ended)
+                finally:
+                    if self.runlog is not None:
+                        self.runlog.close()
+                    if self.tb is not None:
+                        self.tb.close()
+
+    def _close_tables(self, ended: bool) -> None:
+        """The collection's row stores flushed (a no-op for tables in memory): the store files
+        hold the final rows. After a failure, Ctrl-C or SIGTERM also closed (the process ends);
+        a finished run's stay open for the caller (``model.ebc`` readable; closed with it). After
+        a failure a flush error is noted in train.log only: the first error is the one to see."""
+        ebc = self.model.ebc
         try:
-            return self._fit()
-        except BaseException as e:
-            if self.tee is not None:  # train.log says how it ended (the terminal got the error)
-                self.tee.log_only(f"stopped at step {self.state.step}: {type(e).__name__}: {e}\n")
-            if self.runlog is not None:  # the step reached, for `neorec runs` (not the last log's)
-                stop = {"step": self.state.step, "time_utc": utc_now(), "stopped": type(e).__name__}
-                self.runlog.event(stop)
-            raise
-        finally:
-            if self.runlog is not None:
-                self.runlog.close()
-            if self.tb is not None:
-                self.tb.close()
+            ebc.flush()
+            if not ended:
+                ebc.close()
+        except Exception as e:
+            if ended:
+                raise
+            if self.tee is not None:
+                self.tee.log_only(f"row stores not flushed: {type(e).__name__}: {e}\n")
 
     def _fit(self) -> dict[str, Any]:
         self._open_run(self.total_steps())
