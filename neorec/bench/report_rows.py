@@ -287,11 +287,14 @@ def _vs_torchrec(j: Json) -> str:
 
 
 def _movielens(j: Json) -> str:
-    d, lr = j["dlrm"], j["lr"]
+    d, lr, b = j["dlrm"], j["lr"], j["bootstrap"]
     return (
-        f"DLRM AUC {iv(d['auc_ci'], '.4f')}, log loss {d['logloss']:.4f}; logistic regression AUC "
-        f"{lr['auc']:.4f}, log loss {lr['logloss']:.4f}; DLRM − LR {iv(j['auc_diff'], '+.4f')} AUC; "
-        f"seeds {_seeds(j['seeds'])} (settings chosen on {_seeds(j['select_seeds'])})"
+        f"DLRM AUC {iv(d['auc_ci_users'], '.4f')}, NE {d['ne']:.4f}; logistic regression AUC "
+        f"{iv(lr['auc_ci_users'], '.4f')}, NE {lr['ne']:.4f}; DLRM − LR "
+        f"{iv(j['auc_diff_users'], '+.4f')} AUC, {iv(j['logloss_diff_users'], '+.4f')} log loss; "
+        f"intervals: a bootstrap over the {b['users']} eval users and seeds "
+        f"{_seeds(j['seeds'])} (over seeds alone: {iv(j['auc_diff'], '+.4f')} AUC); settings "
+        f"chosen on seeds {_seeds(j['select_seeds'])}, a validation split"
     )
 
 
