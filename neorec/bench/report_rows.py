@@ -230,19 +230,34 @@ def _distill_speed(j: Json) -> str:
 
 
 def _costcheck(j: Json) -> str:
+    from neorec.bench.costcheck_errors import paired_errors  # the figures of older records
+
     e = j["errors"]
-    la, lu = e["learned"]["anchored"]["all"], e["learned"]["unanchored"]["all"]
-    au = e["analytical"]["unanchored"]["all"]
+    paired = j.get("learned_minus_analytical") or paired_errors(
+        j["results"], j["random_results"], j["anchored"]
+    )
 
     def mean(d: Json) -> str:
         m = d["mean_interval"]
         scaled = {**m, "value": 100 * d["mean"], "lo": 100 * m["lo"], "hi": 100 * m["hi"]}
         return iv(scaled, ".1f", "%")
 
+    def diff(d: Json) -> str:
+        return iv({**d, **{k: 100 * d[k] for k in ("value", "lo", "hi")}}, "+.1f", " points")
+
+    parts = []
+    for how in ("anchored", "unanchored"):
+        la, aa, p = e["learned"][how]["all"], e["analytical"][how]["all"], paired[how]
+        where = ", ".join(f"{s} plans {p[s]['winner']}" for s in ("fixed", "random") if s in p)
+        parts.append(
+            f"{how}: learned mean \\|err\\| {mean(la)}, analytical {mean(aa)}; learned − "
+            f"analytical {diff(p['all'])} paired by plan: **{p['all']['winner']} wins** "
+            f"({where})"
+        )
+    la = e["learned"]["anchored"]["all"]
     return (
-        f"learned: mean \\|err\\| {mean(la)} anchored, {mean(lu)} unanchored, max "
-        f"{100 * la['max']:.0f}% / {100 * lu['max']:.0f}%; analytical unanchored mean "
-        f"{100 * au['mean']:.0f}%, max {100 * au['max']:.0f}%; {la['n']} plans, "
+        f"{'; '.join(parts)}; max learned / analytical anchored {100 * la['max']:.0f}% / "
+        f"{100 * e['analytical']['anchored']['all']['max']:.0f}%; {la['n']} plans, "
         f"{j['world_size']} ranks, batch {j['random_batch']}"
     )
 
@@ -378,8 +393,9 @@ ENTRIES: tuple[Entry, ...] = (
         (), (), _dmt_quality, source="dmt",
     ),
     Entry(
-        "costcheck", "learned cost model vs measured, held out: plans and batch the calibration "
-        "never saw, 4 ranks", "10% / 20%",
+        "costcheck", "learned vs analytical cost model against measured steps, each anchored "
+        "to the round's speed and not, held out: plans and batch the calibration never saw, "
+        "4 ranks", "10% / 20%",
         ("costcheck", "--topology", "bench-topology.json", "--cost-model", "learned",
          "--world-size", "4", "--batch", "3072", "--random-batch", "3072", "--random-plans", "6",
          "--random-seed", "7777", "--repeats", "3", "--passes", "5", "--iters", "50"),
