@@ -116,6 +116,18 @@ def _dist_ratio(setting: str) -> Callable[[Json], str]:
     return render
 
 
+def _twrw(j: Json) -> str:
+    by = {r["type"]: r["inter_host_pooled_bytes"] for r in j["results"] if r["codecs"] == "fp32"}
+    red, rph = j["inter_host_reduction"], j["ranks_per_host"]
+    return (
+        f"**{red['vs_row_wise_host']:.2f}×** fewer pooled bytes between hosts than row-wise over "
+        f"the same in-host shards ({by['table_row_wise']:,} vs {by['row_wise_host']:,} B/step, "
+        f"forward + backward, every byte counted); {red['vs_row_wise']:.2f}× vs row-wise over all "
+        f"{j['nproc']} ranks ({by['row_wise']:,}); {j['nproc'] // rph} hosts × {rph}, "
+        f"{j['tables']} tables × {j['rows']:,} × {j['dim']}, batch {j['batch']}"
+    )
+
+
 def _planner_pred(j: Json) -> str:
     return "; ".join(
         f"{100 * s['gain_vs_best_baseline_mean']:.1f}% lower max-rank cost ({s['set']})"
@@ -285,6 +297,12 @@ _DIST = (
     "--keep-heap", "on,off",
 )  # fmt: skip
 
+_TWRW = (
+    "dist", "--nproc", "4", "--ranks-per-host", "2", "--embedding-only", "--types",
+    "row_wise_host,table_row_wise,row_wise", "--tables", "4", "--dim", "32", "--batch", "1024",
+    "--iters", "2", "--warmup", "1",
+)  # fmt: skip
+
 
 def _breakdown(j: Json) -> str:
     return (
@@ -375,6 +393,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "dist_heap", "of which the kept heap alone (gloo both sides)", "—",
         (), (), _dist_ratio("gloo/on"), source="dist_step",
+    ),
+    Entry(
+        "twrw", "table-row-wise's in-host reduction: inter-host bytes vs row-wise in the same host "
+        "layout, 4 ranks as 2 hosts × 2", "ranks per host (2×)", (*_TWRW, "--rows", "20000"),
+        (*_TWRW, "--rows", "5000"), _twrw,
     ),
     Entry(
         "planner_pred", "planner vs the best greedy plan, predicted", "15% lower",
