@@ -3,15 +3,15 @@ the README's results table."""
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from neorec.bench import report_render as _render
+from neorec.bench.report_text import Json, iv, pct
+from neorec.bench.report_text import seeds_text as _seeds
 
 __all__ = ["Entry", "ENTRIES", "render_table"]
-
-Json = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -37,20 +37,6 @@ class Entry:
     def key(self) -> str:
         """The name its result is stored under."""
         return self.source or self.name
-
-
-def iv(d: Json, fmt: str = ".2f", unit: str = "") -> str:
-    """An interval object {value, lo, hi, n} as ``v [lo, hi]``."""
-    lo, hi = d["lo"], d["hi"]
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return f"{d['value']:{fmt}}{unit} (n = {d['n']}, no interval)"
-    return f"{d['value']:{fmt}}{unit} [{lo:{fmt}}, {hi:{fmt}}]"
-
-
-def pct(d: Json) -> str:
-    """A relative interval object as signed percents."""
-    scaled = {**d, "value": 100 * d["value"], "lo": 100 * d["lo"], "hi": 100 * d["hi"]}
-    return iv(scaled, "+.2f", "%")
 
 
 def _op(j: Json) -> str:
@@ -114,18 +100,6 @@ def _dist_ratio(setting: str) -> Callable[[Json], str]:
         )
 
     return render
-
-
-def _twrw(j: Json) -> str:
-    by = {r["type"]: r["inter_host_pooled_bytes"] for r in j["results"] if r["codecs"] == "fp32"}
-    red, rph = j["inter_host_reduction"], j["ranks_per_host"]
-    return (
-        f"**{red['vs_row_wise_host']:.2f}×** fewer pooled bytes between hosts than row-wise over "
-        f"the same in-host shards ({by['table_row_wise']:,} vs {by['row_wise_host']:,} B/step, "
-        f"forward + backward, every byte counted); {red['vs_row_wise']:.2f}× vs row-wise over all "
-        f"{j['nproc']} ranks ({by['row_wise']:,}); {j['nproc'] // rph} hosts × {rph}, "
-        f"{j['tables']} tables × {j['rows']:,} × {j['dim']}, batch {j['batch']}"
-    )
 
 
 def _planner_pred(j: Json) -> str:
@@ -212,65 +186,10 @@ def _dynamic_speed(j: Json) -> str:
     )
 
 
-def _distill(j: Json) -> str:
-    cells = []
-    for bias, by_k in j["per_bias"].items():
-        for k, r in by_k["per_k"].items():
-            cells.append(
-                f"bias {bias}, k={k}: NE vs alone {iv(r['ne_minus_alone']['aux+adapter'], '+.4f')}"
-            )
-    return f"{'; '.join(cells)}; seeds {_seeds(j['seeds'])}, lr tuned for each on seeds {_seeds(j['dev_seeds'])}"
-
-
-def _distill_gap(j: Json) -> str:
-    cells = []
-    for bias, by_k in j["per_bias"].items():
-        for k, r in by_k["per_k"].items():
-            g = r["gap_closed"]
-            cells.append(
-                f"bias {bias}, k={k}: fresh {iv(g['vs_fresh_fm'])}, recalibrated "
-                f"{iv(g['vs_fresh_fm_recalibrated'])}, stale {iv(g['vs_stale_fm'], '.1f')}"
-            )
-    return "; ".join(cells)
-
-
 def _distill_speed(j: Json) -> str:
     return "; ".join(
         f"k={k}: " + ", ".join(f"{s} {iv(v, '.2f', '×')}" for s, v in by.items())
         for k, by in j["throughput_vs_alone"].items()
-    )
-
-
-def _costcheck(j: Json) -> str:
-    from neorec.bench.costcheck_errors import paired_errors  # the figures of older records
-
-    e = j["errors"]
-    paired = j.get("learned_minus_analytical") or paired_errors(
-        j["results"], j["random_results"], j["anchored"]
-    )
-
-    def mean(d: Json) -> str:
-        m = d["mean_interval"]
-        scaled = {**m, "value": 100 * d["mean"], "lo": 100 * m["lo"], "hi": 100 * m["hi"]}
-        return iv(scaled, ".1f", "%")
-
-    def diff(d: Json) -> str:
-        return iv({**d, **{k: 100 * d[k] for k in ("value", "lo", "hi")}}, "+.1f", " points")
-
-    parts = []
-    for how in ("anchored", "unanchored"):
-        la, aa, p = e["learned"][how]["all"], e["analytical"][how]["all"], paired[how]
-        where = ", ".join(f"{s} plans {p[s]['winner']}" for s in ("fixed", "random") if s in p)
-        parts.append(
-            f"{how}: learned mean \\|err\\| {mean(la)}, analytical {mean(aa)}; learned − "
-            f"analytical {diff(p['all'])} paired by plan: **{p['all']['winner']} wins** "
-            f"({where})"
-        )
-    la = e["learned"]["anchored"]["all"]
-    return (
-        f"{'; '.join(parts)}; max learned / analytical anchored {100 * la['max']:.0f}% / "
-        f"{100 * e['analytical']['anchored']['all']['max']:.0f}%; {la['n']} plans, "
-        f"{j['world_size']} ranks, batch {j['random_batch']}"
     )
 
 
@@ -279,13 +198,6 @@ def _planner_measured(j: Json) -> str:
         f"**{iv(j['paired_ratio_by_task'], '.3f')}** over {j['paired_ratio_by_task']['n']} tasks; "
         f"over task-rounds {iv(j['paired_ratio'], '.3f')}; seeds {_seeds(j['seeds'])}"
     )
-
-
-def _seeds(seeds: list[int]) -> str:
-    s = sorted(seeds)
-    if s and s == list(range(s[0], s[0] + len(s))):
-        return f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0])
-    return ",".join(map(str, s))
 
 
 _OP = ("--tables", "8", "--rows", "1000000", "--dim", "64", "--batch", "2048", "--pooling", "100")
@@ -316,18 +228,6 @@ def _vs_torchrec(j: Json) -> str:
     return (
         f"{j['ms_per_step']:.0f} vs {j['torchrec_ms_per_step']:.0f} ms/step: "
         f"{iv(j['vs_torchrec'], '.2f', '×')} of TorchRec's step"
-    )
-
-
-def _movielens(j: Json) -> str:
-    d, lr, b = j["dlrm"], j["lr"], j["bootstrap"]
-    return (
-        f"DLRM AUC {iv(d['auc_ci_users'], '.4f')}, NE {d['ne']:.4f}; logistic regression AUC "
-        f"{iv(lr['auc_ci_users'], '.4f')}, NE {lr['ne']:.4f}; DLRM − LR "
-        f"{iv(j['auc_diff_users'], '+.4f')} AUC, {iv(j['logloss_diff_users'], '+.4f')} log loss; "
-        f"intervals: a bootstrap over the {b['users']} eval users and seeds "
-        f"{_seeds(j['seeds'])} (over seeds alone: {iv(j['auc_diff'], '+.4f')} AUC); settings "
-        f"chosen on seeds {_seeds(j['select_seeds'])}, a validation split"
     )
 
 
@@ -397,7 +297,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "twrw", "table-row-wise's in-host reduction: inter-host bytes vs row-wise in the same host "
         "layout, 4 ranks as 2 hosts × 2", "ranks per host (2×)", (*_TWRW, "--rows", "20000"),
-        (*_TWRW, "--rows", "5000"), _twrw,
+        (*_TWRW, "--rows", "5000"), _render.twrw,
     ),
     Entry(
         "planner_pred", "planner vs the best greedy plan, predicted", "15% lower",
@@ -425,7 +325,7 @@ ENTRIES: tuple[Entry, ...] = (
         ("costcheck", "--topology", "bench-topology.json", "--cost-model", "learned",
          "--world-size", "4", "--batch", "3072", "--random-batch", "3072", "--random-plans", "3",
          "--random-seed", "7777", "--plans", "table_wise,planner", "--repeats", "2",
-         "--passes", "4", "--iters", "40"), _costcheck,
+         "--passes", "4", "--iters", "40"), _render.costcheck,
     ),
     Entry(
         "planner_measured", "planner's plan / best greedy plan, measured, fresh seeds",
@@ -453,11 +353,11 @@ ENTRIES: tuple[Entry, ...] = (
                       "--staleness", "1,2", "--rounds", "10", "--steps", "16"),
         ("distill", "--windows", "3", "--dev-seeds", "1", "--seeds", "3", "--seed-base", "100",
          "--staleness", "1", "--lrs", "0.003,0.01", "--rounds", "5",
-         "--set", "data.window_samples=8192", "--fm-set", "data.window_samples=32768"), _distill,
+         "--set", "data.window_samples=8192", "--fm-set", "data.window_samples=32768"), _render.distill,
     ),
     Entry(
         "distill_gap", "ExFM `gap_closed` (aux + adapter) vs the fresh FM, the fresh FM recalibrated, the stale FM",
-        "≥ 0.3", (), (), _distill_gap, source="distill",
+        "≥ 0.3", (), (), _render.distill_gap, source="distill",
     ),
     Entry(
         "distill_speed", "ExFM throughput vs the student alone, interleaved rounds", "≥ 0.9×",
@@ -482,7 +382,7 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "movielens", "MovieLens-100K (real ratings, click = rating ≥ 4, time split): eval AUC",
-        "above the LR baseline", ("movielens",), ("movielens", "--quick"), _movielens,
+        "above the LR baseline", ("movielens",), ("movielens", "--quick"), _render.movielens,
     ),
     Entry(
         "largebatch", "large batch: default model at B = 512 and 8·B, the same samples",
