@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from neorec.bench.stats import Interval, mean_interval, paired_difference, paired_ratio
@@ -31,7 +32,7 @@ cell only where the interval's lower end clears it (``target_met``)."""
 Runs = dict[str, list[list[float]]]
 
 
-def target_met(gap: dict[str, Any], target: float = GAP_TARGET) -> bool:
+def target_met(gap: Mapping[str, Any], target: float = GAP_TARGET) -> bool:
     """Whether a ``gap_closed`` interval ``{value, lo, hi, n}`` meets ``target``: its lower end at
     or above it (one seed, no interval: not met)."""
     lo = gap["lo"]
