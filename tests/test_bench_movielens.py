@@ -91,6 +91,21 @@ def test_onehot_features_are_the_columns_of_the_shards(tiny: Path, tmp_path: Pat
     assert (x.indices < x.shape[1]).all()
 
 
+def test_eval_users_follow_the_eval_rows_of_the_shards(tiny: Path, tmp_path: Path) -> None:
+    ratings, users, movies, _ = read_movielens(tiny)
+    held, _ = carve(ratings)
+    write_task(tmp_path / "pre", ratings, users, movies, ~held, held)
+    task = Task.load(tmp_path / "pre")
+    who = bench.eval_users(ratings, held)
+    vocab = np.load(tmp_path / "pre" / "vocab" / "user.npy")
+    lengths = task.eval["lengths"]
+    assert len(who) == len(lengths) == int(held.sum())
+    # the user feature (the first sparse one, one id a row) decoded through its vocabulary
+    first = np.concatenate(([0], np.cumsum(lengths.sum(1))[:-1]))
+    assert (lengths[:, 0] == 1).all()
+    assert vocab[task.eval["values"][first] - 1].tolist() == who.tolist()
+
+
 def test_summary_json_fields() -> None:
     per_seed = {
         "dlrm": {"auc": [0.80, 0.82, 0.81], "logloss": [0.54, 0.53, 0.55]},
@@ -129,6 +144,15 @@ def fake_dlrm(cfg: Any) -> dict[str, Any]:
     }
 
 
+def fake_report(cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+    """What report_dlrm returns: eval probabilities that rank clicks above the rest, less well
+    on odd seeds, and the eval labels in the shards' order."""
+    y = bench.read_split(Path(cfg.data.path), "eval")["labels"].astype(np.float64)
+    rng = np.random.default_rng(cfg.train.seed)
+    probs = 0.3 + 0.2 * y + (0.3 if cfg.train.seed % 2 else 0.1) * rng.random(len(y))
+    return probs, y
+
+
 def run_bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     config = str(Path(__file__).parents[1] / "configs/movielens.toml")
     assert main([*argv, "--config", config, "--set", "data.batch_size=64"]) == 0
@@ -139,21 +163,25 @@ def test_quick_command_prints_both_models(
     tiny: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("sklearn")
-    monkeypatch.setattr(bench, "train_dlrm", fake_dlrm)
-    r = run_bench(["--input", str(tiny), "--quick", "--seeds", "100-101"], capsys)
+    monkeypatch.setattr(bench, "report_dlrm", fake_report)
+    r = run_bench(["--input", str(tiny), "--quick", "--seeds", "100-101", "--boot", "200"], capsys)
     assert r["bench"] == "movielens" and r["seeds"] == [100, 101] and r["quick"]
     assert r["settings"] == bench.QUICK and r["select_seeds"] == []
-    held = carve(read_movielens(tiny)[0])[0]
+    ratings = read_movielens(tiny)[0]
+    held = carve(ratings)[0]
     assert r["layout"] == "ml-100k" and r["split"]["eval"] == int(held.sum())
-    assert r["dlrm"]["auc_per_seed"] == [fake_dlrm_auc(bench.QUICK, s) for s in (100, 101)]
+    # the record names the --input given (no cache folder of a bare run) and the ratings' digest
+    assert r["input"] == str(tiny) and r["dataset"] is None and len(r["ratings_sha256"]) == 64
+    users = len(np.unique(ratings[held, 0]))
+    assert r["bootstrap"] == {"over": "eval users and seeds", "reps": 200, "users": users}
+    assert r["dlrm"]["auc_per_seed"][0] > r["dlrm"]["auc_per_seed"][1]  # odd seed: noisier
     assert 0 <= r["lr"]["auc"] <= 1 and r["lr"]["logloss"] > 0 and len(r["lr"]["auc_per_seed"]) == 2
     assert r["auc_diff"]["value"] == pytest.approx(r["dlrm"]["auc"] - r["lr"]["auc"])
     assert r["auc_diff"]["lo"] < r["auc_diff"]["value"] < r["auc_diff"]["hi"]
-
-
-def fake_dlrm_auc(setting: dict[str, Any], seed: int) -> float:
-    good = 0.02 * (setting["lr_scale"] == 0.5) + 0.01 * (setting["dim"] == 32)
-    return 0.7 + good - 0.005 * abs(setting["epochs"] - 3) + 0.001 * seed
+    boot = r["auc_diff_users"]
+    assert boot["value"] == pytest.approx(r["auc_diff"]["value"]) and boot["n"] == users
+    assert boot["lo"] < boot["value"] < boot["hi"]
+    assert r["dlrm"]["auc_ci_users"]["value"] == pytest.approx(r["dlrm"]["auc"])
 
 
 def test_selection_takes_the_best_validation_setting(
@@ -161,8 +189,10 @@ def test_selection_takes_the_best_validation_setting(
 ) -> None:
     pytest.importorskip("sklearn")
     monkeypatch.setattr(bench, "train_dlrm", fake_dlrm)
+    monkeypatch.setattr(bench, "report_dlrm", fake_report)
     monkeypatch.setattr(bench, "CS", (0.1, 1.0))  # fewer fits: a quicker test
-    r = run_bench(["--input", str(tiny), "--seeds", "100,101", "--select-seeds", "0,1"], capsys)
+    argv = ["--input", str(tiny), "--seeds", "100,101", "--select-seeds", "0,1", "--boot", "20"]
+    r = run_bench(argv, capsys)
     assert {k: r["settings"][k] for k in ("lr_scale", "dim", "epochs")} == {
         "lr_scale": 0.5, "dim": 32, "epochs": 3
     }  # fmt: skip

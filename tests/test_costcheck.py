@@ -176,6 +176,8 @@ def test_costcheck_held_out_distribution(
     assert data["world_size"] == 4 and data["random_batch"] == 3072 and data["seeds"] == [4242]
     assert [r["batch"] for r in data["random_results"]] == [3072] * 3
     assert set(data["errors"]) == {"learned", "analytical"}
+    paired = data["learned_minus_analytical"]
+    assert set(paired) == {"anchored", "unanchored"} and paired["anchored"]["random"]["n"] == 3
     for how in ("anchored", "unanchored"):
         assert data["errors"]["learned"][how]["random"]["n"] == 3
     assert "cpu" in data
@@ -190,3 +192,48 @@ def test_costcheck_held_out_distribution(
     with pytest.raises(SystemExit, match="--world-size"):
         main([*args, *small, "--world-size", "1"])
     assert not seen
+
+
+def test_paired_errors_say_which_model_wins_by_hand() -> None:
+    """learned |error| - analytical |error| per plan, its mean and t interval over the plans;
+    the winner only where the interval excludes 0."""
+    import math
+
+    from neorec.bench.costcheck import paired_errors
+    from neorec.bench.costcheck_errors import winner
+
+    def row(meas: float, learned: float, ana: float, raw: float = 0.0) -> dict:
+        raw = raw or learned
+        return {
+            "measured_ms": meas,
+            "predicted_ms": learned,
+            "unanchored_ms": raw,
+            "analytical_ms": ana,
+            "analytical_anchored_ms": ana,
+        }
+
+    # every plan: learned 10% off, analytical 30% off -> -0.2 on each, a zero-width interval
+    better = [row(10.0, 11.0, 13.0), row(20.0, 18.0, 14.0)]
+    p = paired_errors(better, [row(4.0, 4.4, 5.2)])
+    assert p["anchored"]["all"]["value"] == pytest.approx(-0.2)
+    assert p["anchored"]["all"]["lo"] == pytest.approx(-0.2) == p["anchored"]["all"]["hi"]
+    assert {p["anchored"][s]["winner"] for s in ("all", "fixed")} == {"learned"}
+    assert p["anchored"]["random"] == {"value": -0.2, "lo": None, "hi": None, "n": 1,
+                                       "winner": "neither"}  # fmt: skip
+    # the unanchored learned prediction 50% off: -> +0.2 on each plan, the analytical model wins
+    worse = [row(10.0, 11.0, 13.0, raw=15.0), row(20.0, 18.0, 14.0, raw=30.0)]
+    assert paired_errors(worse, [])["unanchored"]["all"]["winner"] == "analytical"
+    # differences -0.3, -0.15, -0.375: mean -0.275, sd sqrt(0.013125), t(2) = 4.3027
+    mixed = [row(10.0, 11.0, 6.0), row(20.0, 19.0, 24.0), row(4.0, 4.0, 2.5)]
+    d = paired_errors(mixed, [])["anchored"]["all"]
+    half = 4.302653 * math.sqrt(0.013125 / 3)
+    assert d["value"] == pytest.approx(-0.275)
+    assert (d["lo"], d["hi"]) == (pytest.approx(-0.275 - half, abs=1e-4),
+                                  pytest.approx(-0.275 + half, abs=1e-4))  # fmt: skip
+    assert d["winner"] == "neither"  # the interval [-0.56, +0.01] holds 0
+    # no references to anchor to: anchored is unanchored
+    plain = paired_errors(worse, [], anchored=False)
+    assert plain["anchored"] == plain["unanchored"]
+    assert [winner(-2, -1), winner(1, 2), winner(-1, 1), winner(None, None)] == [
+        "learned", "analytical", "neither", "neither"
+    ]  # fmt: skip

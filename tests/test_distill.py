@@ -298,6 +298,10 @@ def test_bench_distill_smoke(capsys):
     assert r["bench"] == "distill" and r["windows"] == 2
     assert r["seeds"] == [7, 8] and r["dev_seeds"] == [0] and r["lr_grid"] == [0.003, 0.01]
     assert r["vertical_biases"] == [0.0, 0.3] and isinstance(r["cpu"], str)
+    # each seed on its own stream: the dev seeds' streams are not the reported seeds'
+    base = r["stream_seeds"]["dev"][0]  # the config's data.seed (+ dev seed 0)
+    assert r["stream_seeds"] == {"dev": [base], "reported": [base + 7, base + 8]}
+    assert r["gap_target"]["min"] == 0.3
     iv = {"value", "lo", "hi", "n"}
     for b in ("0", "0.3"):
         per_bias = r["per_bias"][b]
@@ -318,6 +322,8 @@ def test_bench_distill_smoke(capsys):
                     assert pw[s][: int(k)] == pw["alone"][: int(k)], (b, k, s)
             for key in ("vs_stale_fm", "vs_fresh_fm", "vs_fresh_fm_recalibrated"):
                 assert set(row["gap_closed"][key]) == iv and set(row["fm_ne"][key]) == iv
+                g = row["gap_closed"][key]  # met only where the lower end clears the target
+                assert row["gap_target_met"][key] == (g["lo"] is not None and g["lo"] >= 0.3)
             for s in SETUPS[1:]:
                 assert set(row["ne_minus_alone"][s]) == iv
             d = row["ne_minus_alone"]["aux+adapter"]
@@ -328,6 +334,26 @@ def test_bench_distill_smoke(capsys):
     for k in ("1",):
         assert set(r["throughput_vs_alone"][k]) == set(SETUPS[1:])
         assert r["throughput_vs_alone"][k]["plain"]["n"] == 2
+
+
+def test_seeded_sets_init_and_stream_and_the_gap_target_by_hand():
+    """A seed moves the stream (data.seed = the config's + seed) with the init, so the dev
+    seeds' streams differ from the reported seeds'; the target is met only where the interval's
+    lower end is at or above 0.3."""
+    from neorec.bench.distill import seeded
+    from neorec.bench.distill_stats import target_met
+    from neorec.config import load_config
+
+    cfg = load_config("configs/exfm_stream.toml", ["data.seed=5"])
+    s = seeded(cfg, 100)
+    assert (s.train.seed, s.data.seed) == (100, 105) and cfg.data.seed == 5
+    assert {seeded(cfg, x).data.seed for x in (0, 1)}.isdisjoint(
+        {seeded(cfg, x).data.seed for x in range(100, 105)}
+    )
+    assert target_met({"value": 0.43, "lo": 0.30, "hi": 0.57, "n": 5})
+    assert not target_met({"value": 0.43, "lo": 0.2968, "hi": 0.57, "n": 5})
+    assert not target_met({"value": 0.9, "lo": None, "hi": None, "n": 1})
+    assert not target_met({"value": 0.9, "lo": float("-inf"), "hi": float("inf"), "n": 1})
 
 
 def test_bench_flag_errors(tmp_path):

@@ -28,7 +28,10 @@ references (``learned_placements.reference_jobs``, fixed small placements, not t
 a learned model fitted with them predicts at its calibration's speed and is multiplied by the
 speed the round's references show (``anchored``). The errors are reported both ways, for the
 learned and the analytical model: anchored (x the round's speed) and unanchored (the raw
-prediction against the raw measured ms), with the mean's 95% interval over the plans.
+prediction against the raw measured ms), with the mean's 95% interval over the plans; and, for
+each anchoring, the paired difference learned - analytical of each plan's |error| with its 95%
+interval and which model it shows winning (``learned_minus_analytical``: below 0 learned, above
+0 analytical, containing 0 neither).
 
 A check on plans the calibration never saw: ``--world-size 4`` (calibrations fit 2 ranks),
 ``--random-batch B`` (every random plan at global batch B; calibration draws 512, 1024, 2048 and
@@ -41,13 +44,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from typing import Any
 
 from neorec.bench import dist as bench_dist
-from neorec.bench.stats import mean_interval
+from neorec.bench.costcheck_errors import error_summary, paired_errors, print_errors
 from neorec.machine import cpu_model_and_flags
 from neorec.measure import jobs as measure_jobs
 from neorec.measure.calibrate import calibrate
@@ -65,7 +67,7 @@ from neorec.sharding.planner import plan_tables
 from neorec.sharding.topology import Topology
 from neorec.sharding.types import ShardingPlan
 
-__all__ = ["main", "TARGET_ERROR"]
+__all__ = ["main", "TARGET_ERROR", "error_summary", "paired_errors"]
 
 PLANS = [
     "table_wise",
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     errs = fixed_errs + rand_errs
     mean_err, max_err = sum(errs) / len(errs), max(errs)
     errors = error_summary(rows, rand, bool(anchor))
+    paired = paired_errors(rows, rand, bool(anchor))
     # The analytical model's errors on the same measurements (the baseline of a learned model),
     # and the learned model at the calibration's speed (not anchored to this run's references).
     ana_mean, ana_max = (errors["analytical"]["unanchored"]["all"][k] for k in ("mean", "max"))
@@ -359,6 +362,14 @@ def main(argv: list[str] | None = None) -> int:
             f"max {100 * un_max:.1f}%"
         )
     print_errors(errors)
+    for how, sets in paired.items():
+        cells = "; ".join(
+            f"{name} {100 * d['value']:+.1f}"
+            + ("" if d["lo"] is None else f" [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]")
+            + f" ({d['winner']} wins)"
+            for name, d in sets.items()
+        )
+        print(f"learned - analytical |error|, {how}, points paired by plan: {cells}")
     print(
         f"mean |error| {100 * mean_err:.1f}%, max {100 * max_err:.1f}% over all "
         f"(targets: mean {100 * TARGET_MEAN_ERROR:.0f}%, max {100 * TARGET_MAX_ERROR:.0f}%; "
@@ -408,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_max": TARGET_MAX_ERROR,
         "cost_model": scoring.to_dict(),
         "errors": errors,
+        "learned_minus_analytical": paired,
         "world_size": world,
         "random_seed": args.random_seed,
         "seeds": [args.random_seed],
@@ -422,69 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json_out, "w") as f:
             f.write(line + "\n")
     return 0
-
-
-ERROR_SETS = ("all", "fixed", "random")
-PREDICTORS = {
-    ("learned", "anchored"): "predicted_ms",
-    ("learned", "unanchored"): "unanchored_ms",
-    ("analytical", "anchored"): "analytical_anchored_ms",
-    ("analytical", "unanchored"): "analytical_ms",
-}
-"""The errors reported, (model, anchoring) -> the row's predicted ms. Anchored: x the speed the
-round's references show against the calibration's; unanchored: the raw prediction. Without a
-learned model, "learned" is the analytical model (the one that predicted)."""
-
-
-def error_summary(
-    fixed: list[dict[str, Any]], rand: list[dict[str, Any]], anchored: bool = True
-) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
-    """|predicted - measured| / measured per (model, anchoring, plan set): the mean with its 95%
-    interval over the plans (``{"value", "lo", "hi", "n"}``) and the max. Without ``anchored``
-    (no references to anchor to) the anchored errors are the unanchored ones."""
-    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
-    for (model, how), key in PREDICTORS.items():
-        if not anchored:
-            key = PREDICTORS[(model, "unanchored")]
-        sets = {"all": fixed + rand, "fixed": fixed, "random": rand}
-        got = {}
-        for name in ERROR_SETS:
-            errs = [abs(r[key] - r["measured_ms"]) / r["measured_ms"] for r in sets[name]]
-            if errs:
-                iv = mean_interval(errs)
-                got[name] = {
-                    "mean": round(iv.value, 4),
-                    # one plan: no interval (None, not an unbounded float JSON cannot carry)
-                    "mean_interval": {k: _json_num(v) for k, v in iv.to_dict().items()},
-                    "max": round(max(errs), 4),
-                    "n": len(errs),
-                }
-        out.setdefault(model, {})[how] = got
-    return out
-
-
-def _json_num(v: float | int) -> float | int | None:
-    """A number for the JSON line: floats rounded, non-finite ones None."""
-    if isinstance(v, float):
-        return round(v, 4) if math.isfinite(v) else None
-    return v
-
-
-def print_errors(errors: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> None:
-    """The error table: mean [95% interval] / max |error| per model, anchoring and plan set."""
-    print(f"{'|error| %: mean [95%] / max':<28}" + "".join(f"{s:>30}" for s in ERROR_SETS))
-    for model, hows in errors.items():
-        for how, sets in hows.items():
-            cells = []
-            for name in ERROR_SETS:
-                e = sets.get(name)
-                if e is None:
-                    cells.append(f"{'-':>30}")
-                    continue
-                iv = e["mean_interval"]
-                span = "" if iv["lo"] is None else f" [{100 * iv['lo']:.1f}, {100 * iv['hi']:.1f}]"
-                cells.append(f"{100 * e['mean']:.1f}{span} / {100 * e['max']:.1f}".rjust(30))
-            print(f"{model + ', ' + how:<28}" + "".join(cells))
 
 
 def _validate(args: argparse.Namespace, a: argparse.Namespace) -> None:

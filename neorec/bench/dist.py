@@ -9,7 +9,11 @@ is counted as a ring: 2(W-1)/W x dense parameter bytes). With ``--ranks-per-host
 ranks are taken as hosts of that many ranks: the table-row-wise tables reduce inside them, and the
 pooled-embedding bytes that cross hosts per step (all ranks; ``CommStats.inter_host``: outputs,
 their gradients, the in-host stage's none) are printed per row (``xhost pooled B``), e.g. row-wise
-against table-row-wise: ``--types row_wise,table_row_wise --ranks-per-host 2 --nproc 4``.
+against table-row-wise: ``--types row_wise,table_row_wise --ranks-per-host 2 --nproc 4``. The type
+``row_wise_host`` is row-wise over the table-row-wise plan's shards (each table on the ranks of
+one host): the same host layout without the in-host reduction, so the JSON's
+``inter_host_reduction`` against it is what the reduction itself saves (against ``row_wise``,
+over every rank, it also counts the shards spread over the other hosts).
 
 ``--embedding-only`` times only the embedding part of a step, which is what the planner's cost
 model predicts: the sharded EBC's forward (input_dist -> compute -> output_dist) and backward with
@@ -43,13 +47,15 @@ from neorec.distributed.comm import (
 from neorec.measure.jobs import free_port, prepare_embedding, time_embedding
 from neorec.ops.memory import keep_freed_heap
 from neorec.sharding.fixed_plan import plan_by_type
-from neorec.sharding.types import ShardingPlan
+from neorec.sharding.types import ShardingPlan, row_wise
 from neorec.train.pipeline import make_pipeline
 from neorec.train.trainer import train_step
 
 __all__ = ["main", "run_ranks", "measure_embedding"]
 
 TYPES = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "mixed"]
+ROW_WISE_HOST = "row_wise_host"
+"""Row-wise over the table-row-wise plan's shards (not a default type: asked by name)."""
 POOLED = ("fwd_pooled", "bwd_grads", "fwd_host_reduce", "bwd_host_reduce")
 """The collectives of pooled embeddings and their gradients (``twrw``: the in-host stage)."""
 
@@ -131,6 +137,10 @@ def _config(a: argparse.Namespace):
 
 def _plan(cfg, kind: str, world: int, rph: int):
     tables = cfg.embedding.tables
+    if kind == ROW_WISE_HOST:
+        twrw = plan_by_type(tables, world, rph, "table_row_wise")
+        same = [row_wise(t, [s.rank for s in t.shards]) for t in twrw.tables]
+        return ShardingPlan(world, rph, same, {"source": ROW_WISE_HOST})
     if kind != "mixed":
         return plan_by_type(tables, world, rph, kind)
     cycle = ["row_wise", "table_wise", "column_wise", "data_parallel", "table_row_wise"]
@@ -300,6 +310,17 @@ def _print_grid(a: argparse.Namespace, grid: dict[str, Any]) -> None:
             )
 
 
+def inter_host_reduction(rows: list[dict]) -> dict[str, float]:
+    """Pooled bytes between hosts of each row-wise layout measured over table-row-wise's (fp32
+    codecs): ``vs_row_wise_host`` (the same host layout: the in-host reduction alone) and
+    ``vs_row_wise`` (row-wise over every rank)."""
+    by = {r["type"]: r["inter_host_pooled_bytes"] for r in rows if r["codecs"] == "fp32"}
+    twrw = by.get("table_row_wise")
+    if not twrw:
+        return {}
+    return {f"vs_{k}": by[k] / twrw for k in ("row_wise_host", "row_wise") if k in by}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and a JSON line."""
     a = parse(argv)
@@ -334,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['comm_wait_ms']:>9.1f}{r['bytes_total']:>12,.0f}"
             f"{r['inter_host_pooled_bytes']:>16,}{cells}"
         )
+    for k, v in inter_host_reduction(rows).items():
+        print(f"table_row_wise: {v:.2f}x fewer pooled bytes between hosts than {k[3:]}")
     result = {
         "bench": "dist",
         "nproc": a.nproc,
@@ -347,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "embedding_only": a.embedding_only,
         "ranks_per_host": a.ranks_per_host or a.nproc,
         "results": rows,
+        "inter_host_reduction": inter_host_reduction(rows),
     }
     line = json.dumps(result)
     print(line)

@@ -12,18 +12,23 @@ Settings are chosen on a validation split carved from the train part by the same
 10% of each user's train ratings; the eval part is never seen): the DLRM's learning rates (both
 scaled together), embedding dim and epochs, and the regression's C, by mean validation AUC over
 ``--select-seeds``. They are reported on ``--seeds``: each model's mean eval AUC / log loss with
-95% t intervals and the paired difference DLRM - LR per seed (``neorec.bench.stats``). The seeds
-vary the DLRM's initialization and shuffle; the regression (L-BFGS to convergence) is
-deterministic, so its interval has zero width. ``--quick`` skips the search and uses the settings
-the full run chose on ML-100K (:data:`QUICK`), on 3 seeds.
+95% intervals and the paired difference DLRM - LR. The seeds vary the DLRM's initialization and
+shuffle; the regression (L-BFGS to convergence) is deterministic. The intervals reported cover the
+data as well: a bootstrap over the eval users (``neorec.bench.bootstrap``: each replicate redraws
+the users, every eval rating of a drawn user with it, and the seeds; ``--boot`` replicates), so
+they say how much the figures would move on other users of the same kind, not only under another
+initialization; the t intervals over seeds alone are kept next to them (``*_seeds``). ``--quick``
+skips the search and uses the settings the full run chose on ML-100K (:data:`QUICK`), on 3 seeds.
 
 Without ``--input``, ML-100K comes from RecBole 1.2.1's wheel (``pip download``, once, into a cache
-folder: it ships ML-100K as atomic files).
+folder: it ships ML-100K as atomic files); the record then names the dataset and the SHA-256 of its
+ratings, not the cache folder (``input`` is the ``--input`` given, or null).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import math
@@ -42,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from neorec.bench.stats import Interval, mean_interval, paired_difference, parse_seeds
+from neorec.bench.movielens_report import per_seed_metrics, print_table, summarize, user_intervals
+from neorec.bench.stats import parse_seeds
 from neorec.config import Config
 from neorec.config.load import config_from_data, load_config, read_toml
 from neorec.data.movielens import (
@@ -53,7 +59,7 @@ from neorec.data.movielens import (
     split_by_time,
 )
 from neorec.data.tabular_pre import TabularOptions, preprocess_tabular
-from neorec.errors import DataError, NeorecError
+from neorec.errors import ConfigError, DataError, NeorecError
 from neorec.metrics import binary_metrics
 
 __all__ = [
@@ -65,6 +71,8 @@ __all__ = [
     "OneHot",
     "fit_lr",
     "summarize",
+    "report_dlrm",
+    "eval_users",
     "fetch_ml100k",
     "QUICK",
 ]
@@ -256,6 +264,14 @@ class Task:
         model = fit_lr(onehot(self.manifest, self.train), self.train["labels"], c)
         return lr_metrics(model, onehot(self.manifest, self.eval), self.eval["labels"])
 
+    def lr_probs(self, c: float) -> np.ndarray:
+        """The regression's (``c``, fitted on train) predicted probabilities on eval."""
+        model = fit_lr(onehot(self.manifest, self.train), self.train["labels"], c)
+        xs = _csr(onehot(self.manifest, self.eval))
+        if xs.shape[1] != model.coef_.shape[1]:  # eval built from the same manifest: never
+            raise DataError(f"eval has {xs.shape[1]} feature columns, train {model.coef_.shape[1]}")
+        return np.asarray(model.predict_proba(xs)[:, 1], np.float64)
+
 
 # --- the DLRM ---------------------------------------------------------------------------------
 
@@ -354,77 +370,47 @@ def select(
 def report(
     a: argparse.Namespace, task: Task, chosen: dict[str, Any], seeds: Sequence[int], work: Path,
     say: Callable[[str], None],
-) -> dict[str, dict[str, list[float]]]:  # fmt: skip
-    """Eval AUC / log loss per seed of both models (``task`` = train / eval)."""
-    lr = task.lr(float(chosen["C"]))
-    out: dict[str, dict[str, list[float]]] = {
-        "dlrm": {"auc": [], "logloss": []},
-        "lr": {"auc": [], "logloss": []},
-    }
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Eval predictions of the DLRM per seed ([seeds, n]) and of the regression ([n]), in the
+    eval split's file order (``task`` = train / eval)."""
+    lr = task.lr_probs(float(chosen["C"]))
+    y = task.eval["labels"].astype(np.float64)
+    ref = binary_metrics(lr, y)
+    dlrm = []
     for s in seeds:
         cfg = dlrm_config(a, task, s, chosen, work / f"rep-{s}", int(chosen["epochs"]))
-        ev = train_dlrm(cfg)["eval"]
-        for k in ("auc", "logloss"):
-            out["dlrm"][k].append(float(ev[k]))
-            out["lr"][k].append(float(lr[k]))  # deterministic: the same on every seed
+        probs, labels = report_dlrm(cfg)
+        if not np.array_equal(labels, y):
+            raise DataError(
+                f"{task.pre}: the DLRM's eval labels are not the eval split's, in order"
+            )
+        dlrm.append(probs)
+        ev = binary_metrics(probs, y)
         say(f"  seed {s}: DLRM AUC {ev['auc']:.4f} log loss {ev['logloss']:.4f}; "
-            f"LR AUC {lr['auc']:.4f} log loss {lr['logloss']:.4f}")  # fmt: skip
-    return out
+            f"LR AUC {ref['auc']:.4f} log loss {ref['logloss']:.4f}")  # fmt: skip
+    return np.stack(dlrm), lr
 
 
-def _ci(iv: Interval) -> dict[str, Any]:
-    """An interval's JSON form; one seed's unbounded ends as null (JSON has no infinity)."""
-    return {
-        k: v if not isinstance(v, float) or math.isfinite(v) else None
-        for k, v in iv.to_dict().items()
-    }
+def report_dlrm(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """One reported run: its eval split's predicted probabilities and labels, in the split's
+    order (its folder removed after)."""
+    from neorec.train.steps import predict
+    from neorec.train.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, out=io.StringIO())
+        trainer.fit()
+        got = predict(trainer.model, iter(trainer.source.eval_batches()), cfg.train.bf16_dense)
+        d = got.state_dict()
+        return d["probs"].double().numpy(), d["labels"].double().numpy()
+    finally:
+        shutil.rmtree(cfg.train.run_dir, ignore_errors=True)
 
 
-def summarize(
-    per_seed: dict[str, dict[str, list[float]]], seeds: Sequence[int], extra: dict[str, Any]
-) -> dict[str, Any]:
-    """The JSON record: per-model means with intervals, the paired differences DLRM - LR."""
-    models = {
-        name: {
-            **{k: mean_interval(v).value for k, v in vals.items()},
-            **{f"{k}_ci": _ci(mean_interval(v)) for k, v in vals.items()},
-            **{f"{k}_per_seed": list(v) for k, v in vals.items()},
-        }
-        for name, vals in per_seed.items()
-    }
-    d, lr = per_seed["dlrm"], per_seed["lr"]
-    return {
-        "bench": "movielens",
-        **extra,
-        "seeds": list(seeds),
-        "dlrm": models["dlrm"],
-        "lr": models["lr"],
-        "auc_diff": _ci(paired_difference(d["auc"], lr["auc"])),
-        "logloss_diff": _ci(paired_difference(d["logloss"], lr["logloss"])),
-    }
-
-
-def _iv(x: dict[str, Any]) -> str:
-    lo, hi = x["lo"], x["hi"]
-    return "[n/a]" if lo is None else f"[{lo:+.4f}, {hi:+.4f}]"
-
-
-def print_table(r: dict[str, Any]) -> None:
-    """Both models' mean eval AUC / log loss with 95% intervals, and DLRM - LR."""
-    ch = r["settings"]
-    print(f"MovieLens ({r['layout']}, {r['split']['train']:,} train / {r['split']['eval']:,} eval "
-          f"ratings), seeds {r['seeds']}, {r['cpu']}; settings "
-          f"{'fixed (--quick)' if r['quick'] else 'chosen on seeds ' + str(r['select_seeds'])}: "
-          f"DLRM lr x{ch['lr_scale']:g} dim {ch['dim']} {ch['epochs']} epochs, LR C {ch['C']:g}")  # fmt: skip
-    print(f"{'model':<24}{'eval AUC':>10}  {'95% CI':<20}{'log loss':>10}  {'95% CI':<20}")
-    for name, label in (("dlrm", "DLRM (neorec)"), ("lr", "logistic regression")):
-        m = r[name]
-        print(f"{label:<24}{m['auc']:>10.4f}  {_iv(m['auc_ci']):<20}"
-              f"{m['logloss']:>10.4f}  {_iv(m['logloss_ci']):<20}")  # fmt: skip
-    da, dl = r["auc_diff"], r["logloss_diff"]
-    print(
-        f"{'DLRM - LR':<24}{da['value']:>+10.4f}  {_iv(da):<20}{dl['value']:>+10.4f}  {_iv(dl):<20}"
-    )
+def eval_users(ratings: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """The user of each eval row, in the order :func:`write_task` writes the eval split."""
+    order = np.lexsort((ratings[:, 1], ratings[:, 3]))
+    return ratings[order][held[order], 0]
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -440,7 +426,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", default="100-104", help="reported seeds (a-b or a,b,c)")
     p.add_argument("--select-seeds", default="0-1", help="seeds the settings are chosen on")
     p.add_argument("--quick", action="store_true", help="no search (QUICK settings), 3 seeds")
+    p.add_argument(
+        "--boot", type=int, default=2000, help="bootstrap replicates over eval users and seeds"
+    )
     a = p.parse_args(argv)
+    if a.boot < 2:
+        raise ConfigError(f"--boot must be >= 2, got {a.boot}")
     if a.quick and a.seeds == "100-104":
         a.seeds = "100-102"
     return a
@@ -475,19 +466,29 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(sel.eval['labels']):,} validation ratings")  # fmt: skip
             chosen, tried = select(a, sel, work, say)
         task = Task.load(_pre(work / "report", ratings, users, movies, ~held, held))
-        per_seed = report(a, task, chosen, seeds, work, say)
+        dlrm, lr = report(a, task, chosen, seeds, work, say)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    y, who = task.eval["labels"].astype(np.float64), eval_users(ratings, held)
+    if len(who) != len(y):
+        raise DataError(f"{len(y)} eval rows in the shards, {len(who)} held-out ratings")
+    say(
+        f"bootstrap over {len(np.unique(who))} eval users and {len(seeds)} seeds: {a.boot} replicates"
+    )
+    boot = user_intervals(dlrm, lr, y, who, a.boot)
     extra.update(
         layout=layout,
-        input=str(src),
+        input=a.input or None,
+        dataset=f"ML-100K from {RECBOLE}'s wheel" if not a.input else None,
+        ratings_sha256=hashlib.sha256(np.ascontiguousarray(ratings).tobytes()).hexdigest(),
+        bootstrap={"over": "eval users and seeds", "reps": a.boot, "users": len(np.unique(who))},
         cpu=cpu_model_and_flags()[0],
         select_seeds=[] if a.quick else parse_seeds(a.select_seeds, "--select-seeds"),
         settings=chosen,
         selection=tried,
         split={"train": int((~held).sum()), "val": int(val.sum()), "eval": int(held.sum())},
     )
-    result = summarize(per_seed, seeds, extra)
+    result = summarize(per_seed_metrics(dlrm, lr, y), seeds, extra, boot)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print_table(result)
     print(json.dumps(result, sort_keys=True))

@@ -3,15 +3,15 @@ the README's results table."""
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from neorec.bench import report_render as _render
+from neorec.bench.report_text import Json, iv, pct
+from neorec.bench.report_text import seeds_text as _seeds
 
 __all__ = ["Entry", "ENTRIES", "render_table"]
-
-Json = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -37,20 +37,6 @@ class Entry:
     def key(self) -> str:
         """The name its result is stored under."""
         return self.source or self.name
-
-
-def iv(d: Json, fmt: str = ".2f", unit: str = "") -> str:
-    """An interval object {value, lo, hi, n} as ``v [lo, hi]``."""
-    lo, hi = d["lo"], d["hi"]
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return f"{d['value']:{fmt}}{unit} (n = {d['n']}, no interval)"
-    return f"{d['value']:{fmt}}{unit} [{lo:{fmt}}, {hi:{fmt}}]"
-
-
-def pct(d: Json) -> str:
-    """A relative interval object as signed percents."""
-    scaled = {**d, "value": 100 * d["value"], "lo": 100 * d["lo"], "hi": 100 * d["hi"]}
-    return iv(scaled, "+.2f", "%")
 
 
 def _op(j: Json) -> str:
@@ -213,50 +199,10 @@ def _dynamic_speed(j: Json) -> str:
     )
 
 
-def _distill(j: Json) -> str:
-    cells = []
-    for bias, by_k in j["per_bias"].items():
-        for k, r in by_k["per_k"].items():
-            cells.append(
-                f"bias {bias}, k={k}: NE vs alone {iv(r['ne_minus_alone']['aux+adapter'], '+.4f')}"
-            )
-    return f"{'; '.join(cells)}; seeds {_seeds(j['seeds'])}, lr tuned for each on seeds {_seeds(j['dev_seeds'])}"
-
-
-def _distill_gap(j: Json) -> str:
-    cells = []
-    for bias, by_k in j["per_bias"].items():
-        for k, r in by_k["per_k"].items():
-            g = r["gap_closed"]
-            cells.append(
-                f"bias {bias}, k={k}: fresh {iv(g['vs_fresh_fm'])}, recalibrated "
-                f"{iv(g['vs_fresh_fm_recalibrated'])}, stale {iv(g['vs_stale_fm'], '.1f')}"
-            )
-    return "; ".join(cells)
-
-
 def _distill_speed(j: Json) -> str:
     return "; ".join(
         f"k={k}: " + ", ".join(f"{s} {iv(v, '.2f', '×')}" for s, v in by.items())
         for k, by in j["throughput_vs_alone"].items()
-    )
-
-
-def _costcheck(j: Json) -> str:
-    e = j["errors"]
-    la, lu = e["learned"]["anchored"]["all"], e["learned"]["unanchored"]["all"]
-    au = e["analytical"]["unanchored"]["all"]
-
-    def mean(d: Json) -> str:
-        m = d["mean_interval"]
-        scaled = {**m, "value": 100 * d["mean"], "lo": 100 * m["lo"], "hi": 100 * m["hi"]}
-        return iv(scaled, ".1f", "%")
-
-    return (
-        f"learned: mean \\|err\\| {mean(la)} anchored, {mean(lu)} unanchored, max "
-        f"{100 * la['max']:.0f}% / {100 * lu['max']:.0f}%; analytical unanchored mean "
-        f"{100 * au['mean']:.0f}%, max {100 * au['max']:.0f}%; {la['n']} plans, "
-        f"{j['world_size']} ranks, batch {j['random_batch']}"
     )
 
 
@@ -267,13 +213,6 @@ def _planner_measured(j: Json) -> str:
     )
 
 
-def _seeds(seeds: list[int]) -> str:
-    s = sorted(seeds)
-    if s and s == list(range(s[0], s[0] + len(s))):
-        return f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0])
-    return ",".join(map(str, s))
-
-
 _OP = ("--tables", "8", "--rows", "1000000", "--dim", "64", "--batch", "2048", "--pooling", "100")
 _OP_QUICK = ("--tables", "4", "--rows", "200000", "--batch", "1024", "--pooling", "20")
 _DIST = (
@@ -281,6 +220,12 @@ _DIST = (
     "--batch", "4096", "--pooling", "10", "--alpha", "1.05",
     "--types", "table_wise,row_wise,data_parallel", "--transport", "shm,gloo",
     "--keep-heap", "on,off",
+)  # fmt: skip
+
+_TWRW = (
+    "dist", "--nproc", "4", "--ranks-per-host", "2", "--embedding-only", "--types",
+    "row_wise_host,table_row_wise,row_wise", "--tables", "4", "--dim", "32", "--batch", "1024",
+    "--iters", "2", "--warmup", "1",
 )  # fmt: skip
 
 
@@ -297,15 +242,6 @@ def _vs_torchrec(j: Json) -> str:
     return (
         f"{j['ms_per_step']:.0f} vs {j['torchrec_ms_per_step']:.0f} ms/step: "
         f"{iv(j['vs_torchrec'], '.2f', '×')} of TorchRec's step{rounds}"
-    )
-
-
-def _movielens(j: Json) -> str:
-    d, lr = j["dlrm"], j["lr"]
-    return (
-        f"DLRM AUC {iv(d['auc_ci'], '.4f')}, log loss {d['logloss']:.4f}; logistic regression AUC "
-        f"{lr['auc']:.4f}, log loss {lr['logloss']:.4f}; DLRM − LR {iv(j['auc_diff'], '+.4f')} AUC; "
-        f"seeds {_seeds(j['seeds'])} (settings chosen on {_seeds(j['select_seeds'])})"
     )
 
 
@@ -389,6 +325,11 @@ ENTRIES: tuple[Entry, ...] = (
         (), (), _dist_ratio("gloo/on"), source="dist_step",
     ),
     Entry(
+        "twrw", "table-row-wise's in-host reduction: inter-host bytes vs row-wise in the same host "
+        "layout, 4 ranks as 2 hosts × 2", "ranks per host (2×)", (*_TWRW, "--rows", "20000"),
+        (*_TWRW, "--rows", "5000"), _render.twrw,
+    ),
+    Entry(
         "planner_pred", "planner vs the best greedy plan, predicted", "15% lower",
         ("planner",), ("planner", "--tasks", "4"), _planner_pred,
     ),
@@ -405,15 +346,16 @@ ENTRIES: tuple[Entry, ...] = (
         (), (), _dmt_quality, source="dmt",
     ),
     Entry(
-        "costcheck", "learned cost model vs measured, held out: plans and batch the calibration "
-        "never saw, 4 ranks", "10% / 20%",
+        "costcheck", "learned vs analytical cost model against measured steps, each anchored "
+        "to the round's speed and not, held out: plans and batch the calibration never saw, "
+        "4 ranks", "10% / 20%",
         ("costcheck", "--topology", "bench-topology.json", "--cost-model", "learned",
          "--world-size", "4", "--batch", "3072", "--random-batch", "3072", "--random-plans", "6",
          "--random-seed", "7777", "--repeats", "3", "--passes", "5", "--iters", "50"),
         ("costcheck", "--topology", "bench-topology.json", "--cost-model", "learned",
          "--world-size", "4", "--batch", "3072", "--random-batch", "3072", "--random-plans", "3",
          "--random-seed", "7777", "--plans", "table_wise,planner", "--repeats", "2",
-         "--passes", "4", "--iters", "40"), _costcheck,
+         "--passes", "4", "--iters", "40"), _render.costcheck,
     ),
     Entry(
         "planner_measured", "planner's plan / best greedy plan, measured, fresh seeds",
@@ -441,11 +383,11 @@ ENTRIES: tuple[Entry, ...] = (
                       "--staleness", "1,2", "--rounds", "10", "--steps", "16"),
         ("distill", "--windows", "3", "--dev-seeds", "1", "--seeds", "3", "--seed-base", "100",
          "--staleness", "1", "--lrs", "0.003,0.01", "--rounds", "5",
-         "--set", "data.window_samples=8192", "--fm-set", "data.window_samples=32768"), _distill,
+         "--set", "data.window_samples=8192", "--fm-set", "data.window_samples=32768"), _render.distill,
     ),
     Entry(
         "distill_gap", "ExFM `gap_closed` (aux + adapter) vs the fresh FM, the fresh FM recalibrated, the stale FM",
-        "≥ 0.3", (), (), _distill_gap, source="distill",
+        "≥ 0.3", (), (), _render.distill_gap, source="distill",
     ),
     Entry(
         "distill_speed", "ExFM throughput vs the student alone, interleaved rounds", "≥ 0.9×",
@@ -470,7 +412,7 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "movielens", "MovieLens-100K (real ratings, click = rating ≥ 4, time split): eval AUC",
-        "above the LR baseline", ("movielens",), ("movielens", "--quick"), _movielens,
+        "above the LR baseline", ("movielens",), ("movielens", "--quick"), _render.movielens,
     ),
     Entry(
         "largebatch", "large batch: default model at B = 512 and 8·B, the same samples",

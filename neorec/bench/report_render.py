@@ -1,0 +1,121 @@
+"""The README rows of ``neorec bench report`` whose text states a verdict computed from the
+result: which cost model wins (``costcheck``), whether ExFM's target is met per cell
+(``distill``), the in-host reduction of table-row-wise (``twrw``), MovieLens over users and seeds
+(``movielens``)."""
+
+from __future__ import annotations
+
+from neorec.bench.report_text import Json, iv
+from neorec.bench.report_text import seeds_text as _seeds
+
+__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens"]
+
+
+def costcheck(j: Json) -> str:
+    """Learned and analytical errors, anchored and not, and which model the paired difference
+    shows winning."""
+    from neorec.bench.costcheck_errors import paired_errors  # the figures of older records
+
+    e = j["errors"]
+    paired = j.get("learned_minus_analytical") or paired_errors(
+        j["results"], j["random_results"], j["anchored"]
+    )
+
+    def mean(d: Json) -> str:
+        m = d["mean_interval"]
+        scaled = {**m, "value": 100 * d["mean"], "lo": 100 * m["lo"], "hi": 100 * m["hi"]}
+        return iv(scaled, ".1f", "%")
+
+    def diff(d: Json) -> str:
+        return iv({**d, **{k: 100 * d[k] for k in ("value", "lo", "hi")}}, "+.1f", " points")
+
+    parts = []
+    for how in ("anchored", "unanchored"):
+        la, aa, p = e["learned"][how]["all"], e["analytical"][how]["all"], paired[how]
+        where = ", ".join(f"{s} plans {p[s]['winner']}" for s in ("fixed", "random") if s in p)
+        parts.append(
+            f"{how}: learned mean \\|err\\| {mean(la)}, analytical {mean(aa)}; learned − "
+            f"analytical {diff(p['all'])} paired by plan: **{p['all']['winner']} wins** "
+            f"({where})"
+        )
+    la = e["learned"]["anchored"]["all"]
+    return (
+        f"{'; '.join(parts)}; max learned / analytical anchored {100 * la['max']:.0f}% / "
+        f"{100 * e['analytical']['anchored']['all']['max']:.0f}%; {la['n']} plans, "
+        f"{j['world_size']} ranks, batch {j['random_batch']}"
+    )
+
+
+def distill(j: Json) -> str:
+    """Every cell's NE change of the full ExFM student against `alone`, with its interval."""
+    cells = []
+    for bias, by_k in j["per_bias"].items():
+        for k, r in by_k["per_k"].items():
+            cells.append(
+                f"bias {bias}, k={k}: NE vs alone {iv(r['ne_minus_alone']['aux+adapter'], '+.4f')}"
+            )
+    streams = j.get("stream_seeds")
+    where = (
+        f"on their own streams, lr tuned for each on seeds {_seeds(j['dev_seeds'])}' streams"
+        if streams
+        else f"lr tuned for each on seeds {_seeds(j['dev_seeds'])} (the same stream)"
+    )
+    return f"{'; '.join(cells)}; seeds {_seeds(j['seeds'])} {where}"
+
+
+def distill_gap(j: Json) -> str:
+    """Every cell's `gap_closed` with its interval, met / not met by the lower end."""
+    from neorec.bench.distill_stats import GAP_TARGET, target_met
+
+    def cell(g: Json, fmt: str = ".3f") -> str:
+        return f"{iv(g, fmt)} {'**met**' if target_met(g) else 'not met'}"
+
+    cells = []
+    for bias, by_k in j["per_bias"].items():
+        for k, r in by_k["per_k"].items():
+            g = r["gap_closed"]
+            cells.append(
+                f"bias {bias}, k={k}: fresh {cell(g['vs_fresh_fm'])}, recalibrated "
+                f"{cell(g['vs_fresh_fm_recalibrated'])}, stale {cell(g['vs_stale_fm'], '.1f')}"
+            )
+    return f"{'; '.join(cells)} (met: the interval's lower end ≥ {GAP_TARGET:g})"
+
+
+def twrw(j: Json) -> str:
+    """Inter-host pooled bytes of table-row-wise against row-wise in the same host layout."""
+    by = {r["type"]: r["inter_host_pooled_bytes"] for r in j["results"] if r["codecs"] == "fp32"}
+    red, rph = j["inter_host_reduction"], j["ranks_per_host"]
+    return (
+        f"**{red['vs_row_wise_host']:.2f}×** fewer pooled bytes between hosts than row-wise over "
+        f"the same in-host shards ({by['table_row_wise']:,} vs {by['row_wise_host']:,} B/step, "
+        f"forward + backward, every byte counted); {red['vs_row_wise']:.2f}× vs row-wise over all "
+        f"{j['nproc']} ranks ({by['row_wise']:,}); {j['nproc'] // rph} hosts × {rph}, "
+        f"{j['tables']} tables × {j['rows']:,} × {j['dim']}, batch {j['batch']}"
+    )
+
+
+def movielens(j: Json) -> str:
+    """Both models' eval AUC and DLRM - LR, intervals over users and seeds."""
+    d, lr, b = j["dlrm"], j["lr"], j.get("bootstrap")
+    if b is None:  # a record from before the bootstrap: its intervals cover the seeds only
+        return (
+            f"DLRM AUC {iv(d['auc_ci'], '.4f')}, logistic regression AUC {lr['auc']:.4f}; "
+            f"DLRM − LR {iv(j['auc_diff'], '+.4f')} AUC; intervals over seeds "
+            f"{_seeds(j['seeds'])} alone, on one eval set (they do not cover the data)"
+        )
+    return (
+        f"DLRM AUC {iv(d['auc_ci_users'], '.4f')}, NE {d['ne']:.4f}; logistic regression AUC "
+        f"{iv(lr['auc_ci_users'], '.4f')}, NE {lr['ne']:.4f}; DLRM − LR "
+        f"{iv(j['auc_diff_users'], '+.4f')} AUC, {iv(j['logloss_diff_users'], '+.4f')} log loss; "
+        f"intervals: a bootstrap over the {b['users']} eval users and seeds "
+        f"{_seeds(j['seeds'])} (over seeds alone: {iv(j['auc_diff'], '+.4f')} AUC): "
+        f"{_above(j['auc_diff_users'], j['auc_diff'])}; settings chosen on seeds "
+        f"{_seeds(j['select_seeds'])}, a validation split"
+    )
+
+
+def _above(users: Json, seeds: Json) -> str:
+    """DLRM above LR only where both intervals lie above 0: redrawing a few seeds understates
+    their spread, so the t interval over seeds must agree."""
+    both = all(d["lo"] is not None and d["lo"] > 0 for d in (users, seeds))
+    return "**above LR beyond noise**" if both else "above LR not established"
