@@ -92,6 +92,8 @@ class CacheTable:
     free: Tensor  # [capacity] int64 stack of free slots; the first n_free are valid
     n_free: int
     counts: dict[str, int] = field(default_factory=dict)
+    write_guard: Any = None
+    """Called with the ids of every store write before it (a checkpoint's copy-on-write)."""
 
 
 @dataclass

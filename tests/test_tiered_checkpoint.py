@@ -1,0 +1,226 @@
+"""Check-N-Run checkpoints of tables behind the row cache (dram / ssd) equal those of the same
+tables in memory: dirty rows tracked by global row across eviction and write-back, a snapshot that
+is the table at its moment while training writes rows back, and save / restore across storage
+settings (an ssd table's checkpoint restores into memory and back)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from neorec.builder import build_dlrm, dense_optimizer
+from neorec.checkpoint import CheckpointManager, DirtyRowTracker, list_checkpoints, open_storage
+from neorec.config import TableConfig, load_config
+from neorec.data.ids import zipf_ids
+from neorec.modules.collection import CollectionSpec
+from neorec.modules.embedding import EmbeddingBagCollection
+from neorec.ops.row_optim import RowOptimizer
+from neorec.sparse import SparseFeatures
+from neorec.storage.cached import CachedEmbeddingBagCollection
+from neorec.storage.store import StoreSettings
+from neorec.storage.tiered_rows import RowSnapshot
+from neorec.train.trainer import train_step
+
+pytestmark = pytest.mark.bitwise
+
+TABLES = [
+    TableConfig(name="a", rows=300, dim=8),
+    TableConfig(name="b", rows=120, dim=8, features=["b1", "b2"]),
+    TableConfig(name="c", rows=50, dim=8),
+]
+
+
+def _batches(n: int, seed: int = 0) -> list[SparseFeatures]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        vals, lens = [], []
+        for t in TABLES:
+            for _f in t.features:
+                ln = torch.randint(0, 4, (16,), generator=g)
+                vals.append(zipf_ids(t.rows, int(ln.sum()), 1.1, generator=g, salt=len(vals)))
+                lens.append(ln)
+        out.append(
+            SparseFeatures(
+                [f for t in TABLES for f in t.features], torch.cat(vals), torch.cat(lens)
+            )
+        )
+    return out
+
+
+def _train(model: torch.nn.Module, batches: list[SparseFeatures], seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for b in batches:
+        out = model(b)
+        out.backward(torch.randn(out.shape, generator=g))
+
+
+def _cached(tmp_path: Path, kind: str = "rowwise_adagrad") -> CachedEmbeddingBagCollection:
+    tables = [
+        dataclasses.replace(t, storage=s, cache_rows=40)
+        for t, s in zip(TABLES, ("ssd", "dram", "memory"), strict=True)
+    ]
+    spec = CollectionSpec(RowOptimizer(kind=kind, lr=0.05), backend="cpu", seed=3)
+    return CachedEmbeddingBagCollection(tables, spec, storage=StoreSettings(dir=tmp_path))
+
+
+def test_dirty_rows_tracked_by_global_row_across_eviction_and_write_back(tmp_path: Path) -> None:
+    spec = CollectionSpec(RowOptimizer(kind="rowwise_adagrad", lr=0.05), backend="cpu", seed=3)
+    ref, cached = EmbeddingBagCollection(TABLES, spec), _cached(tmp_path)
+    t_ref, t_cached = DirtyRowTracker(ref), DirtyRowTracker(cached)
+    batches = _batches(12)
+    for lo in (0, 5):  # two takes: rows dirty since the last one only
+        _train(ref, batches[lo : lo + 5])
+        _train(cached, batches[lo : lo + 5])
+        want, got = t_ref.take(), t_cached.take()
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+    st = cached.stats()
+    assert st["evictions"] > 0 and st["writebacks"] > 0  # rows left the cache and came back
+
+
+def _records(cached: CachedEmbeddingBagCollection, name: str) -> torch.Tensor:
+    t = cached.read_table(name)  # (flushes)
+    return torch.cat([t["weight"], t["momentum1"].unsqueeze(1)], 1)
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_snapshot_is_the_table_at_its_moment_while_rows_are_written_back(
+    tmp_path: Path, subset: bool
+) -> None:
+    cached = _cached(tmp_path)
+    batches = _batches(16)
+    _train(cached, batches[:6])
+    (c,) = [c for c in cached.cache_tables().values() if c.name == "a"]
+    want = _records(cached, "a")
+    ids = torch.arange(0, 300, 3) if subset else None
+    snap = RowSnapshot(cached, c, ids)
+    _train(cached, batches[6:], seed=2)  # rows updated, evicted, written back
+    cached.flush()
+    assert snap.stash_ids.numel() > 0, "no write-back of a row still to read: nothing tested"
+    now = _records(cached, "a")
+    got_ids, got = snap.read(0, 150)
+    more_ids, more = snap.read(150, 300)
+    snap.close()
+    got_ids, got = torch.cat([got_ids, more_ids]), torch.cat([got, more])
+    expect_ids = torch.arange(300) if ids is None else ids
+    assert torch.equal(got_ids, expect_ids)
+    assert not torch.equal(now[expect_ids], want[expect_ids])  # the table moved on
+    assert torch.equal(got, want[expect_ids])
+    assert c.write_guard is None
+
+
+# ---- the manager: mixed storage against all in memory ----------------------------------------
+SETS = [
+    "embedding.tables=[{name='s', rows=300, dim=8, storage='ssd', cache_rows=60}, "
+    "{name='d', rows=200, dim=8, storage='dram', cache_rows=50}, {name='m', rows=100, dim=8}]",
+    "model.bottom_mlp=[16, 8]",
+    "model.top_mlp=[16, 1]",
+    "data.batch_size=32",
+    "data.train_samples=640",
+    "train.progress=false",
+    "checkpoint.fsync=false",
+    "checkpoint.bits=32",
+    "checkpoint.opt_bits=32",
+    "checkpoint.policy=consecutive",
+]
+
+
+def _model(tmp_path: Path, tiered: bool, *extra: str):
+    sets = [*SETS, f"storage.dir='{tmp_path / 'store'}'", *extra]
+    if not tiered:
+        sets[0] = (
+            sets[0]
+            .replace("storage='ssd'", "storage='memory'")
+            .replace("storage='dram'", "storage='memory'")
+        )
+        sets[0] = sets[0].replace(", cache_rows=60", "").replace(", cache_rows=50", "")
+    cfg = load_config(overrides=sets)
+    torch.manual_seed(0)
+    model = build_dlrm(cfg)
+    return cfg, model, dense_optimizer(cfg.train, model.dense_parameters())
+
+
+def _fit(cfg, model, opt, start: int, end: int) -> None:
+    from neorec.data.synthetic import SyntheticClickData
+
+    data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
+    for s in range(start, end):
+        train_step(model, opt, data.batch("train", s, cfg.data.batch_size), s + 1)
+
+
+def _tables(model) -> dict[str, torch.Tensor]:
+    ebc, out = model.ebc, {}
+    for t in ebc.tables:
+        if isinstance(ebc, CachedEmbeddingBagCollection):
+            for k, v in ebc.read_table(t.name).items():
+                out[f"{t.name}.{k}"] = v
+            continue
+        i = ebc._table_index(t.name)
+        out[f"{t.name}.weight"] = ebc.table_weight(t.name)
+        m = ebc.optimizer_state()["momentum1"]
+        out[f"{t.name}.momentum1"] = m[ebc.layout.row_offsets[i] : ebc.layout.row_offsets[i + 1]]
+    return {k: v.clone() for k, v in out.items()}
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _step(root: Path, step: int) -> str:
+    hist = list_checkpoints(open_storage(str(root)))
+    return str(root / next(m["name"] for m in hist if m["step"] == step))
+
+
+def test_checkpoints_of_tiered_tables_equal_in_memory_and_restore_across_storage(
+    tmp_path: Path,
+) -> None:
+    spec_cfg, spec, spec_opt = _model(tmp_path / "spec", tiered=False)
+    cfg, model, opt = _model(tmp_path / "tier", tiered=True)
+    assert isinstance(model.ebc, CachedEmbeddingBagCollection)
+    mgr = CheckpointManager(cfg.checkpoint, model, opt, str(tmp_path / "ck"))
+    spec_mgr = CheckpointManager(spec_cfg.checkpoint, spec, spec_opt, str(tmp_path / "ck_mem"))
+    at: dict[int, dict[str, torch.Tensor]] = {}
+    for lo, hi in ((0, 4), (4, 9)):  # a baseline at 4, an increment at 9
+        _fit(cfg, model, opt, lo, hi)
+        _fit(spec_cfg, spec, spec_opt, lo, hi)
+        at[hi] = _tables(spec)
+        _assert_equal(_tables(model), at[hi])  # training through the cache is exact
+        mgr.save(hi)  # in the background: the next steps train while it is read
+        spec_mgr.save(hi)
+    _fit(cfg, model, opt, 9, 14)
+    mgr.close()
+    spec_mgr.close()
+    kinds = [m["kind"] for m in list_checkpoints(open_storage(str(tmp_path / "ck")))]
+    assert kinds == ["baseline", "increment"]
+
+    # the tiered checkpoint of step 9 into memory tables, and the in-memory one into tiered ones
+    # (their caches warm from other training first: the restore leaves them cold)
+    _, mem, mem_opt = _model(tmp_path / "r1", tiered=False)
+    CheckpointManager(spec_cfg.checkpoint, mem, mem_opt, str(tmp_path / "x1")).restore(
+        _step(tmp_path / "ck", 9)
+    )
+    _, tier, tier_opt = _model(tmp_path / "r2", tiered=True)
+    _fit(cfg, tier, tier_opt, 20, 23)
+    CheckpointManager(cfg.checkpoint, tier, tier_opt, str(tmp_path / "x2")).restore(
+        _step(tmp_path / "ck_mem", 9)
+    )
+    assert all(c.n_free == c.capacity for c in tier.ebc.cache_tables().values())
+    _assert_equal(_tables(mem), at[9])
+    _assert_equal(_tables(tier), at[9])
+    # ... and both train on alike
+    _fit(cfg, tier, tier_opt, 9, 12)
+    _fit(spec_cfg, mem, mem_opt, 9, 12)
+    _assert_equal(_tables(tier), _tables(mem))
+
+
+def test_checkpoints_of_tiered_tables_are_accepted(tmp_path: Path) -> None:
+    from neorec.builder.run import check_run
+
+    check_run(load_config(None, [*SETS, "checkpoint.every_steps=10"]))  # (refused before)
