@@ -13,6 +13,7 @@ import torch
 
 from neorec.builder import build_dlrm, dense_optimizer
 from neorec.checkpoint import CheckpointManager, DirtyRowTracker, list_checkpoints, open_storage
+from neorec.checkpoint.dynamic import dynamic_part, fixed_part
 from neorec.config import TableConfig, load_config
 from neorec.data.ids import zipf_ids
 from neorec.modules.collection import CollectionSpec
@@ -20,6 +21,7 @@ from neorec.modules.embedding import EmbeddingBagCollection
 from neorec.ops.row_optim import RowOptimizer
 from neorec.sparse import SparseFeatures
 from neorec.storage.cached import CachedEmbeddingBagCollection
+from neorec.storage.dynamic_cached import DynamicCachedEmbeddingBagCollection
 from neorec.storage.store import StoreSettings
 from neorec.storage.tiered_rows import RowSnapshot
 from neorec.train.trainer import train_step
@@ -117,7 +119,8 @@ def test_snapshot_is_the_table_at_its_moment_while_rows_are_written_back(
 # ---- the manager: mixed storage against all in memory ----------------------------------------
 SETS = [
     "embedding.tables=[{name='s', rows=300, dim=8, storage='ssd', cache_rows=60}, "
-    "{name='d', rows=200, dim=8, storage='dram', cache_rows=50}, {name='m', rows=100, dim=8}]",
+    "{name='d', rows=200, dim=8, storage='dram', cache_rows=50}, {name='m', rows=100, dim=8}, "
+    "{name='y', rows=500, dim=8, kind='dynamic', capacity=150, storage='ssd', cache_rows=60}]",
     "model.bottom_mlp=[16, 8]",
     "model.top_mlp=[16, 1]",
     "data.batch_size=32",
@@ -138,32 +141,47 @@ def _model(tmp_path: Path, tiered: bool, *extra: str):
             .replace("storage='ssd'", "storage='memory'")
             .replace("storage='dram'", "storage='memory'")
         )
-        sets[0] = sets[0].replace(", cache_rows=60", "").replace(", cache_rows=50", "")
+        for n in (60, 50):
+            sets[0] = sets[0].replace(f", cache_rows={n}", "")
     cfg = load_config(overrides=sets)
     torch.manual_seed(0)
     model = build_dlrm(cfg)
     return cfg, model, dense_optimizer(cfg.train, model.dense_parameters())
 
 
+_DATA: dict[int, object] = {}  # step -> batch (the same for every storage setting)
+
+
 def _fit(cfg, model, opt, start: int, end: int) -> None:
     from neorec.data.synthetic import SyntheticClickData
 
-    data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
     for s in range(start, end):
-        train_step(model, opt, data.batch("train", s, cfg.data.batch_size), s + 1)
+        if s not in _DATA:
+            data = SyntheticClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense)
+            _DATA.update({i: data.batch("train", i, cfg.data.batch_size) for i in range(24)})
+        train_step(model, opt, _DATA[s], s + 1)
 
 
 def _tables(model) -> dict[str, torch.Tensor]:
-    ebc, out = model.ebc, {}
-    for t in ebc.tables:
-        if isinstance(ebc, CachedEmbeddingBagCollection):
-            for k, v in ebc.read_table(t.name).items():
+    """Every table's rows and optimizer state (a dynamic table's by raw id, with its uses)."""
+    fixed, out = fixed_part(model.ebc), {}
+    for t in fixed.tables:
+        if isinstance(fixed, CachedEmbeddingBagCollection):
+            for k, v in fixed.read_table(t.name).items():
                 out[f"{t.name}.{k}"] = v
             continue
-        i = ebc._table_index(t.name)
-        out[f"{t.name}.weight"] = ebc.table_weight(t.name)
-        m = ebc.optimizer_state()["momentum1"]
-        out[f"{t.name}.momentum1"] = m[ebc.layout.row_offsets[i] : ebc.layout.row_offsets[i + 1]]
+        i = fixed._table_index(t.name)
+        out[f"{t.name}.weight"] = fixed.table_weight(t.name)
+        m = fixed.optimizer_state()["momentum1"]
+        out[f"{t.name}.momentum1"] = m[
+            fixed.layout.row_offsets[i] : fixed.layout.row_offsets[i + 1]
+        ]
+    dyn = dynamic_part(model.ebc)
+    for t in dyn.tables:
+        st = dyn.export_table(t.name)
+        order = torch.argsort(st.ids)
+        for k, v in [("ids", st.ids), ("rows", st.rows), ("uses", st.uses), *st.states.items()]:
+            out[f"{t.name}.{k}"] = v[order]
     return {k: v.clone() for k, v in out.items()}
 
 
@@ -183,7 +201,8 @@ def test_checkpoints_of_tiered_tables_equal_in_memory_and_restore_across_storage
 ) -> None:
     spec_cfg, spec, spec_opt = _model(tmp_path / "spec", tiered=False)
     cfg, model, opt = _model(tmp_path / "tier", tiered=True)
-    assert isinstance(model.ebc, CachedEmbeddingBagCollection)
+    assert isinstance(fixed_part(model.ebc), CachedEmbeddingBagCollection)
+    assert isinstance(dynamic_part(model.ebc), DynamicCachedEmbeddingBagCollection)
     mgr = CheckpointManager(cfg.checkpoint, model, opt, str(tmp_path / "ck"))
     spec_mgr = CheckpointManager(spec_cfg.checkpoint, spec, spec_opt, str(tmp_path / "ck_mem"))
     at: dict[int, dict[str, torch.Tensor]] = {}
@@ -211,7 +230,7 @@ def test_checkpoints_of_tiered_tables_equal_in_memory_and_restore_across_storage
     CheckpointManager(cfg.checkpoint, tier, tier_opt, str(tmp_path / "x2")).restore(
         _step(tmp_path / "ck_mem", 9)
     )
-    assert all(c.n_free == c.capacity for c in tier.ebc.cache_tables().values())
+    assert all(c.n_free == c.capacity for c in fixed_part(tier.ebc).cache_tables().values())
     _assert_equal(_tables(mem), at[9])
     _assert_equal(_tables(tier), at[9])
     # ... and both train on alike
