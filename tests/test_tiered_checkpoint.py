@@ -90,30 +90,40 @@ def _records(cached: CachedEmbeddingBagCollection, name: str) -> torch.Tensor:
     return torch.cat([t["weight"], t["momentum1"].unsqueeze(1)], 1)
 
 
+def _read(snap: RowSnapshot) -> tuple[torch.Tensor, torch.Tensor]:
+    got_ids, got = snap.read(0, 150)  # in two chunks
+    more_ids, more = snap.read(150, 300)
+    snap.close()
+    return torch.cat([got_ids, more_ids]), torch.cat([got, more])
+
+
 @pytest.mark.parametrize("subset", [False, True])
 def test_snapshot_is_the_table_at_its_moment_while_rows_are_written_back(
     tmp_path: Path, subset: bool
 ) -> None:
+    """Two snapshots of one table, overlapping (two checkpoint managers), each the table at its
+    moment while training writes rows back to the store."""
     cached = _cached(tmp_path)
     batches = _batches(16)
     _train(cached, batches[:6])
     (c,) = [c for c in cached.cache_tables().values() if c.name == "a"]
-    want = _records(cached, "a")
     ids = torch.arange(0, 300, 3) if subset else None
-    snap = RowSnapshot(cached, c, ids)
-    _train(cached, batches[6:], seed=2)  # rows updated, evicted, written back
+    want = [_records(cached, "a")]
+    snaps = [RowSnapshot(cached, c, ids)]
+    _train(cached, batches[6:10], seed=2)  # rows updated, evicted, written back
+    want.append(_records(cached, "a"))
+    snaps.append(RowSnapshot(cached, c, ids))
+    _train(cached, batches[10:], seed=3)
     cached.flush()
-    assert snap.stash_ids.numel() > 0, "no write-back of a row still to read: nothing tested"
     now = _records(cached, "a")
-    got_ids, got = snap.read(0, 150)
-    more_ids, more = snap.read(150, 300)
-    snap.close()
-    got_ids, got = torch.cat([got_ids, more_ids]), torch.cat([got, more])
     expect_ids = torch.arange(300) if ids is None else ids
-    assert torch.equal(got_ids, expect_ids)
-    assert not torch.equal(now[expect_ids], want[expect_ids])  # the table moved on
-    assert torch.equal(got, want[expect_ids])
-    assert c.write_guard is None
+    for snap, w in zip(snaps, want, strict=True):
+        assert snap.stash_ids.numel() > 0, "no write-back of a row still to read: nothing tested"
+        assert not torch.equal(now[expect_ids], w[expect_ids])  # the table moved on
+        got_ids, got = _read(snap)
+        assert torch.equal(got_ids, expect_ids)
+        assert torch.equal(got, w[expect_ids])
+    assert c.write_guards == []
 
 
 # ---- the manager: mixed storage against all in memory ----------------------------------------

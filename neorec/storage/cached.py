@@ -16,7 +16,7 @@ Only ``prepare`` mutates the cache, in batch order, so runs are deterministic. T
 same rows in the same order with slot numbers instead of ids, so each row's gradient sum and its
 optimizer update are computed exactly as in the all-in-memory module. Slots used by a batch stay
 pinned until its backward has updated them. ``flush()`` writes every dirty row back and makes the
-stores durable (checkpoints call it); ``stats()`` reports hits, misses, evictions and bytes moved.
+stores durable (exports call it); ``stats()`` reports hits, misses, evictions and bytes moved.
 """
 
 from __future__ import annotations
@@ -251,9 +251,9 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
             c.store.flush()
 
     def write_records(self, c: CacheTable, ids: Tensor, records: Records) -> None:
-        """``c.store.write``, after the table's write guard (a checkpoint being read)."""
-        if c.write_guard is not None:
-            c.write_guard(ids)
+        """``c.store.write``, after the table's write guards (checkpoints being read)."""
+        for guard in list(c.write_guards):
+            guard(ids)
         c.store.write(ids, records)
 
     def cache_tables(self) -> dict[str, CacheTable]:

@@ -47,8 +47,6 @@ class RowSnapshot:
     ``close``."""
 
     def __init__(self, ebc: Any, c: CacheTable, ids: Tensor | None) -> None:
-        if c.write_guard is not None:
-            raise RuntimeError(f"table '{c.name}': a snapshot of it is still being read")
         self.c, self.store = c, c.store
         if ids is None:
             want = torch.ones(c.rows, dtype=torch.bool)
@@ -63,7 +61,7 @@ class RowSnapshot:
         self.stash_ids = torch.zeros(0, dtype=torch.int64)  # copied aside before a write-back
         self.stash_rec = torch.zeros(0, self.store.width)
         self.lock = threading.Lock()
-        c.write_guard = self._before_write
+        c.write_guards.append(self._before_write)
 
     def _before_write(self, ids: Tensor) -> None:
         """Copy-on-write: the old records of rows about to be written that are not read yet."""
@@ -100,8 +98,8 @@ class RowSnapshot:
     def close(self) -> None:
         """Stop guarding the store's writes (the snapshot is read, or abandoned)."""
         with self.lock:
-            if self.c.write_guard == self._before_write:
-                self.c.write_guard = None
+            if self._before_write in self.c.write_guards:
+                self.c.write_guards.remove(self._before_write)
             self.pending = torch.zeros(0, dtype=torch.bool)
 
 
