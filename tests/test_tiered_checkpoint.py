@@ -253,3 +253,20 @@ def test_checkpoints_of_tiered_tables_are_accepted(tmp_path: Path) -> None:
     from neorec.builder.run import check_run
 
     check_run(load_config(None, [*SETS, "checkpoint.every_steps=10"]))  # (refused before)
+
+
+def test_saved_model_of_tiered_tables_holds_their_rows(tmp_path: Path) -> None:
+    """``save_model`` of dram / ssd tables stores their rows (it stored the cache's slots as if
+    they were the table's rows), and ``load_model`` reads them into memory tables."""
+    from neorec.serve import load_model, save_model
+
+    cfg, model, opt = _model(tmp_path, tiered=True)
+    _fit(cfg, model, opt, 0, 4)
+    want = _tables(model)
+    save_model(model, cfg, tmp_path / "model")
+    loaded, _ = load_model(tmp_path / "model")
+    got = _tables(loaded)
+    _assert_equal(
+        {k: v for k, v in got.items() if k in want and "momentum1" not in k},
+        {k: v for k, v in want.items() if k in got and "momentum1" not in k},
+    )

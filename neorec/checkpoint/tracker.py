@@ -4,6 +4,10 @@
 flat buffers), for the unsharded ``EmbeddingBagCollection`` and the ``ShardedEmbeddingBagCollection``
 alike; that is what makes checkpoints independent of the plan. ``DirtyRowTracker`` hooks the fused
 update and marks every row a batch looked up (the rows the optimizer touched).
+
+Tables behind the row cache (``CachedEmbeddingBagCollection``, dram / ssd) are tracked by table row,
+not cache slot (``tracked_layout``): a row stays marked whether it is in the cache or was written
+back to its store; their blocks are ``StoreField`` s, the rows by global id wherever they sit.
 """
 
 from __future__ import annotations

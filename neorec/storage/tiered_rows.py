@@ -53,11 +53,14 @@ class RowSnapshot:
         else:
             want = torch.zeros(c.rows, dtype=torch.bool)
             want[ids] = True
-        slots = c.slot_of.to(torch.int64)
-        resident = want & (slots >= 0)
-        self.res_ids = resident.nonzero().flatten()  # sorted
-        self.res_rec = ebc.resident_records(c, slots[self.res_ids])
-        self.pending = want & ~resident  # rows still to read from the store
+        slots = (c.id_of >= 0).nonzero().flatten()  # (the cache's size, not the table's)
+        rows = c.id_of[slots]
+        keep = want[rows]
+        rows, order = torch.sort(rows[keep])
+        self.res_ids = rows
+        self.res_rec = ebc.resident_records(c, slots[keep][order])
+        want[rows] = False
+        self.pending = want  # rows still to read from the store
         self.stash_ids = torch.zeros(0, dtype=torch.int64)  # copied aside before a write-back
         self.stash_rec = torch.zeros(0, self.store.width)
         self.lock = threading.Lock()
@@ -122,7 +125,7 @@ class StoreField:
         self.device = torch.device("cpu")
 
     def __getitem__(self, rows: Tensor) -> Tensor:
-        self.ebc.drop_cache()  # (the store holds every row then)
+        self.ebc.flush()  # (the store holds every row then)
         rec = self.c.store.read(rows.to(torch.int64))
         return split_records(self.c.store.fields, rec)[self.name]
 
