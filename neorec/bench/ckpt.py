@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -103,11 +104,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def make_config(args: argparse.Namespace, store: Path | None = None) -> Config:
     """Model and data of the benchmark run (dram / ssd tables: their stores in ``store``)."""
     tables = production_like_tables(args.tables, scale=args.scale, dim=args.dim)
-    if args.storage != "memory":
-        tables = [
-            replace(t, storage=args.storage, cache_fraction=args.cache_fraction) for t in tables
-        ]
     batch = max(1, round(LOCALITY_REF_BATCH / args.scale))
+    if args.storage != "memory":  # a cache of --cache-fraction, or of one batch's ids at most
+        tables = [
+            replace(t, storage=args.storage, cache_rows=_cache_rows(t, batch, args.cache_fraction))
+            for t in tables
+        ]
     return Config(
         model=ModelConfig(bottom_mlp=[64, args.dim], top_mlp=[64, 1]),
         embedding=EmbeddingConfig(tables=tables, lr=args.lr),
@@ -120,6 +122,12 @@ def make_config(args: argparse.Namespace, store: Path | None = None) -> Config:
         train=TrainConfig(seed=args.seed, progress=False),
         storage=StorageConfig(dir=str(store or "")),
     )
+
+
+def _cache_rows(t: Any, batch: int, fraction: float) -> int:
+    """Rows cached of table ``t``: ``fraction`` of them, at least the most ids a batch looks up."""
+    most = batch * math.ceil(max(1.0, float(t.pooling_factor))) * len(t.features)
+    return min(int(t.rows), max(math.ceil(fraction * t.rows), most))
 
 
 def _managers(
