@@ -10,16 +10,22 @@ setting. Settings marked ``*`` (full baselines every time) are measured on one c
 scaled, because encoding every row at 2-4 bits each time adds nothing but minutes.
 
     python -m neorec.bench.ckpt [--tables 16] [--scale 256] [--steps 80] [--interval 10]
+                                [--storage memory|dram|ssd]
+
+``--storage dram|ssd`` puts every table behind the row cache (``--cache-fraction`` of its rows):
+training is bitwise that of memory tables, so each setting's NE change is too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,7 @@ from neorec.config import (
     DataConfig,
     EmbeddingConfig,
     ModelConfig,
+    StorageConfig,
     TrainConfig,
 )
 from neorec.data.ids import LOCALITY_REF_BATCH
@@ -84,13 +91,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default="", help="where checkpoints go (default: a temp dir)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--storage",
+        choices=("memory", "dram", "ssd"),
+        default="memory",
+        help="where the tables live (dram / ssd: behind the row cache, stores in the temp dir)",
+    )
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="dram / ssd: rows cached")
     return p.parse_args(argv)
 
 
-def make_config(args: argparse.Namespace) -> Config:
-    """Model and data of the benchmark run."""
+def make_config(args: argparse.Namespace, store: Path | None = None) -> Config:
+    """Model and data of the benchmark run (dram / ssd tables: their stores in ``store``)."""
     tables = production_like_tables(args.tables, scale=args.scale, dim=args.dim)
     batch = max(1, round(LOCALITY_REF_BATCH / args.scale))
+    if args.storage != "memory":  # a cache of --cache-fraction, or of one batch's ids at most
+        tables = [
+            replace(t, storage=args.storage, cache_rows=_cache_rows(t, batch, args.cache_fraction))
+            for t in tables
+        ]
     return Config(
         model=ModelConfig(bottom_mlp=[64, args.dim], top_mlp=[64, 1]),
         embedding=EmbeddingConfig(tables=tables, lr=args.lr),
@@ -101,7 +120,14 @@ def make_config(args: argparse.Namespace) -> Config:
             seed=args.seed,
         ),
         train=TrainConfig(seed=args.seed, progress=False),
+        storage=StorageConfig(dir=str(store or "")),
     )
+
+
+def _cache_rows(t: Any, batch: int, fraction: float) -> int:
+    """Rows cached of table ``t``: ``fraction`` of them, at least the most ids a batch looks up."""
+    most = batch * math.ceil(max(1.0, float(t.pooling_factor))) * len(t.features)
+    return min(int(t.rows), max(math.ceil(fraction * t.rows), most))
 
 
 def _managers(
@@ -137,6 +163,8 @@ def _continue_from(
     cfg: Config, data: SyntheticClickData, root: str, step: int, end: int, eval_batches: list
 ) -> float:
     """Eval NE after restoring the checkpoint taken at ``step`` and training to ``end``."""
+    if cfg.storage.dir:  # a store of its own (a store file is created anew)
+        cfg = replace(cfg, storage=replace(cfg.storage, dir=f"{root}-store"))
     model = build_dlrm(cfg)
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     mgr = CheckpointManager(CheckpointConfig(async_write=False, fsync=False), model, opt, root)
@@ -154,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     names = [s for s in args.settings.split(",") if s] or list(SETTINGS)
     names = ["full/32", *[n for n in names if n != "full/32"]]
-    cfg = make_config(args)
+    tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="neorec-bench-ckpt-"))
+    cfg = make_config(args, tmp / "store")
     bs = cfg.data.batch_size
     data = SyntheticClickData(
         cfg.data, cfg.embedding.tables, cfg.model.num_dense, locality_ref_batch=bs
@@ -166,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     restore_step = args.restore_step or args.steps // 2 // args.interval * args.interval
     total_rows = sum(t.rows for t in cfg.embedding.tables)
     print(
-        f"bench ckpt: {len(cfg.embedding.tables)} tables, {total_rows:,} rows x {args.dim}, "
+        f"bench ckpt: {len(cfg.embedding.tables)} tables ({args.storage}), {total_rows:,} rows x "
+        f"{args.dim}, "
         f"batch {bs}, {args.steps} steps, checkpoint every {args.interval}; reuse vs reference "
         f"(max lookup-share diff) {calib:.3f}",
         flush=True,
     )
 
-    tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="neorec-bench-ckpt-"))
     model = build_dlrm(cfg)
     opt = dense_optimizer(cfg.train, model.dense_parameters())
     every = [n for n in names if SETTINGS[n][3]]
@@ -254,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {
         "bench": "ckpt",
         "tables": len(cfg.embedding.tables),
+        "storage": args.storage,
         "rows": total_rows,
         "dim": args.dim,
         "batch": bs,

@@ -94,14 +94,6 @@ def check_run(cfg: Config, world: int = 1, one_host: bool = True) -> None:
             f"tables {dynamic} are dynamic: towers ([towers] count / groups) on {world} ranks do "
             "not hold dynamic tables yet; drop the towers or train in one process"
         )
-    cached = [t.name for t in cfg.embedding.tables if t.storage != "memory" and t.kind != "dynamic"]
-    if cached and cfg.checkpoint.every_steps:
-        raise ConfigError(
-            f"tables {cached} sit behind the row cache (storage dram / ssd): Check-N-Run "
-            "checkpoints (checkpoint.every_steps) of such tables are not supported yet; set "
-            "checkpoint.every_steps = 0 or storage = 'memory' (dynamic tables on dram / ssd can "
-            "be checkpointed)"
-        )
     if one_host:
         check_tables_memory(cfg.embedding.tables, cfg.embedding.optimizer)
     if world == 1 and cfg.sharding.plan:

@@ -3,10 +3,11 @@
 One ``save`` (every rank, same step)::
 
     wait for the previous write --> take dirty-row masks --> decide baseline / increment (same
-    decision on every rank) --> copy rows + dense state (the only pause of training) --> background
-    thread: encode pieces, write each under a temporary name + rename --> rank 0 gathers the piece
-    lists, writes manifest.json last --> drops this run's checkpoints outside its last
-    ``keep_last`` baseline families
+    decision on every rank) --> copy rows + dense state (the only pause of training; a dram/ssd
+    table: its resident rows only, ``snapshot``) --> background thread: read the rest of the
+    dram/ssd rows from their stores, encode pieces, write each under a temporary name + rename
+    --> rank 0 gathers the piece lists, writes manifest.json last --> drops this run's
+    checkpoints outside its last ``keep_last`` baseline families
 
 Each run has a lineage (a fresh run's own id; a resumed run keeps the checkpoint's): it is in every
 checkpoint's name and manifest, and retention and the cleaning of unfinished directories touch only
@@ -22,13 +23,11 @@ listing are in ``catalog``, the restore arithmetic in ``restore``.
 
 from __future__ import annotations
 
-import copy
 import io
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,7 +59,6 @@ from neorec.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     checksum,
-    encode_piece,
     row_bytes,
     seal_manifest,
 )
@@ -74,6 +72,14 @@ from neorec.checkpoint.restore import (
     restore_embeddings,
     rng_state,
     set_rng_state,
+)
+from neorec.checkpoint.snapshot import (
+    BlockSnap,
+    Snapshot,
+    TieredSnap,
+    clone,
+    snap_block,
+    write_pieces,
 )
 from neorec.checkpoint.stateful import Stateful, load_states, merged_state
 from neorec.checkpoint.storage import open_storage
@@ -93,50 +99,6 @@ __all__ = [
     "set_rng_state",
     "PREFIX",
 ]
-
-
-# ---- snapshots -------------------------------------------------------------------------------
-@dataclass
-class _BlockSnap:
-    block: LocalBlock
-    ids: Tensor | None  # block-local rows (None = all)
-    weight: Tensor
-    state: dict[str, Tensor]
-
-
-@dataclass
-class _Snapshot:
-    name: str
-    step: int
-    kind: str
-    chain: list[str]
-    blocks: list[_BlockSnap]
-    dense: dict[str, Any] | None
-    est_bytes: float
-    pause_ms: float
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-def _host(t: Any, fresh: bool = False) -> Tensor:
-    """A host copy of ``t`` (device -> host staging before the background write); ``fresh``:
-    ``t`` is already a new tensor (an index result), not copied again on the host. Low-precision
-    rows (``DecodedRows``) decode to a new float32 tensor first."""
-    if not isinstance(t, Tensor):
-        t = t if fresh else t.clone()
-        fresh = True
-    t = t.detach()
-    return t.cpu() if fresh or t.device.type != "cpu" else t.clone()
-
-
-def _clone(obj: Any) -> Any:
-    """A deep copy with tensors detached and cloned to the host (a point-in-time snapshot)."""
-    if isinstance(obj, Tensor):
-        return _host(obj)
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 class _RetentionError(CheckpointError):
@@ -324,11 +286,16 @@ class CheckpointManager:
         name = f"{PREFIX}{step:010d}-{self.lineage}-{self.run_id}"
         chain = [name] if kind == "baseline" else [*self._prefix, name]
         cost = est if kind != "baseline" else 0.0
-        snap = _Snapshot(name, step, kind, chain, self._snap_blocks(kind), None, cost, 0.0)
-        if self.dyn is not None:
-            snap.meta["dynamic"] = self.dyn.snapshot(kind == "baseline")
-        if self.rank == 0:
-            snap.dense = self._snap_dense(extra)
+        snap = Snapshot(name, step, kind, chain, self._snap_blocks(kind), None, cost, 0.0)
+        try:
+            if self.dyn is not None:
+                snap.meta["dynamic"] = self.dyn.snapshot(kind == "baseline")
+            if self.rank == 0:
+                snap.dense = self._snap_dense(extra)
+        except BaseException:
+            for b in snap.blocks:
+                b.close()
+            raise
         self._advance(kind, name, chain, est)
         snap.pause_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.async_write:
@@ -351,36 +318,29 @@ class CheckpointManager:
         if self.dyn is not None:
             self.dyn.advance(kind == "baseline" or self.cfg.policy != "one_shot")
 
-    def _snap_blocks(self, kind: str) -> list[_BlockSnap]:
+    def _snap_blocks(self, kind: str) -> list[BlockSnap | TieredSnap]:
         out = []
         for b in self.blocks:
             if not b.writer:
                 continue
-            keys = self._state_keys(b)
-            if kind == "baseline":
-                out.append(
-                    _BlockSnap(b, None, _host(b.weight), {k: _host(b.state[k]) for k in keys})
-                )
-                continue
-            ids = self._since[b.space][b.space_offset : b.space_offset + b.rows].nonzero()
-            ids = ids.squeeze(1)
-            w = b.weight  # (low-precision rows: their packed buffer's device)
-            on = ids.to(w.device if isinstance(w, Tensor) else w.weights.device)
-            state = {k: _host(b.state[k][on], fresh=True) for k in keys}
-            out.append(_BlockSnap(b, ids.cpu(), _host(b.weight[on], fresh=True), state))
+            ids = None
+            if kind != "baseline":
+                ids = self._since[b.space][b.space_offset : b.space_offset + b.rows].nonzero()
+                ids = ids.squeeze(1)
+            out.append(snap_block(b, ids, self._state_keys(b)))
         return out
 
     def _snap_dense(self, extra: dict[str, Any]) -> dict[str, Any]:
         ebc = self.ebc
         return {
-            "dense": _clone(dense_module(self.model).state_dict()),
-            "optimizer": _clone(self.opt.state_dict()),
+            "dense": clone(dense_module(self.model).state_dict()),
+            "optimizer": clone(self.opt.state_dict()),
             "emb_step": ebc.fused_steps(),
-            "extra": _clone(extra),
+            "extra": clone(extra),
         }
 
     # ---- background writer ------------------------------------------------------------------
-    def _write_guarded(self, snap: _Snapshot) -> None:
+    def _write_guarded(self, snap: Snapshot) -> None:
         try:
             self._write(snap)
         except _RetentionError as e:
@@ -391,46 +351,11 @@ class CheckpointManager:
             # rank 0 committed it; another rank: its pieces are written and rank 0 commits
             self._newest = (snap.name, snap.step)
 
-    def _pieces(self, snap: _Snapshot) -> list[dict[str, Any]]:
-        cfg, out = self.cfg, []
-        for s in snap.blocks:
-            b = s.block
-            lo = b.row_start
-            while lo < b.row_end:
-                hi = min(b.row_end, (lo // cfg.chunk_rows + 1) * cfg.chunk_rows)
-                a, z = lo - b.row_start, hi - b.row_start
-                if s.ids is None:
-                    ids, w, st = None, s.weight[a:z], {k: v[a:z] for k, v in s.state.items()}
-                else:
-                    sel = (s.ids >= a) & (s.ids < z)
-                    ids = s.ids[sel] - a
-                    w, st = s.weight[sel], {k: v[sel] for k, v in s.state.items()}
-                lo = hi
-                if ids is not None and ids.numel() == 0:
-                    continue
-                data = encode_piece(w, st, ids, z - a, cfg.bits, cfg.opt_bits, cfg.adaptive_range)
-                rel = f"emb/{b.table}/r{b.row_start + a}-{b.row_start + z}.c{b.col_start}-{b.col_end}.bin"
-                self.storage.write_atomic(f"{snap.name}/{rel}", data)
-                out.append(
-                    {
-                        "table": b.table,
-                        "file": rel,
-                        "rows": [b.row_start + a, b.row_start + z],
-                        "cols": [b.col_start, b.col_end],
-                        "n": int(w.shape[0]),
-                        "dense": ids is None,
-                        "state": sorted(st),
-                        "bytes": len(data),
-                        "crc32": checksum(data),
-                    }
-                )
-        return out
-
-    def _write(self, snap: _Snapshot) -> None:
+    def _write(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
         error, pieces = "", []
         try:
-            pieces = self._pieces(snap)
+            pieces = write_pieces(self.storage, self.cfg, snap)
             if self.dyn is not None:
                 pieces += self.dyn.pieces(snap.name, snap.meta["dynamic"], self.storage, self.cfg)
             dense_entry = None
@@ -442,6 +367,9 @@ class CheckpointManager:
                 dense_entry = {"file": "dense.pt", "bytes": len(data), "crc32": checksum(data)}
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        finally:
+            for b in snap.blocks:
+                b.close()  # (dram/ssd tables: their stores' copy-on-write ends)
         parts: list[Any] = [(pieces, error)]
         if self.distributed:
             gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
@@ -491,7 +419,7 @@ class CheckpointManager:
             pass
 
     def _manifest(
-        self, snap: _Snapshot, pieces: list[dict[str, Any]], dense: Any, write_s: float, seq: int
+        self, snap: Snapshot, pieces: list[dict[str, Any]], dense: Any, write_s: float, seq: int
     ) -> dict[str, Any]:
         cfg = self.cfg
         tables = {t.name: {"rows": t.rows, "dim": t.dim} for t in model_tables(self.model)}

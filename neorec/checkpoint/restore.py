@@ -23,6 +23,7 @@ from neorec.checkpoint.format import (
 )
 from neorec.checkpoint.storage import FsspecStorage
 from neorec.checkpoint.tracker import LocalBlock
+from neorec.storage.tiered_rows import StoreField
 
 __all__ = [
     "dense_module",
@@ -111,9 +112,9 @@ def _apply(piece_meta: dict[str, Any], dec: Any, b: LocalBlock) -> None:
     g = torch.arange(r0, r1) if dec.ids is None else dec.ids + r0
     sel = (g >= b.row_start) & (g < b.row_end)
     # host -> device: the decoded rows go where the block lives (low-precision rows: their
-    # packed buffer's device)
+    # packed buffer's device; dram/ssd rows: written into their store)
     w = b.weight
-    dev = w.device if isinstance(w, torch.Tensor) else w.weights.device
+    dev = w.device if isinstance(w, (torch.Tensor, StoreField)) else w.weights.device
     rows = (g[sel] - b.row_start).to(dev)
     a, z = max(c0, b.col_start), min(c1, b.col_end)
     if a < z:

@@ -4,6 +4,10 @@
 flat buffers), for the unsharded ``EmbeddingBagCollection`` and the ``ShardedEmbeddingBagCollection``
 alike; that is what makes checkpoints independent of the plan. ``DirtyRowTracker`` hooks the fused
 update and marks every row a batch looked up (the rows the optimizer touched).
+
+Tables behind the row cache (``CachedEmbeddingBagCollection``, dram / ssd) are tracked by table row,
+not cache slot (``tracked_layout``): a row stays marked whether it is in the cache or was written
+back to its store; their blocks are ``StoreField`` s, the rows by global id wherever they sit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from neorec.modules.collection import optimizer_state_of
 from neorec.modules.embedding_groups import GroupedEmbeddingBagCollection
 from neorec.ops.lowp_rows import DecodedRows
 from neorec.ops.tbe import TBELayout
+from neorec.storage.cached import CachedEmbeddingBagCollection
+from neorec.storage.tiered_rows import StoreField
 
 __all__ = ["LocalBlock", "local_blocks", "DirtyRowTracker"]
 
@@ -34,8 +40,8 @@ class LocalBlock:
     row_end: int
     col_start: int
     col_end: int
-    weight: Tensor  # view [rows, cols]
-    state: dict[str, Tensor]  # views: momentum1 [rows]; exp_avg, exp_avg_sq [rows, cols]
+    weight: Any  # view [rows, cols] (low-precision rows: DecodedRows; dram/ssd: StoreField)
+    state: dict[str, Any]  # views: momentum1 [rows]; exp_avg, exp_avg_sq [rows, cols]
     space: str  # MP or DP: which tracker mask covers it
     space_offset: int  # first row of the block in that mask
     writer: bool  # this rank writes it (replicas: rank 0 only)
@@ -72,8 +78,36 @@ def _spaces(ebc: Any) -> dict[str, Any]:
     return {f"{MP}.{p}": g for p, g in ebc.groups.items()}
 
 
+def _cached_blocks(ebc: CachedEmbeddingBagCollection) -> list[LocalBlock]:
+    """The tables of a row-cached collection: dram/ssd ones as ``StoreField`` s (their rows by
+    global id in the store), memory ones as views of the cache buffer (which holds them whole);
+    masks over the table-shaped layout."""
+    out, lay, state = [], ebc.layout, optimizer_state_of(ebc)
+    caches = ebc.cache_tables()
+    for t, spec in enumerate(ebc.tables):
+        c = caches.get(spec.name)
+        if c is None:
+            weight: Any = lay.table(ebc.weights, t)
+            views: dict[str, Any] = _state_views(lay, state, t)
+        else:
+            weight = StoreField(ebc, c, "weight")
+            views = {k: StoreField(ebc, c, k) for k, _ in c.store.fields if k != "weight"}
+        offset = ebc.table_layout.row_offsets[t]
+        out.append(
+            LocalBlock(spec.name, 0, spec.rows, 0, spec.dim, weight, views, MP, offset, True)
+        )
+    return out
+
+
+def tracked_layout(part: Any) -> TBELayout:
+    """The layout whose rows a collection's update hooks report (a row cache's: the tables')."""
+    return part.table_layout if isinstance(part, CachedEmbeddingBagCollection) else part.layout
+
+
 def local_blocks(ebc: Any, rank: int = 0) -> list[LocalBlock]:
     """Every rectangle of every table that ``ebc`` (sharded or not) holds, in global coordinates."""
+    if isinstance(ebc, CachedEmbeddingBagCollection):
+        return _cached_blocks(ebc)
     out = []
     if not isinstance(ebc, ShardedEmbeddingBagCollection):  # unsharded: whole tables
         for space, part in _spaces(ebc).items():
@@ -137,7 +171,7 @@ class DirtyRowTracker:
     def __init__(self, ebc: Any) -> None:
         sharded = isinstance(ebc, ShardedEmbeddingBagCollection)
         self.layouts: dict[str, TBELayout] = (
-            {MP: ebc.layout} if sharded else {k: p.layout for k, p in _spaces(ebc).items()}
+            {MP: ebc.layout} if sharded else {k: tracked_layout(p) for k, p in _spaces(ebc).items()}
         )
         if sharded and ebc.dp is not None:
             self.layouts[DP] = ebc.dp.layout

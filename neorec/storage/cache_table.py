@@ -92,6 +92,8 @@ class CacheTable:
     free: Tensor  # [capacity] int64 stack of free slots; the first n_free are valid
     n_free: int
     counts: dict[str, int] = field(default_factory=dict)
+    write_guards: list[Any] = field(default_factory=list)
+    """Called with the ids of every store write before it (checkpoints' copy-on-write)."""
 
 
 @dataclass

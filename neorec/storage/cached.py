@@ -16,7 +16,7 @@ Only ``prepare`` mutates the cache, in batch order, so runs are deterministic. T
 same rows in the same order with slot numbers instead of ids, so each row's gradient sum and its
 optimizer update are computed exactly as in the all-in-memory module. Slots used by a batch stay
 pinned until its backward has updated them. ``flush()`` writes every dirty row back and makes the
-stores durable (checkpoints call it); ``stats()`` reports hits, misses, evictions and bytes moved.
+stores durable (exports call it); ``stats()`` reports hits, misses, evictions and bytes moved.
 
 A batch that needs more distinct rows of a table than its cache holds runs in chunks that fit
 (``neorec.storage.spill``: the same updates; pooled outputs to float rounding).
@@ -258,10 +258,46 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
             if slots.numel():
                 ids, order = torch.sort(c.id_of[slots])  # id order: sequential store writes
                 slots = slots[order]
-                c.store.write(ids, self._record_sources(c, slots))
+                self.write_records(c, ids, self._record_sources(c, slots))
                 c.dirty[slots] = False
                 c.counts["writebacks"] += slots.numel()
             c.store.flush()
+
+    def write_records(self, c: CacheTable, ids: Tensor, records: Records) -> None:
+        """``c.store.write``, after the table's write guards (checkpoints being read)."""
+        for guard in list(c.write_guards):
+            guard(ids)
+        c.store.write(ids, records)
+
+    def cache_tables(self) -> dict[str, CacheTable]:
+        """The row cache of each dram/ssd table, by table name."""
+        return {c.name: c for c in self._cached.values()}
+
+    def resident_records(self, c: CacheTable, slots: Tensor) -> Tensor:
+        """Records [n, width] (row and optimizer state) of cache ``slots`` of table ``c``."""
+        on = slots.to(self.weights.device)
+        return torch.cat([v[on].reshape(slots.numel(), -1) for v in self._field_views(c)], 1).cpu()
+
+    def drop_cache(self) -> None:
+        """Flush, then empty every table's cache: the stores hold every row, and the next batch
+        reads them as after a start (a restore writes into the stores)."""
+        self._wait_prefetch()
+        if all(c.n_free == c.capacity for c in self._cached.values()) and not self._staged:
+            return
+        self.flush()
+        with one_thread():
+            for c in self._cached.values():
+                if int(c.pins.sum()):
+                    raise RuntimeError(f"table '{c.name}': cache slots in use by a batch")
+                c.slot_of.fill_(-1)
+                c.id_of.fill_(-1)
+                c.key.zero_()
+                c.dirty.zero_()
+                c.free.copy_(torch.arange(c.capacity - 1, -1, -1))
+                c.n_free = c.capacity
+                for v in self._field_views(c):
+                    v.zero_()
+            self._staged, self._tick = {}, 0
 
     def close(self) -> None:
         """Flush, then release the stores (files)."""
@@ -496,7 +532,7 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
             w_slots = victims[dirty]
             w_ids, order = torch.sort(c.id_of[w_slots])
             # Written before any bookkeeping changes: if the store fails, the cache is untouched.
-            c.store.write(w_ids, self._record_sources(c, w_slots[order]))
+            self.write_records(c, w_ids, self._record_sources(c, w_slots[order]))
             self._invalidate_staged(c.index, w_ids)
             c.counts["writebacks"] += n_dirty
         c.n_free = cache_ops.evict_commit(victims, c.id_of, c.slot_of, c.dirty, c.free, c.n_free)
