@@ -22,8 +22,9 @@ def test_soak_reports_series_and_verdicts(tmp_path) -> None:
     assert n >= 1
     want = {f"{p}.{m}" for p in ("rank0", "rank1", "cached") for m in ("rss_mb", "fds", "memfds")}
     want |= {"shm_mb", "dist.samples_per_s", "cached.samples_per_s"}
+    want |= {"dist.samples_per_cpu_s", "cached.samples_per_cpu_s"}
     assert want <= set(out["series"]), sorted(out["series"])
-    assert all(len(v) == n for v in out["series"].values())
+    assert all(len(v) == n for v in out["series"].values()) and len(out["load"]) == n
     assert set(out["verdict"]) == set(out["series"])
     assert set(out["verdict"].values()) <= {"flat", "grows", "falls", "short"}
     assert isinstance(out["ok"], bool) and "rss_mb" in out["tolerance"]

@@ -446,3 +446,32 @@ def test_store_unmaps_its_pages_when_the_file_rss_passes_the_budget(tmp_path, mo
     assert not dropped
     assert torch.equal(st.read(torch.arange(3)), torch.zeros(3, 4))
     assert store_mod._file_rss_bytes() >= 0
+
+
+def test_prefetch_read_error_is_raised_in_the_training_thread(tmp_path):
+    """A background read that fails raises its error at the next forward (the batch that needed
+    it), with nothing staged; the reader thread serves the next prefetch and close ends it."""
+    spec = CollectionSpec(RowOptimizer(kind="sgd", lr=0.05), backend="cpu")
+    cached = CachedEmbeddingBagCollection(
+        _with("ssd", 50, "lru"), spec, storage=StoreSettings(dir=tmp_path)
+    )
+    batches = _batches(3, seed=7)
+    cached(batches[0]).sum().backward()
+    store = next(iter(cached._cached.values())).store
+    real = store.read
+
+    def broken(ids):
+        raise OSError(errno.EIO, "read failed")
+
+    store.read = broken
+    cached.prefetch(batches[1])
+    with pytest.raises(OSError, match="read failed"):
+        cached(batches[1])
+    assert cached.stats()["staged"] == 0
+    store.read = real
+    cached.prefetch(batches[2])
+    cached(batches[2]).sum().backward()
+    assert cached.stats()["staged"] > 0
+    reader = cached._prefetcher
+    cached.close()
+    assert reader is not None and reader._shutdown and cached._prefetcher is None

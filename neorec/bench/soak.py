@@ -11,13 +11,16 @@ Every ``--interval`` seconds it samples each training process (the two ranks, fo
 ``RANK`` among the launcher's descendants, and the cached job): RSS (``/proc/<pid>/status``), open
 file descriptors (``/proc/<pid>/fd``) and the memfds among them (the shared-memory transport's
 segments); the bytes of the files in ``/dev/shm`` that were not there when the soak began; and
-each job's throughput in the interval (samples/s from the steps and ``elapsed_s`` of its
-``events.jsonl``). The M minutes count from the moment both jobs have logged their first step.
+each job's throughput in the interval: samples per wall second (from the steps and ``elapsed_s``
+of its ``events.jsonl``) and samples per CPU second (the same steps over the CPU time its processes
+used in the interval, from ``/proc/<pid>/stat``: unlike the wall rate, it does not fall because
+other programs share the cores). The M minutes count from the moment both jobs have logged their
+first step.
 
 Verdict per metric (after warm-up: the first third of the intervals is dropped): the median of the
 last third against the median of the first third of the rest. Resources ``grows`` when the rise
 exceeds the tolerance (RSS: 3% and 8 MiB; fds and memfds: 2; /dev/shm: 1 MiB), else ``flat``;
-throughput ``falls`` when it drops by more than 25%, else ``flat``; ``short`` with fewer than 3
+throughput ``falls`` when it drops by more than 10%, else ``flat``; ``short`` with fewer than 3
 intervals after warm-up. Prints a table, then one JSON line (the last line of stdout).
 """
 
@@ -59,7 +62,7 @@ CACHED = (
     "storage='{store}', cache_rows=1000}}, {{name='i', rows=2000, dim=8}}]"
 )
 TOL = {"rss_mb": (0.03, 8.0), "fds": (0.0, 2.0), "memfds": (0.0, 2.0), "shm_mb": (0.0, 1.0)}
-THROUGHPUT_DROP = 0.25
+THROUGHPUT_DROP = 0.10
 
 
 class SoakError(NeorecError):
@@ -129,6 +132,15 @@ def proc_sample(pid: int) -> dict[str, float]:
     return {"rss_mb": rss / 1024, "fds": float(len(fds)), "memfds": float(memfds)}
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` and its threads so far (None if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def shm_bytes(before: set[str]) -> int:
     """Bytes of the files in /dev/shm that were not there when the soak began."""
     total = 0
@@ -148,15 +160,16 @@ class Events:
         self.path, self.pos, self.per = path, 0, samples_per_step
         self.last: tuple[int, float] | None = None
 
-    def rate(self) -> float | None:
-        """Samples/s since the previous call (None: no new line)."""
+    def rate(self) -> tuple[float, float] | None:
+        """Samples since the previous call and samples/s over them (None: no new line)."""
         got = self.take()
         if not got:
             return None
         prev, self.last = self.last, got[-1]
         if prev is None or self.last[1] <= prev[1]:
             return None
-        return (self.last[0] - prev[0]) * self.per / (self.last[1] - prev[1])
+        samples = (self.last[0] - prev[0]) * self.per
+        return samples, samples / (self.last[1] - prev[1])
 
     def take(self) -> list[tuple[int, float]]:
         if not self.path.exists():
@@ -185,7 +198,7 @@ def verdict(series: list[float | None], metric: str) -> str:
         return "short"
     k = max(1, len(rest) // 3)
     first, last = statistics.median(rest[:k]), statistics.median(rest[-k:])
-    if metric == "samples_per_s":
+    if metric in ("samples_per_s", "samples_per_cpu_s"):
         return "falls" if last < first * (1 - THROUGHPUT_DROP) else "flat"
     rel, slack = TOL[metric]
     return "grows" if last - first > max(rel * first, slack) else "flat"
@@ -234,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         for e in events.values():
             e.rate()
+        cpu_before: dict[str, float | None] = {k: None for k in jobs}
         start = time.monotonic()
         while time.monotonic() - start < a.minutes * 60:
             time.sleep(max(0.0, min(interval, start + a.minutes * 60 - time.monotonic())))
@@ -243,8 +257,18 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"t_s": round(time.monotonic() - start, 1)}
             row.update({n: proc_sample(p) for n, p in sorted(procs.items())})
             row["shm_mb"] = shm_bytes(shm_before) / 2**20
+            row["load"] = os.getloadavg()[0]  # the machine's 1-minute load: context for the rates
+            job_pids = {"dist": [p for n, p in procs.items() if n != "cached"],
+                        "cached": [procs["cached"]]}  # fmt: skip
             for k, ev in events.items():
-                row[f"{k}_samples_per_s"] = ev.rate()
+                cpu = _job_cpu(job_pids[k])
+                got, prev = ev.rate(), cpu_before[k]
+                cpu_before[k] = cpu
+                row[f"{k}_samples_per_s"] = None if got is None else got[1]
+                row[f"{k}_samples_per_cpu_s"] = (
+                    None if got is None or cpu is None or prev is None or cpu <= prev
+                    else got[0] / (cpu - prev)
+                )  # fmt: skip
             rows.append(row)
     finally:
         for j in jobs.values():
@@ -252,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     return _report(rows, a, interval)
+
+
+def _job_cpu(pids: list[int]) -> float | None:
+    """CPU seconds of a job's training processes (None while one of them cannot be read)."""
+    got = [cpu_seconds(p) for p in pids]
+    return None if not got or any(c is None for c in got) else sum(c for c in got if c is not None)
 
 
 def _alive(jobs: dict[str, subprocess.Popen[bytes]], work: Path) -> None:
@@ -282,7 +312,8 @@ def _report(rows: list[dict[str, Any]], a: argparse.Namespace, interval: float) 
             series[f"{p}.{m}"] = [r.get(p, {}).get(m) for r in rows]
     series["shm_mb"] = [r["shm_mb"] for r in rows]
     for k in ("dist", "cached"):
-        series[f"{k}.samples_per_s"] = [r.get(f"{k}_samples_per_s") for r in rows]
+        for m in ("samples_per_s", "samples_per_cpu_s"):
+            series[f"{k}.{m}"] = [r.get(f"{k}_{m}") for r in rows]
     verdicts = {k: verdict(v, k.split(".")[-1]) for k, v in series.items()}
     cols = list(series)
     print(f"soak: {a.minutes} min, {len(rows)} intervals of {interval:.1f} s")
@@ -304,10 +335,12 @@ def _report(rows: list[dict[str, Any]], a: argparse.Namespace, interval: float) 
         "transport": a.transport,
         "store": a.store,
         "t_s": [r["t_s"] for r in rows],
+        "load": [round(r["load"], 2) for r in rows],
         "series": {k: [None if x is None else round(x, 3) for x in v] for k, v in series.items()},
         "verdict": verdicts,
         "tolerance": {**{k: {"rel": r, "abs": s} for k, (r, s) in TOL.items()},
-                      "samples_per_s": {"drop": THROUGHPUT_DROP}},
+                      "samples_per_s": {"drop": THROUGHPUT_DROP},
+                      "samples_per_cpu_s": {"drop": THROUGHPUT_DROP}},
         "ok": not any(v in ("grows", "falls") for v in verdicts.values()),
     }  # fmt: skip
     print(json.dumps(out))

@@ -24,8 +24,8 @@ A batch that needs more distinct rows of a table than its cache holds runs in ch
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +129,10 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
         self._init_scale, self._seed = spec.init_scale, spec.seed
         self._tick = 0
         self._staged: dict[int, StagedRows] = {}
-        self._prefetch_thread: threading.Thread | None = None
-        self._prefetch_error: BaseException | None = None
+        self._prefetcher: ThreadPoolExecutor | None = None
+        """One reader thread for the run (made at the first prefetch; a thread per step cost
+        ~1 ms of every step to start, more on a busy machine)."""
+        self._prefetch: Future[None] | None = None
         self._deferred: SparseFeatures | None = None
         self._cached: dict[int, CacheTable] = {}
         self._io_threads = storage.io_threads
@@ -300,10 +302,13 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
             self._staged, self._tick = {}, 0
 
     def close(self) -> None:
-        """Flush, then release the stores (files)."""
+        """Flush, then release the stores (files) and the reader thread."""
         self.flush()
         for c in self._cached.values():
             c.store.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown()
+            self._prefetcher = None
 
     def stats(self) -> dict[str, Any]:
         """Cache counters: totals, hit rates, bytes per tier, and the same per table."""
@@ -348,32 +353,29 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
         indices = sparse.values.to(torch.int64)
         bounds = self._feature_bounds(sparse.offsets(), sparse.lengths.numel())
         self._staged = {}
-        self._prefetch_error = None
 
         def work() -> None:
             # Safe in the background: every user of the slot maps (prepare, flush) waits for
-            # this thread first, and backward does not touch them.
-            try:
-                for i, c in self._cached.items():
-                    ids = cache_ops.classify(self._table_ids(i, indices, bounds), c.slot_of)[0]
-                    rec = c.store.read(ids)
-                    self._staged[i] = StagedRows(
-                        ids, rec, torch.ones(ids.numel(), dtype=torch.bool)
-                    )
-            except BaseException as e:  # handed to the main thread at the next prepare
-                self._prefetch_error = e
+            # this read first, and backward does not touch them.
+            for i, c in self._cached.items():
+                ids = cache_ops.classify(self._table_ids(i, indices, bounds), c.slot_of)[0]
+                rec = c.store.read(ids)
+                self._staged[i] = StagedRows(ids, rec, torch.ones(ids.numel(), dtype=torch.bool))
 
-        self._prefetch_thread = threading.Thread(target=work, name="neorec-prefetch", daemon=True)
-        self._prefetch_thread.start()
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="neorec-prefetch")
+        self._prefetch = self._prefetcher.submit(work)
 
     def _wait_prefetch(self) -> None:
-        if self._prefetch_thread is not None:
-            self._prefetch_thread.join()
-            self._prefetch_thread = None
-        if self._prefetch_error is not None:
-            err, self._prefetch_error = self._prefetch_error, None
+        """Wait for the background read; its error is raised here, in the training thread."""
+        fut, self._prefetch = self._prefetch, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except BaseException:
             self._staged = {}
-            raise err
+            raise
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, sparse: SparseFeatures) -> Tensor:

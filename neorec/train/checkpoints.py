@@ -176,10 +176,9 @@ class RunProgressState:
 
     def state_dict(self) -> dict[str, Any]:
         """Samples, each rank's recent losses (a collective), RNG states, schedule settings."""
-        keep = max(50, self.progress.every)  # what the summary and the progress line read
         return {
             "samples": self.progress.samples,
-            "losses": _gather(self.progress.losses[-keep:], self.world),
+            "losses": _gather(self.progress.losses, self.world),  # the last ``keep``
             "rng": rng_state(),
             "lr_schedule": self.schedule.state_dict(),
         }
@@ -282,16 +281,15 @@ class TrainerCheckpoints:
             )
 
     def _evals_back(self, step: int) -> None:
-        """The periodic evals before ``step``, read back from the run's ``events.jsonl`` (a
-        checkpoint holds their number, not them); one line when some are missing there."""
+        """Check that the run's ``events.jsonl`` holds the periodic evals before ``step`` (a
+        checkpoint holds their number, not them; the summary reads them there); one line when
+        some are missing."""
         st = self.state
-        if len(st.evals) >= st.evals_expected:
-            return
         path = Path(self.cfg.train.run_dir) / "events.jsonl"
-        st.evals = evals_from_events(path, step)
-        if len(st.evals) != st.evals_expected:
+        held = len(evals_from_events(path, step)) if st.evals_count else 0
+        if held != st.evals_count:
             self._say(
-                f"resume: {path} holds {len(st.evals)} of the {st.evals_expected} periodic evals "
+                f"resume: {path} holds {held} of the {st.evals_count} periodic evals "
                 f"before step {step}; metrics.json lists those it holds"
             )
 

@@ -43,6 +43,10 @@ def _tqdm() -> Any:
         return None
 
 
+KEEP_LOSSES = 50
+"""Recent losses a run keeps at least (``final_loss`` is their mean)."""
+
+
 @dataclass
 class Progress:
     """Steps, samples and recent losses of a run; shows them as a bar or as periodic lines."""
@@ -65,16 +69,23 @@ class Progress:
     """Called at each printed line for more text (the dynamic tables' counters), or None."""
 
     @property
+    def keep(self) -> int:
+        """How many recent losses are kept: what the progress line, the summary's ``final_loss``
+        (the last 50) and a checkpoint read. A run of any length holds no more."""
+        return max(KEEP_LOSSES, self.every)
+
+    @property
     def losses(self) -> list[float]:
-        """Every recorded step's loss (reading it moves the pending ones to the host at once)."""
+        """The last ``keep`` steps' losses (reading moves the pending ones to the host at once)."""
         if self._pending:
             self._losses.extend(torch.stack(self._pending).double().tolist())
             self._pending.clear()
+            del self._losses[: -self.keep]
         return self._losses
 
     @losses.setter
     def losses(self, values: list[float]) -> None:
-        self._losses, self._pending = list(values), []
+        self._losses, self._pending = list(values)[-self.keep :], []
 
     def begin(self, step: int = 0, bar: bool | None = None) -> None:
         """Start the clock at ``step``: rates count what this process trains from now on.

@@ -3,15 +3,16 @@
 ``TrainState`` is what the trainer, its checkpoints and its summary share instead of the trainer
 itself. A checkpoint keeps it (``state_dict``: ``step``, ``epoch``, ``next_batch`` and the number
 of periodic evals, ``evals_count``) through the ``CheckpointManager`` it is registered with. The
-evals themselves live in the run's ``events.jsonl`` (a checkpoint of a long run would otherwise
-grow by every eval): a resumed run reads them back from there (``evals_from_events``). A
-checkpoint written before this holds the list (``evals``) and is read as it is.
+evals themselves live in the run's ``events.jsonl``, not in memory nor in checkpoints (a long run
+would otherwise grow by every eval): the summary reads them back from there at the end
+(``evals_from_events``). A checkpoint written before this holds the list (``evals``): its length
+is read.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,8 @@ class TrainState:
     next_batch: int = 0
     resumed_step: int | None = None
     """The step of the checkpoint this run resumed from (None: a new run)."""
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    """The periodic evals so far: ``{"step": s, **metrics}`` each (a resumed run's included)."""
-    evals_expected: int = 0
-    """After a restore: how many periodic evals the checkpoint's run had made (the ones to read
-    back from ``events.jsonl``)."""
+    evals_count: int = 0
+    """Periodic evals so far (a resumed run's included); the evals are in ``events.jsonl``."""
 
     @property
     def position(self) -> tuple[int, int]:
@@ -57,21 +55,16 @@ class TrainState:
             "step": self.step,
             "epoch": self.epoch,
             "next_batch": self.next_batch,
-            "evals_count": len(self.evals),
+            "evals_count": self.evals_count,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a checkpoint's step and data position, and its evals when it holds them (older
-        checkpoints); else ``evals_expected`` says how many to read back (``KeyError`` /
-        ``TypeError`` / ``ValueError`` when it has none)."""
+        """Take a checkpoint's step, data position and number of evals (an older checkpoint's
+        list of evals counts as its length; ``KeyError`` / ``TypeError`` / ``ValueError`` when it
+        has neither)."""
         step, epoch, nxt = int(state["step"]), int(state["epoch"]), int(state["next_batch"])
-        if "evals" in state:
-            evals = [dict(e) for e in state["evals"]]
-            expected = len(evals)
-        else:
-            evals, expected = [], int(state["evals_count"])
-        self.step, self.epoch, self.next_batch, self.evals = step, epoch, nxt, evals
-        self.evals_expected = expected
+        count = len(state["evals"]) if "evals" in state else int(state["evals_count"])
+        self.step, self.epoch, self.next_batch, self.evals_count = step, epoch, nxt, count
 
 
 def evals_from_events(path: Path, step: int) -> list[dict[str, Any]]:

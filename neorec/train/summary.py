@@ -16,12 +16,16 @@ import torch.distributed as dist
 
 from neorec.config import Config
 from neorec.train.pipeline import PipelineTimes
-from neorec.train.progress import Progress
+from neorec.train.progress import KEEP_LOSSES, Progress
 from neorec.train.runs import RunFolder, RunLog, run_info, utc_now
 from neorec.train.state import TrainState
 from neorec.train.steps import RecModel
 
 __all__ = ["RunSummary"]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / max(1, len(xs))
 
 
 def _memory_mb() -> dict[str, float]:
@@ -105,7 +109,7 @@ class RunSummary:
                 "samples": progress.samples,
                 "seconds": round(train_s, 3),
                 "samples_per_s": round(progress.rate(train_s), 1),
-                "final_loss": sum(progress.losses[-50:]) / max(1, len(progress.losses[-50:])),
+                "final_loss": _mean(progress.losses[-KEEP_LOSSES:]),
                 "periodic_eval_s": round(self._eval_s, 3),
                 **_memory_mb(),
             },

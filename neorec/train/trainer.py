@@ -44,7 +44,7 @@ from neorec.train.pipeline import StepHook, StepOutput, TrainPipeline, make_pipe
 from neorec.train.progress import Progress, banner, eval_line, every_of, whole_batches_line
 from neorec.train.runs import RunFolder, RunLog, Tee, resolve_run, utc_now
 from neorec.train.sigterm import sigterm_unwinds
-from neorec.train.state import TrainState
+from neorec.train.state import TrainState, evals_from_events
 from neorec.train.steps import (
     LossGuard,
     RecModel,
@@ -399,7 +399,7 @@ class Trainer(RunSummary):
         final = self.evaluate()
         self.events.event(None, {"step": self.state.step, **final}, final=True)
         self.finish_model()
-        return self.summarize(final, self.state.evals, self.progress, train_s, first_step)
+        return self.summarize(final, self._evals(), self.progress, train_s, first_step)
 
     def _pipeline(self, positions: deque[tuple[int, int]]) -> TrainPipeline:
         """The run's pipeline: its step (the run's loss, the NaN guard) between its hooks (the
@@ -464,9 +464,17 @@ class Trainer(RunSummary):
         ev = {"step": self.state.step, **self.evaluate(periodic=True)}
         self._eval_s += time.perf_counter() - te
         self.events.exclude_since(before)  # the eval's traffic and cache use are not training's
-        self.state.evals.append(ev)
+        self.state.evals_count += 1  # the eval itself: in events.jsonl
         self._print_eval(ev)
         return ev
+
+    def _evals(self) -> list[dict[str, Any]]:
+        """The run's periodic evals, read back from its events.jsonl (rank 0; [] elsewhere). A
+        resumed run whose file lost some said so when it resumed."""
+        if self.runlog is None:
+            return []
+        evals = evals_from_events(self.run.path / "events.jsonl", self.state.step)
+        return evals
 
     def finish_model(self) -> None:
         """At the end of training (every rank; after the final eval, before metrics.json): save
