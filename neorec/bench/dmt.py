@@ -302,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("flat", "learned", "random", "balanced", "planted", "teacher"):
                 if f"ne_{k}_mean" in q:
                     print(f"{k:<10}{q[f'ne_{k}_mean']['value']:>10.4f}")
+            ref = {m: q[f"{m}_flat_mean"]["value"] for m in ("ne", "auc")}
+            result[f"reference_{teacher}"] = (
+                ref  # flat towers: the model the others are set against
+            )
+            print(f"reference (flat): NE {ref['ne']:.4f}, AUC {ref['auc']:.4f}")
             print("paired, NE relative to the second (95% interval):")
             for x, y in tq_pairs():
                 rel = q[f"rel_ne_{x}_vs_{y}"]

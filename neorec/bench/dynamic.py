@@ -129,7 +129,8 @@ def quality(
 ) -> dict[str, Any]:
     """One stream: thresholds chosen on the dev seeds, then every kind on ``seeds``."""
     dev = list(range(a.dev_seeds))
-    full = [q.train_eval(q.stream_cfg(a, stream, s), a, "full", a.rows, 0)["ne"] for s in seeds]
+    ref = [q.train_eval(q.stream_cfg(a, stream, s), a, "full", a.rows, 0) for s in seeds]
+    full = [r["ne"] for r in ref]  # the full table: the reference every kind is set against
     teacher = [q.teacher_ne(q.stream_cfg(a, stream, s)) for s in seeds]
     rows = []
     for frac in budgets:
@@ -166,6 +167,7 @@ def quality(
         "id_weight": weight,
         "ne_full": _iv(mean_interval(full)),
         "ne_full_per_seed": full,
+        "auc_full": _iv(mean_interval([r["auc"] for r in ref])),
         "ne_teacher_mean": sum(teacher) / len(teacher),
         "budgets": rows,
     }

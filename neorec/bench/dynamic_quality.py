@@ -165,13 +165,14 @@ def hash_ids(sp: SparseFeatures, m: int, how: str) -> SparseFeatures:
 
 
 def train_eval(cfg: Config, a: argparse.Namespace, kind: str, m: int, thr: int) -> dict[str, Any]:
-    """Train window by window; the eval NE per window and their mean; unadmitted share."""
+    """Train window by window; the eval NE per window and their mean, the mean AUC; unadmitted
+    share."""
     from neorec.data.stream import DriftingClickData
     from neorec.metrics import binary_metrics
 
     tab = Table(cfg, a, kind, m, thr)
     bs = cfg.data.batch_size
-    nes = []
+    nes, aucs = [], []
     for w in range(cfg.data.windows):
         data = DriftingClickData(cfg.data, cfg.embedding.tables, cfg.model.num_dense, window=w)
         for i in range(cfg.data.window_samples // bs):
@@ -182,8 +183,15 @@ def train_eval(cfg: Config, a: argparse.Namespace, kind: str, m: int, thr: int) 
                 b = data.batch("eval", i, bs)
                 ps.append(torch.sigmoid(tab.model(b.dense, tab.prep(b.sparse, False))).double())
                 ys.append(b.labels.double())
-        nes.append(binary_metrics(torch.cat(ps), torch.cat(ys))["ne"])
-    return {"ne": statistics.mean(nes), "ne_by_window": nes, "unadmitted": tab.unadmitted_share()}
+        m = binary_metrics(torch.cat(ps), torch.cat(ys))
+        nes.append(m["ne"])
+        aucs.append(m["auc"])
+    return {
+        "ne": statistics.mean(nes),
+        "auc": statistics.mean(aucs),
+        "ne_by_window": nes,
+        "unadmitted": tab.unadmitted_share(),
+    }
 
 
 def teacher_ne(cfg: Config) -> float:

@@ -164,8 +164,10 @@ def _dmt_quality(j: Json) -> str:
     for teacher in ("ungrouped", "grouped"):
         k = f"rel_ne_learned_vs_flat_{teacher}"
         if k in j:
+            ref = j.get(f"reference_{teacher}")
+            flat = "" if ref is None else f" (flat: NE {ref['ne']:.3f}, AUC {ref['auc']:.3f})"
             parts.append(
-                f"{teacher} teacher: learned vs flat {pct(j[k])}, vs random "
+                f"{teacher} teacher{flat}: learned vs flat {pct(j[k])}, vs random "
                 f"{pct(j[f'rel_ne_learned_vs_random_{teacher}'])}"
             )
     return f"{'; '.join(parts)}; seeds {_seeds(j['seeds'])}"
@@ -184,7 +186,13 @@ def _dynamic(stream: str) -> Callable[[Json], str]:
             f"{_ratio_pct(b['ne_ratio_dynamic_vs_hashed'])}"
             for b in j["streams"][stream]["budgets"]
         ]
-        return f"{'; '.join(cells)}; seeds {_seeds(j['seeds'])}"
+        st = j["streams"][stream]
+        ref = (
+            f"full table NE {st['ne_full']['value']:.3f}, AUC {st['auc_full']['value']:.3f}; "
+            if "auc_full" in st
+            else ""
+        )
+        return f"{ref}{'; '.join(cells)}; seeds {_seeds(j['seeds'])}"
 
     return render
 

@@ -110,9 +110,10 @@ def train_eval(
     steps: int,
     groups: Sequence[Sequence[str]] | None,
     eval_batches: int = 40,
-) -> float:
-    """Eval NE after ``steps`` steps of the model of ``cfg`` (towered with ``groups``, or flat
-    when None); dense Adagrad at ``train.dense_lr``, mean BCE."""
+) -> dict[str, float]:
+    """Eval metrics (``binary_metrics``: NE, AUC, ...) after ``steps`` steps of the model of
+    ``cfg`` (towered with ``groups``, or flat when None); dense Adagrad at ``train.dense_lr``,
+    mean BCE."""
     model = build_dlrm(cfg, groups=groups) if groups is not None else build_flat_dlrm(cfg)
     opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=cfg.train.dense_lr)
     bs = cfg.data.batch_size
@@ -128,7 +129,7 @@ def train_eval(
             b = data.batch("eval", i, bs)
             ps.append(torch.sigmoid(model(b.dense, b.sparse)).double())
             ys.append(b.labels.double())
-    return float(binary_metrics(torch.cat(ps), torch.cat(ys))["ne"])
+    return {k: float(v) for k, v in binary_metrics(torch.cat(ps), torch.cat(ys)).items()}
 
 
 def _seed_row(
@@ -146,9 +147,10 @@ def _seed_row(
                                       extra=["towers.partitioner='random'"]))  # fmt: skip
     assert rnd is not None
     row: dict[str, Any] = {"seed": s, "learned_groups": learned, "random_groups": rnd}
-    row["ne_flat"] = train_eval(cfg, data, steps, None)
-    row["ne_learned"] = train_eval(cfg, data, steps, learned)
-    row["ne_random"] = train_eval(cfg, data, steps, rnd)
+    flat = train_eval(cfg, data, steps, None)  # the reference: its absolute NE and AUC
+    row["ne_flat"], row["auc_flat"] = flat["ne"], flat["auc"]
+    row["ne_learned"] = train_eval(cfg, data, steps, learned)["ne"]
+    row["ne_random"] = train_eval(cfg, data, steps, rnd)["ne"]
     if teacher_groups:
         planted = data.group_tables()
         bal = tower_groups(cfg)
@@ -158,8 +160,8 @@ def _seed_row(
             ari_random=adjusted_rand(rnd, planted),
             captured_learned=captured(learned, data),
             captured_random=captured(rnd, data),
-            ne_balanced=train_eval(cfg, data, steps, bal),
-            ne_planted=train_eval(cfg, data, steps, planted),
+            ne_balanced=train_eval(cfg, data, steps, bal)["ne"],
+            ne_planted=train_eval(cfg, data, steps, planted)["ne"],
         )
     row["ne_teacher"] = data.teacher_metrics("eval", bs)["ne"]
     row["s"] = time.perf_counter() - t0
@@ -200,7 +202,7 @@ def run(
         "warmup_steps": grouped_config().towers.warmup_steps,
         "seeds": [r["seed"] for r in rows],
     }  # fmt: skip
-    keys = [k for k in rows[0] if k.startswith(("ne_", "ari_", "captured_"))]
+    keys = [k for k in rows[0] if k.startswith(("ne_", "auc_", "ari_", "captured_"))]
     for k in keys:
         out[k] = [float(r[k]) for r in rows]
         out[k + "_mean"] = mean_interval(out[k]).to_dict()
