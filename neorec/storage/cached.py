@@ -54,6 +54,7 @@ from neorec.ops.tbe import (
 )
 from neorec.sparse import SparseFeatures
 from neorec.storage import cache_ops
+from neorec.storage.cache_records import record_sources, scatter_records
 from neorec.storage.cache_table import (
     DEFAULT_CACHE_FRACTION,
     EVICT_CHUNK,
@@ -580,30 +581,14 @@ class CachedEmbeddingBagCollection(EmbeddingCollection):
         return views
 
     def _record_sources(self, c: CacheTable, slots: Tensor) -> Records:
-        """The records of cache ``slots`` for ``RowStore.write``: per field (buffer, slots) on the
-        CPU, so the store copies them straight from the cache; assembled records otherwise."""
-        views = self._field_views(c)
-        if all(v.device.type == "cpu" for v in views):
-            return [(v, slots) for v in views]
-        dev_slots = slots.to(self.weights.device)
-        return torch.cat([v[dev_slots].reshape(slots.numel(), -1) for v in views], 1).cpu()
+        """The records of cache ``slots`` for ``RowStore.write`` (``cache_records``)."""
+        return record_sources(self._field_views(c), slots)
 
     def _scatter_records(
         self, c: CacheTable, slots: Tensor, rec: Tensor, rows: Tensor | None = None
     ) -> None:
-        """Cache ``slots[i]`` = record ``rows[i]`` of ``rec`` (``i`` without ``rows``; a negative
-        row skips the slot)."""
-        col = 0
-        for (_, w), view in zip(c.store.fields, self._field_views(c), strict=True):
-            part = rec[:, col : col + w]
-            if view.device.type == "cpu":
-                cache_ops.copy_rows(part, rows, view, slots)
-            else:
-                keep = slice(None) if rows is None else rows >= 0
-                src = part if rows is None else part[rows[keep]]
-                dev_slots = slots[keep].to(view.device)
-                view[dev_slots] = src.to(view.device).reshape(view[dev_slots].shape)
-            col += w
+        """Cache ``slots[i]`` = record ``rows[i]`` of ``rec`` (``cache_records``)."""
+        scatter_records(c.store.fields, self._field_views(c), slots, rec, rows)
 
     def _table_index(self, name: str) -> int:
         for i, t in enumerate(self.tables):
