@@ -90,7 +90,6 @@ QSETTINGS: list[QSetting] = [
     QSetting(8, True, 0, 1),
     QSetting(4, True, 32, 1),
     QSetting(4, False, 32, 1),
-    QSetting(4, True, 32, 4),
     QSetting(2, True, 32, 1),
 ]
 """Every setting the benchmark measures, the default first."""
