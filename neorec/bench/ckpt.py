@@ -298,9 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     names = ["full/32", *[n for n in names if n != "full/32"]]
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="neorec-bench-ckpt-"))
     t0 = time.perf_counter()
-    b = _bytes_run(args, names, tmp)
-    _print_bytes(b)
-    q = _quality(args, tmp)
+    try:
+        b = _bytes_run(args, names, tmp)
+        _print_bytes(b)
+        q = _quality(args, tmp)
+    finally:  # an interrupted run leaves no checkpoints behind either
+        if not args.dir:
+            shutil.rmtree(tmp, ignore_errors=True)
     d, dq = b["settings"].get(DEFAULT), q["settings"].get(DEFAULT_Q.name)
     if d is not None and dq is not None:  # the default's quality, next to its bytes
         d["ne_change"], d["ne_change_interval"] = dq["ne_change"], dq["ne_change_interval"]
@@ -333,8 +337,6 @@ def main(argv: list[str] | None = None) -> int:
             "ne_change_hi<=0.0005": dq["ne_change_interval"]["hi"] <= 5e-4,
         }
     print(json.dumps(summary))
-    if not args.dir:
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
