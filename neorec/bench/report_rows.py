@@ -129,11 +129,29 @@ def _cache(j: Json) -> str:
     )
 
 
+def _pct3(d: Json) -> str:
+    """A relative interval object as signed percents, 3 decimals."""
+    return iv(
+        {**d, "value": 100 * d["value"], "lo": 100 * d["lo"], "hi": 100 * d["hi"]}, "+.3f", "%"
+    )
+
+
 def _ckpt(j: Json) -> str:
     d = j["settings"][j["default"]]
+    text = (
+        f"**{d['write_reduction']:.1f}×** fewer bytes written, {d['storage_reduction']:.1f}× "
+        "less storage"
+    )
+    q = j.get("quality")
+    if not q:  # a result stored before the quality half learned (one run, no interval)
+        return f"{text}, NE {100 * d['ne_change']:+.4f}% after restore"
+    one = q["settings"][j["default_quality"]]["ne_change_interval"]
+    x4 = q["settings"].get(j["default_quality"].replace("/x1", "/x4"))
+    more = f", {_pct3(x4['ne_change_interval'])} after 4" if x4 else ""
+    seeds = f"{len(q['seeds'])} {'held-out ' if q['held_out'] else ''}seeds"
     return (
-        f"**{d['write_reduction']:.1f}×** fewer bytes written, {d['storage_reduction']:.1f}× less "
-        f"storage, NE {100 * d['ne_change']:+.4f}% after restore"
+        f"{text}; NE {_pct3(one)} after one restore{more} ({seeds}; reference NE "
+        f"{j['reference_ne']:.3f}, AUC {j['reference_auc']:.3f})"
     )
 
 
@@ -381,7 +399,9 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "ckpt", "Check-N-Run checkpoints, 16 tables", "6× fewer bytes, NE within 0.05%",
-        ("ckpt", "--tables", "16", "--scale", "256"), ("ckpt", "--tables", "4", "--scale", "64"),
+        ("ckpt", "--tables", "16", "--scale", "256"),
+        ("ckpt", "--tables", "4", "--scale", "64", "--seeds", "100-102", "--quality-steps", "100",
+         "--quality-interval", "25", "--quality", "8/opt32/x1,8/opt32/x4"),
         _ckpt,
     ),
     Entry(
