@@ -71,7 +71,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clip-ratios", default="0.01,0.1", help="CowClip r values tried")
     p.add_argument("--clip-bounds", default="1e-4", help="CowClip zeta values tried")
     p.add_argument("--clip-row-lrs", default="1,2", help="row lr multipliers tried with CowClip")
-    p.add_argument("--clip-decays", default="constant,cosine", help="dense decays with CowClip")
+    p.add_argument("--clip-decays", default="cosine", help="dense decays with CowClip")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--quick", action="store_true", help="small: 41k samples, 3+1 seeds, < 2 min")
     a = p.parse_args(argv)
