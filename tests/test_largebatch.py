@@ -14,7 +14,7 @@ from neorec.config import ConfigError, load_config
 
 
 def test_arms_configs(tmp_path):
-    a = parse(["--batch", "64", "--factor", "8", "--samples", "204800"])  # 400 steps at 8B
+    a = parse(["--batch", "64", "--factor", "8", "--samples", "204800", "--clip-rule", "cowclip"])
     clip = (0.1, 1e-4, 2.0, "constant")
     cfgs = {
         arm: _cfg(a, arm_overrides(arm, a, 0.1, "cosine", "sqrt/none", clip), 3, tmp_path)
@@ -22,6 +22,8 @@ def test_arms_configs(tmp_path):
     }
     assert [cfgs[arm].data.batch_size for arm in ARMS] == [64, 512, 512, 2048]
     assert all(c.train.seed == 3 and c.data.seed == 3 for c in cfgs.values())
+    rows_of = {(cfgs[k].embedding.optimizer, cfgs[k].embedding.lr) for k in ("B", "kB recipe")}
+    assert rows_of == {(a.emb_optimizer, a.emb_lr)}  # every arm's row optimizer and lr
     dense, rows = cfgs["B"].train.dense_lr, cfgs["B"].embedding.lr
     rec = lr_schedule(cfgs["kB recipe"], 400)
     assert (rec.dense_lr, rec.rows_lr) == pytest.approx((dense * 8**0.5, rows))
@@ -35,6 +37,13 @@ def test_arms_configs(tmp_path):
     assert (both.dense_lr, both.rows_lr) == pytest.approx((dense * 32**0.5, rows * 2))
     assert (both.warmup_steps, both.decay, both.rows) == (10, "cosine", True)
     assert not cfgs["B"].train.schedule.active
+    a.clip_rule = "recipe"  # the recipe's lrs and schedule with the clip (and the row L2 x k)
+    a.set = ["embedding.weight_decay=1e-6"]
+    cc = _cfg(a, arm_overrides("kB cowclip", a, 0.1, "cosine", "none", clip), 3, tmp_path)
+    s = lr_schedule(cc, 400)
+    assert (s.dense_lr, s.rows_lr) == pytest.approx((dense, rows * 2))
+    assert (s.warmup_steps, s.decay, s.rows) == (40, "constant", True)
+    assert cc.embedding.cowclip_ratio == 0.1 and cc.embedding.weight_decay == pytest.approx(8e-6)
 
 
 def test_same_samples_concatenates_small_batches():
@@ -81,6 +90,8 @@ def test_summary_pairs_by_seed_and_refuses_a_verdict_on_a_reference_that_does_no
         (["--factor", "1"], "--factor >= 2"),
         (["--scalings", "sqrt/cube"], "--scalings 'sqrt/cube': expected RULE or DENSE/ROWS"),
         (["--set", "train.schedule.decay='x'"], "train.schedule.decay must be one of"),
+        (["--emb-optimizer", "lamb"], "embedding.optimizer must be one of"),
+        (["--jobs", "0"], "--jobs must be >= 1"),
     ],
 )
 def test_bad_flags_refused_before_training(argv, match):

@@ -31,11 +31,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
+import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,14 @@ __all__ = ["main", "ARMS"]
 
 ARMS = ("B", "kB recipe", "kB cowclip", "k2B both")
 """The arms, in table order."""
+
+EMB_OPTIMIZER, EMB_LR = "adam", 1e-3
+"""Every arm's row optimizer and its lr at B (``--emb-optimizer``, ``--emb-lr``)."""
+
+CLIP_RULE = "recipe"
+"""The lrs of the CowClip arms (``--clip-rule``): ``cowclip``, the paper's rule (dense lr x
+sqrt(k), embedding lr unchanged, its L2 x k, warmup and decay of the dense lr only), or
+``recipe``: the recipe arm's lrs and schedule with the clip (and the L2 x k) added."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,17 +79,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decays", default="cosine", help="decays tried after the warmup")
     p.add_argument("--scalings", default="none", help="lr scaling rules tried: RULE or DENSE/ROWS")
     p.add_argument("--big", type=int, default=4, help="the last arm's batch is big*k*B")
-    p.add_argument("--clip-ratios", default="0.01,0.1", help="CowClip r values tried")
-    p.add_argument("--clip-bounds", default="1e-4", help="CowClip zeta values tried")
-    p.add_argument("--clip-row-lrs", default="1,2", help="row lr multipliers tried with CowClip")
+    p.add_argument("--clip-ratios", default="1e-3", help="CowClip r values tried")
+    p.add_argument("--clip-bounds", default="4e-11", help="CowClip zeta values tried")
+    p.add_argument("--clip-row-lrs", default="1", help="row lr multipliers tried with CowClip")
     p.add_argument("--clip-decays", default="cosine", help="dense decays with CowClip")
+    p.add_argument(
+        "--clip-rule",
+        default=CLIP_RULE,
+        choices=("cowclip", "recipe"),
+        help="CowClip's lrs: its rule (dense x sqrt(k), dense-only warmup) or the recipe's",
+    )
+    p.add_argument("--emb-optimizer", default=EMB_OPTIMIZER, help="every arm's row optimizer")
+    p.add_argument("--emb-lr", type=float, default=EMB_LR, help="every arm's row lr (at B)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--jobs", type=int, default=4, help="runs trained side by side (processes)")
     p.add_argument("--quick", action="store_true", help="small: 41k samples, 3+1 seeds, < 2 min")
     a = p.parse_args(argv)
     if a.quick:
         a.samples, a.eval_samples, a.seeds, a.select_seeds = 40_960, 20_480, "100-102", "0"
         a.warmups, a.decays, a.scalings = "0.3", "cosine", "none"
-        a.clip_ratios, a.clip_bounds, a.clip_row_lrs, a.clip_decays = "0.1", "1e-4", "1", "constant"
+        a.clip_ratios, a.clip_bounds, a.clip_row_lrs, a.clip_decays = "1e-3", "4e-11", "1", "cosine"
     return a
 
 
@@ -94,10 +114,15 @@ def _floats(text: str, flag: str, hi: float = 1.0) -> list[float]:
     return out
 
 
+def _sets(a: argparse.Namespace) -> list[str]:
+    """``--set`` and the row optimizer's flags: the config every arm starts from."""
+    return [f"embedding.optimizer='{a.emb_optimizer}'", f"embedding.lr={a.emb_lr!r}", *a.set]
+
+
 def _base(a: argparse.Namespace) -> list[str]:
     """The overrides every run shares."""
     return [
-        *a.set,
+        *_sets(a),
         f"data.train_samples={a.samples}",
         f"data.eval_samples={a.eval_samples}",
         "train.progress=false",
@@ -131,7 +156,7 @@ def _scaled(a: argparse.Namespace, dense: str, rows: str) -> list[str]:
         return []
     if dense == rows:
         return [f"train.lr_scaling='{dense}'", f"train.reference_batch={a.batch}"]
-    base = load_config(a.config, list(a.set))
+    base = load_config(a.config, _sets(a))
     power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
     return [
         f"train.dense_lr={base.train.dense_lr * a.factor ** power[dense]!r}",
@@ -157,17 +182,20 @@ def arm_overrides(
     steps = a.samples // (a.batch * k)
     if arm in ("kB cowclip", "k2B both"):
         r, zeta, m, clip_decay = clip
-        base = load_config(a.config, list(a.set))
+        base = load_config(a.config, _sets(a))
         out += [
             f"embedding.cowclip_ratio={r!r}",
             f"embedding.cowclip_bound={zeta!r}",
             f"embedding.lr={base.embedding.lr * m!r}",
-            "train.lr_scaling='cowclip'",
-            f"train.reference_batch={a.batch}",
         ]
+        if a.clip_rule == "recipe":  # the recipe's lrs and schedule, the row L2 x k
+            out.append(f"embedding.weight_decay={base.embedding.weight_decay * k!r}")
+        else:
+            out += ["train.lr_scaling='cowclip'", f"train.reference_batch={a.batch}"]
         if arm == "kB cowclip":  # CowClip's own schedule: the dense lr's warmup (and decay)
             decay = clip_decay
-            out.append("train.schedule.rows=false")
+            if a.clip_rule == "cowclip":
+                out.append("train.schedule.rows=false")
     else:
         out += _scaled(a, *_rules(scaling))
     if warmup > 0:
@@ -246,6 +274,28 @@ def train_once(cfg: Config, small: int) -> tuple[float, float, int]:
     return float(m["eval"]["ne"]), float(m["eval"]["auc"]), int(m["train"]["steps"])
 
 
+def _task(
+    a: argparse.Namespace, over: list[str], seed: int, run_dir: Path
+) -> tuple[float, float, int]:
+    """One run of ``train_all`` (in a worker process when ``--jobs`` > 1)."""
+    if a.jobs > 1:
+        torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // a.jobs))
+    return train_once(_cfg(a, over, seed, run_dir), a.batch)
+
+
+def train_all(
+    a: argparse.Namespace, tasks: list[tuple[list[str], int, Path]]
+) -> list[tuple[float, float, int]]:
+    """``train_once`` of each (overrides, seed, run folder), in order; ``--jobs`` of them side by
+    side in fresh processes (each run is deterministic given its config, so the results do not
+    depend on the order or on ``--jobs``, up to the float sums of a different thread count)."""
+    if a.jobs <= 1 or len(tasks) <= 1:
+        return [_task(a, *t) for t in tasks]
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=a.jobs, mp_context=ctx) as pool:
+        return list(pool.map(_task, *zip(*[(a, *t) for t in tasks])))
+
+
 def _grid_best(
     a: argparse.Namespace, work: Path, say: Any, arm: str, grid: list[tuple[Any, ...]], over: Any
 ) -> tuple[tuple[Any, ...], dict[str, float]]:
@@ -255,12 +305,12 @@ def _grid_best(
     if len(grid) == 1:
         return grid[0], tried
     settings: dict[str, tuple[Any, ...]] = {}
+    seeds = parse_seeds(a.select_seeds, "--select-seeds")
+    tasks = [(over(g), s, work / f"sel-{arm}-{i}-{s}") for i, g in enumerate(grid) for s in seeds]
+    results = iter(train_all(a, tasks))
     for g in grid:
         key = f"{arm}: " + " ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in g)
-        nes = [
-            train_once(_cfg(a, over(g), s, work / f"sel-{len(tried)}-{s}"), a.batch)[0]
-            for s in parse_seeds(a.select_seeds, "--select-seeds")
-        ]
+        nes = [next(results)[0] for _ in seeds]
         tried[key], settings[key] = statistics.fmean(nes), g
         say(f"  select {key}: NE {tried[key]:.5f}")
     return settings[min(tried, key=lambda k: tried[k])], tried
@@ -306,15 +356,23 @@ def run(a: argparse.Namespace, work: Path, say: Any) -> dict[str, Any]:
     ne: dict[str, list[float]] = {arm: [] for arm in ARMS}
     auc: dict[str, list[float]] = {arm: [] for arm in ARMS}
     steps: dict[str, int] = {}
+    overs = {arm: arm_overrides(arm, a, warmup, decay, scaling, clip) for arm in ARMS}
+    tasks = [(overs[arm], s, work / f"{arm}-{s}") for s in seeds for arm in ARMS]
+    results = iter(train_all(a, tasks))
     for s in seeds:
         for arm in ARMS:
-            over = arm_overrides(arm, a, warmup, decay, scaling, clip)
-            v, u, steps[arm] = train_once(_cfg(a, over, s, work / f"{arm}-{s}"), a.batch)
+            v, u, steps[arm] = next(results)
             ne[arm].append(v)
             auc[arm].append(u)
         say(f"  seed {s}: " + ", ".join(f"{k} {v[-1]:.5f}" for k, v in ne.items()))
     recipe = {"warmup_share": warmup, "decay": decay, "scaling": scaling}
-    cowclip = {"ratio": clip[0], "bound": clip[1], "row_lr_multiplier": clip[2], "decay": clip[3]}
+    cowclip = {
+        "ratio": clip[0],
+        "bound": clip[1],
+        "row_lr_multiplier": clip[2],
+        "decay": clip[3],
+        "rule": a.clip_rule,
+    }
     r = _summary(a, ne, steps, seeds, recipe, tried, select_s, cpu_model_and_flags()[0], auc)
     r["cowclip"] = cowclip
     return r
@@ -367,6 +425,13 @@ def _summary(
         "ne_gap": statistics.fmean(gaps),
         "target": 0.001,
         "verdict": verdict(arms["B"]["ne_mean"], arms[main_arm]["ne_vs_B_pct"], 0.1),
+        "verdicts": {
+            arm: verdict(arms["B"]["ne_mean"], arms[arm]["ne_vs_B_pct"], 0.1)
+            for arm in ("kB recipe", "kB cowclip")
+            if arm in arms
+        },
+        "embedding_optimizer": a.emb_optimizer,
+        "embedding_lr": a.emb_lr,
     }
 
 
@@ -396,7 +461,10 @@ def print_table(r: dict[str, Any]) -> None:
         name = arm.replace("k2B", f"{r['factor'] * r['big']}B").replace("kB", f"{r['factor']}B")
         auc = "-" if v.get("auc_mean") is None else f"{v['auc_mean']:.4f}"
         print(f"{name:<14}{v['batch']:>7}{v['steps']:>7}{v['ne_mean']:>10.5f}{auc:>9}   {rel:<28}")
-    print(f"ne_gap {r['ne_gap'] * 100:+.3f}%; 0.1% target (interval's upper end): {r['verdict']}")
+    each = ", ".join(
+        f"{k.replace('kB', str(r['factor']) + 'B')} {v}" for k, v in r["verdicts"].items()
+    )
+    print(f"ne_gap {r['ne_gap'] * 100:+.3f}%; 0.1% target (interval's upper end): {each}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         _floats(text, flag, 1e30)
     if a.big < 1:
         raise ConfigError("--big must be >= 1")
+    if a.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {a.jobs}")
     if a.threads:
         torch.set_num_threads(a.threads)
     work = Path(tempfile.mkdtemp(prefix="neorec-largebatch-"))

@@ -302,15 +302,21 @@ def _largebatch(j: Json) -> str:
         return f"NE vs B: 8·B recipe ({recipe}) {iv(arms['kB recipe']['ne_vs_B_pct'], '+.2f', '%')}"
     c = j["cowclip"]
     ref = f"B NE {j['reference_ne']:.4f}, AUC {j['reference_auc']:.4f}"
+    if "embedding_optimizer" in j:
+        ref += f" (rows: {j['embedding_optimizer']}, lr {j['embedding_lr']:g})"
     big = j["factor"] * j["big"]
     parts = [
         f"8·B recipe (warmup {r['warmup_share']:g}, {r['decay']}) "
         + iv(arms["kB recipe"]["ne_vs_B_pct"], "+.2f", "%"),
         f"8·B CowClip (r {c['ratio']:g}, ζ {c['bound']:g}, row lr ×{c['row_lr_multiplier']:g}, "
-        f"{c['decay']}) " + iv(arms["kB cowclip"]["ne_vs_B_pct"], "+.2f", "%"),
+        f"{c['decay']}{', ' + c['rule'] + ' lrs' if 'rule' in c else ''}) "
+        + iv(arms["kB cowclip"]["ne_vs_B_pct"], "+.2f", "%"),
         f"{big}·B both " + iv(arms["k2B both"]["ne_vs_B_pct"], "+.2f", "%"),
     ]
-    return f"{ref}; NE vs B: " + "; ".join(parts) + f"; {j['verdict']}; seeds {_seeds(j['seeds'])}"
+    verdict = j["verdict"]
+    if "verdicts" in j:
+        verdict = ", ".join(f"{k.replace('kB', '8·B')} {v}" for k, v in j["verdicts"].items())
+    return f"{ref}; NE vs B: " + "; ".join(parts) + f"; 0.1%: {verdict}; seeds {_seeds(j['seeds'])}"
 
 
 ENTRIES: tuple[Entry, ...] = (
