@@ -6,16 +6,22 @@ sizes of ``--set`` / the flags. Every arm of a seed trains on the same samples i
 (batch i of k*B holds the B-batches k*i .. k*i + k - 1, ``SameSamples``), from the same init, and
 is evaluated on the same eval samples:
 
+Every arm trains its tables with ``--emb-optimizer`` at ``--emb-lr`` (Adam at 1e-3, as in the
+CowClip paper; chosen on the selection seeds). The defaults of the grids below are single values,
+the settings chosen on the selection seeds (docs/running.md has the grid); ``--jobs`` runs train
+side by side in fresh processes.
+
 - ``B``: batch B at the config's lrs (the reference).
 - ``kB recipe``: batch k*B with the warmup, the decay and the scaling of the dense lr and the row
   lr chosen on the selection seeds (``--select-seeds``: every ``--warmups`` x ``--decays`` x
   ``--scalings``; the lowest mean NE wins). A scaling is ``RULE`` (both lrs, through
   ``train.lr_scaling``) or ``DENSE/ROWS`` (each lr by its rule: none, sqrt or linear in k).
 - ``kB cowclip``: batch k*B with CowClip (Zheng et al., AAAI 2023): each touched row's gradient
-  clipped to ``count * max(r ||w||, zeta)``, the dense lr x sqrt(k) with a warmup of the dense lr
-  only, the embedding lr unchanged (times a multiplier m) and its L2 x k (``train.lr_scaling =
-  'cowclip'``); r, zeta, m and the dense decay chosen on the selection seeds (every
-  ``--clip-ratios`` x ``--clip-bounds`` x ``--clip-row-lrs`` x ``--clip-decays``).
+  clipped to ``count * max(r ||w||, zeta)``, the embedding lr times a multiplier m and its L2 x k;
+  ``--clip-rule cowclip``: the paper's lrs (the dense lr x sqrt(k) with a warmup of the dense lr
+  only, ``train.lr_scaling = 'cowclip'``), ``recipe``: the recipe arm's lrs and schedule; r, zeta,
+  m and the decay chosen on the selection seeds (every ``--clip-ratios`` x ``--clip-bounds`` x
+  ``--clip-row-lrs`` x ``--clip-decays``).
 - ``k2B both``: batch k*k*B (32·B at k = 8 with ``--big 4``: ``--big`` x k) with CowClip's
   settings and the recipe's warmup and decay on both lrs.
 
