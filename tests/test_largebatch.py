@@ -14,30 +14,36 @@ from neorec.config import ConfigError, load_config
 
 
 def test_arms_configs(tmp_path):
-    a = parse(["--batch", "64", "--factor", "8", "--samples", "51200"])  # 100 steps at 8B
+    a = parse(["--batch", "64", "--factor", "8", "--samples", "204800", "--clip-rule", "cowclip"])
+    clip = (0.1, 1e-4, 2.0, "constant")
     cfgs = {
-        arm: _cfg(a, arm_overrides(arm, a, 0.1, "cosine", "sqrt/none"), 3, tmp_path) for arm in ARMS
+        arm: _cfg(a, arm_overrides(arm, a, 0.1, "cosine", "sqrt/none", clip), 3, tmp_path)
+        for arm in ARMS
     }
-    assert cfgs["B"].data.batch_size == 64 and cfgs["kB plain"].data.batch_size == 512
+    assert [cfgs[arm].data.batch_size for arm in ARMS] == [64, 512, 512, 2048]
     assert all(c.train.seed == 3 and c.data.seed == 3 for c in cfgs.values())
+    rows_of = {(cfgs[k].embedding.optimizer, cfgs[k].embedding.lr) for k in ("B", "kB recipe")}
+    assert rows_of == {(a.emb_optimizer, a.emb_lr)}  # every arm's row optimizer and lr
     dense, rows = cfgs["B"].train.dense_lr, cfgs["B"].embedding.lr
-    lrs = {arm: lr_schedule(c, 100).lrs(100 // 2) for arm, c in cfgs.items()}
-    assert lrs["B"] == pytest.approx((dense, rows)) and lrs["kB plain"] == lrs["B"]
-    assert lrs["kB linear"] == pytest.approx((dense * 8, rows * 8))
-    scaled = [lr_schedule(cfgs[arm], 100) for arm in ("kB recipe", "kB no warmup")]
-    assert all((s.dense_lr, s.rows_lr) == pytest.approx((dense * 8**0.5, rows)) for s in scaled)
-    rec, nowarm = (cfgs[arm].train.schedule for arm in ("kB recipe", "kB no warmup"))
-    assert (rec.warmup_steps, rec.decay, nowarm.warmup_steps, nowarm.decay) == (
-        10,
-        "cosine",
-        0,
-        "cosine",
-    )
-    assert not cfgs["kB linear"].train.schedule.active and not cfgs["B"].train.schedule.active
-    one = _cfg(a, arm_overrides("kB recipe", a, 0.0, "constant", "sqrt"), 3, tmp_path).train
-    assert (one.lr_scaling, one.reference_batch, one.schedule.active) == ("sqrt", 64, False)
-    none = _cfg(a, arm_overrides("kB recipe", a, 0.1, "cosine", "none"), 3, tmp_path)
-    assert lr_schedule(none, 100).lrs(10) == pytest.approx(lrs["kB plain"])  # warmup ends at 1
+    rec = lr_schedule(cfgs["kB recipe"], 400)
+    assert (rec.dense_lr, rec.rows_lr) == pytest.approx((dense * 8**0.5, rows))
+    assert (rec.warmup_steps, rec.decay, rec.rows) == (40, "cosine", True)
+    cc = cfgs["kB cowclip"]
+    assert (cc.embedding.cowclip_ratio, cc.embedding.cowclip_bound) == (0.1, 1e-4)
+    s = lr_schedule(cc, 400)
+    assert (s.dense_lr, s.rows_lr) == pytest.approx((dense * 8**0.5, rows * 2))
+    assert (s.warmup_steps, s.decay, s.rows) == (40, "constant", False)  # the dense lr only
+    both = lr_schedule(cfgs["k2B both"], 100)
+    assert (both.dense_lr, both.rows_lr) == pytest.approx((dense * 32**0.5, rows * 2))
+    assert (both.warmup_steps, both.decay, both.rows) == (10, "cosine", True)
+    assert not cfgs["B"].train.schedule.active
+    a.clip_rule = "recipe"  # the recipe's lrs and schedule with the clip (and the row L2 x k)
+    a.set = ["embedding.weight_decay=1e-6"]
+    cc = _cfg(a, arm_overrides("kB cowclip", a, 0.1, "cosine", "none", clip), 3, tmp_path)
+    s = lr_schedule(cc, 400)
+    assert (s.dense_lr, s.rows_lr) == pytest.approx((dense, rows * 2))
+    assert (s.warmup_steps, s.decay, s.rows) == (40, "constant", True)
+    assert cc.embedding.cowclip_ratio == 0.1 and cc.embedding.weight_decay == pytest.approx(8e-6)
 
 
 def test_same_samples_concatenates_small_batches():
@@ -59,15 +65,20 @@ def test_same_samples_concatenates_small_batches():
     assert torch.equal(evals[1].labels, src.data.batch("eval", 1, 8).labels)
 
 
-def test_summary_pairs_by_seed():
+def test_summary_pairs_by_seed_and_refuses_a_verdict_on_a_reference_that_does_not_learn():
     a = parse([])
-    ne = {"B": [1.0, 0.9, 0.8], "kB recipe": [1.001, 0.9, 0.8008], "kB plain": [1.1, 1.0, 0.9],
-          "kB no warmup": [1.0, 1.0, 1.0], "kB linear": [2.0, 1.8, 1.6]}  # fmt: skip
-    r = _summary(a, ne, {k: 1 for k in ARMS}, [1, 2, 3], {}, {}, 0.0, "cpu")
-    gaps = [(x - y) / y for x, y in zip(ne["kB recipe"], ne["B"])]
-    assert r["ne_gap"] == pytest.approx(sum(gaps) / 3)
-    assert r["arms"]["kB linear"]["ne_vs_B_pct"]["value"] == pytest.approx(100.0)
-    assert r["arms"]["B"]["ne_vs_B_pct"] is None
+    ne = {"B": [0.9, 0.8, 0.85], "kB recipe": [0.92, 0.82, 0.86], "kB cowclip": [0.9, 0.8, 0.85],
+          "k2B both": [1.8, 1.6, 1.7]}  # fmt: skip
+    auc = {k: [0.7] * 3 for k in ne}
+    r = _summary(a, ne, {k: 1 for k in ARMS}, [1, 2, 3], {}, {}, 0.0, "cpu", auc)
+    assert r["ne_gap"] == pytest.approx(0.0) and r["verdict"] == "met"
+    assert r["arms"]["k2B both"]["ne_vs_B_pct"]["value"] == pytest.approx(100.0)
+    assert r["arms"]["B"]["ne_vs_B_pct"] is None and r["reference_auc"] == pytest.approx(0.7)
+    ne["kB cowclip"] = [0.91, 0.81, 0.86]
+    assert _summary(a, ne, {}, [1, 2, 3], {}, {}, 0.0, "cpu", auc)["verdict"] == "not met"
+    flat = {k: [1.01, 1.0, 1.02] for k in ne}  # the reference learned nothing
+    r = _summary(a, flat, {}, [1, 2, 3], {}, {}, 0.0, "cpu", auc)
+    assert r["verdict"].startswith("no claim")
 
 
 @pytest.mark.parametrize(
@@ -75,9 +86,12 @@ def test_summary_pairs_by_seed():
     [
         (["--seeds", "a-b"], "--seeds 'a-b'"),
         (["--warmups", "1.5"], "warmup shares must be in"),
+        (["--clip-ratios", "x"], "--clip-ratios 'x'"),
         (["--factor", "1"], "--factor >= 2"),
         (["--scalings", "sqrt/cube"], "--scalings 'sqrt/cube': expected RULE or DENSE/ROWS"),
         (["--set", "train.schedule.decay='x'"], "train.schedule.decay must be one of"),
+        (["--emb-optimizer", "lamb"], "embedding.optimizer must be one of"),
+        (["--jobs", "0"], "--jobs must be >= 1"),
     ],
 )
 def test_bad_flags_refused_before_training(argv, match):

@@ -273,13 +273,26 @@ def _vs_torchrec(j: Json) -> str:
 
 def _largebatch(j: Json) -> str:
     arms, r = j["arms"], j["recipe"]
-    recipe = f"warmup {r['warmup_share']:g}, {r['decay']}, scaling {r['scaling']}"
-    parts = [f"8·B with the recipe ({recipe}) {iv(arms['kB recipe']['ne_vs_B_pct'], '+.2f', '%')}"]
-    for k, label in (("kB no warmup", "no warmup"), ("kB plain", "plain"),
-                     ("kB linear", "linear scaling, no warmup")):  # fmt: skip
-        if k in arms and arms[k].get("ne_vs_B_pct"):
-            parts.append(f"{label} {iv(arms[k]['ne_vs_B_pct'], '+.1f', '%')}")
-    return "NE vs B: " + "; ".join(parts) + f"; seeds {_seeds(j['seeds'])}"
+    if "kB cowclip" not in arms:  # a result stored before CowClip
+        recipe = f"warmup {r['warmup_share']:g}, {r['decay']}, scaling {r['scaling']}"
+        return f"NE vs B: 8·B recipe ({recipe}) {iv(arms['kB recipe']['ne_vs_B_pct'], '+.2f', '%')}"
+    c = j["cowclip"]
+    ref = f"B NE {j['reference_ne']:.4f}, AUC {j['reference_auc']:.4f}"
+    if "embedding_optimizer" in j:
+        ref += f" (rows: {j['embedding_optimizer']}, lr {j['embedding_lr']:g})"
+    big = j["factor"] * j["big"]
+    parts = [
+        f"8·B recipe (warmup {r['warmup_share']:g}, {r['decay']}) "
+        + iv(arms["kB recipe"]["ne_vs_B_pct"], "+.2f", "%"),
+        f"8·B CowClip (r {c['ratio']:g}, ζ {c['bound']:g}, row lr ×{c['row_lr_multiplier']:g}, "
+        f"{c['decay']}{', ' + c['rule'] + ' lrs' if 'rule' in c else ''}) "
+        + iv(arms["kB cowclip"]["ne_vs_B_pct"], "+.2f", "%"),
+        f"{big}·B both " + iv(arms["k2B both"]["ne_vs_B_pct"], "+.2f", "%"),
+    ]
+    verdict = j["verdict"]
+    if "verdicts" in j:
+        verdict = ", ".join(f"{k.replace('kB', '8·B')} {v}" for k, v in j["verdicts"].items())
+    return f"{ref}; NE vs B: " + "; ".join(parts) + f"; 0.1%: {verdict}; seeds {_seeds(j['seeds'])}"
 
 
 ENTRIES: tuple[Entry, ...] = (
@@ -443,7 +456,7 @@ ENTRIES: tuple[Entry, ...] = (
         "above the LR baseline", ("movielens",), ("movielens", "--quick"), _render.movielens,
     ),
     Entry(
-        "largebatch", "large batch: default model at B = 512 and 8·B, the same samples",
+        "largebatch", "large batch: default model at B = 512, 8·B and 32·B (CowClip), the same samples",
         "within 0.1% NE", ("largebatch",), ("largebatch", "--quick"), _largebatch,
     ),
     Entry(

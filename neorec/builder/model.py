@@ -5,6 +5,7 @@ their distributed forms under a plan. (The towered model: ``neorec.builder.tower
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,13 @@ def _dynamic(t: TableConfig) -> bool:
 def collection_spec(cfg: Config) -> CollectionSpec:
     """What every embedding collection of ``cfg`` shares: ``[embedding]``'s fused optimizer,
     pooling, backend, init scale and rounding, and ``train.seed``."""
+    from neorec.builder.schedule import row_l2_scale
+
     emb = cfg.embedding
+    opt = RowOptimizer.from_config(emb)
+    opt = replace(opt, weight_decay=opt.weight_decay * row_l2_scale(cfg))  # CowClip's rule
     return CollectionSpec(
-        optimizer=RowOptimizer.from_config(emb), pooling=emb.pooling, backend=emb.backend,
+        optimizer=opt, pooling=emb.pooling, backend=emb.backend,
         init_scale=emb.init_scale, seed=cfg.train.seed, rounding=emb.rounding,
     )  # fmt: skip
 

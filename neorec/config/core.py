@@ -75,6 +75,11 @@ class Config:
         self._check_dims()
         self._check_sharding()
         self._check_towers()
+        if self.embedding.cowclip_ratio and self.train.device != "cpu":
+            raise ConfigError(
+                "embedding.cowclip_ratio (CowClip) runs on the CPU backends only; set "
+                f"train.device = 'cpu' (got {self.train.device!r}) or cowclip_ratio = 0"
+            )
         if self.data.source == "tabular":  # the schema's features against the tables
             self.data.schema.check_tables(self.embedding.tables, self.model.num_dense)
 

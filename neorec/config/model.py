@@ -208,7 +208,13 @@ class EmbeddingConfig:
     eps: float = field(default=1e-8, metadata=rule(gt=0, hi=_F32_MAX))
     """Fused optimizer epsilon."""
     weight_decay: float = field(default=0.0, metadata=rule(0, _F32_MAX))
-    """Fused optimizer L2 penalty."""
+    """Fused optimizer L2 penalty (``train.lr_scaling = "cowclip"`` scales it linearly with the
+    batch)."""
+    cowclip_ratio: float = field(default=0.0, metadata=rule(0, _F32_MAX))
+    """CowClip's r (adaptive column-wise clipping, Zheng et al. 2023): each touched row's gradient
+    is clipped to the norm ``count * max(r * ||row||, cowclip_bound)``; 0 = off."""
+    cowclip_bound: float = field(default=0.0, metadata=rule(0, _F32_MAX))
+    """CowClip's zeta: the clip threshold's floor per occurrence (needs cowclip_ratio > 0)."""
     backend: str = field(
         default="auto", metadata=rule(choices=("auto", "reference", "cpu", "cuda", "triton"))
     )
@@ -223,6 +229,11 @@ class EmbeddingConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "embedding")
+        if self.cowclip_bound and not self.cowclip_ratio:
+            raise ConfigError(
+                f"embedding.cowclip_bound {self.cowclip_bound} is set but embedding.cowclip_ratio "
+                "is 0 (CowClip is off: the bound would be ignored); set cowclip_ratio > 0"
+            )
         if self.eps < 1.4e-45:  # rounds to 0 in float32
             raise ConfigError(
                 f"embedding.eps must not round to 0 in float32 (>= 1.4e-45), got {self.eps}"
@@ -274,6 +285,23 @@ class EmbeddingConfig:
                 f"embedding: the tables hold {total:,} weights in all, at most "
                 f"{MAX_TOTAL_ELEMS:,} allowed; lower embedding rows or dim"
             )
+        if self.cowclip_ratio:
+            self._check_cowclip()
+
+    def _check_cowclip(self) -> None:
+        """CowClip needs each row's count in the batch: only the fused update of fp32 fixed
+        tables in memory on the reference and cpu backends has it."""
+        if self.backend not in ("auto", "reference", "cpu"):
+            raise ConfigError(
+                f"embedding.cowclip_ratio needs embedding.backend 'auto', 'reference' or 'cpu', "
+                f"got {self.backend!r}"
+            )
+        for t in self.tables:
+            if t.precision != "fp32" or t.kind != "fixed" or t.storage != "memory":
+                raise ConfigError(
+                    f"{_table_where(t.name)}: embedding.cowclip_ratio needs fp32 fixed tables in "
+                    f"memory, got precision {t.precision}, kind {t.kind}, storage {t.storage}"
+                )
 
     @property
     def feature_names(self) -> list[str]:

@@ -250,9 +250,13 @@ class TrainConfig:
     same device-generic step; ``cuda`` without a CUDA device is refused before any work."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """``[train.schedule]``: warmup and decay of both optimizers' lr (neorec.config.schedule)."""
-    lr_scaling: str = field(default="none", metadata=rule(choices=("none", "linear", "sqrt")))
+    lr_scaling: str = field(
+        default="none", metadata=rule(choices=("none", "linear", "sqrt", "cowclip"))
+    )
     """Scale ``dense_lr`` and ``embedding.lr`` by k = data.batch_size / ``reference_batch``
-    (``linear``: x k, Goyal et al.; ``sqrt``: x sqrt(k)); ``none``: the lrs as given."""
+    (``linear``: x k, Goyal et al.; ``sqrt``: x sqrt(k)); ``cowclip``: CowClip's rule (Zheng et
+    al. 2023): ``dense_lr`` x sqrt(k), ``embedding.lr`` unchanged, ``embedding.weight_decay`` x k;
+    ``none``: the lrs as given."""
     reference_batch: int = field(default=0, metadata=rule(0, _MAX_BATCH))
     """The global batch the given lrs were tuned for (needed by ``lr_scaling``)."""
 

@@ -3,7 +3,8 @@
 The schedule is a factor of the base learning rates (``train.dense_lr`` and ``embedding.lr``,
 after ``train.lr_scaling``) per train step ``s`` (1-based) of a run of ``T`` steps: a linear
 warmup over the first ``warmup_steps``, then a decay (``neorec.modules.schedule.LrSchedule`` has
-the closed forms). The dense optimizer and the fused row optimizer follow the same factor.
+the closed forms). The dense optimizer and the fused row optimizer follow the same factor, or
+(``rows = false``) the dense optimizer only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class ScheduleConfig:
     """decay = polynomial: ``end + (1 - end) * (1 - p)^power`` at progress p of the decay."""
     end_factor: float = field(default=0.0, metadata=rule(0, 1))
     """decay = polynomial / cosine: the factor the decay reaches after the run's last step."""
+    rows: bool = True
+    """The fused row optimizer's lr follows the schedule too; false: the dense lr only (CowClip's
+    recipe warms up the dense lr and keeps the embedding lr constant)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train.schedule")

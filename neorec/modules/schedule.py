@@ -11,8 +11,8 @@ For train step ``s`` (1-based) of a run of ``T`` steps with ``W`` warmup steps:
   - ``polynomial``: ``f = end + (1 - end) * (1 - p) ** power``
   - ``cosine``: ``f = end + (1 - end) * (1 + cos(pi * p)) / 2``
 
-The lr of step s is ``base * f(s)`` for the dense optimizer (every param group) and for the fused
-row optimizer (``EmbeddingCollection.set_lr``: every rank computes the same factor from the same
+The lr of step s is ``base * f(s)`` for the dense optimizer (every param group) and (unless
+``rows`` is false) for the fused row optimizer (``EmbeddingCollection.set_lr``: every rank computes the same factor from the same
 step, so every shard of a sharded collection trains at the same lr). Its state is its settings:
 the factor is a function of the step, which checkpoints keep.
 """
@@ -48,6 +48,8 @@ class LrSchedule:
     gamma: float = 0.1
     power: float = 1.0
     end_factor: float = 0.0
+    rows: bool = True
+    """The row lr follows the factor (else it stays at ``rows_lr``)."""
 
     @classmethod
     def of(cls, cfg: ScheduleConfig, dense_lr: float, rows_lr: float, total: int) -> LrSchedule:
@@ -72,7 +74,7 @@ class LrSchedule:
     def lrs(self, step: int) -> tuple[float, float]:
         """(dense lr, row lr) of train step ``step``."""
         f = self.factor(step)
-        return self.dense_lr * f, self.rows_lr * f
+        return self.dense_lr * f, self.rows_lr * (f if self.rows else 1.0)
 
     def apply(self, step: int, opt: torch.optim.Optimizer, ebc: EmbeddingCollection) -> None:
         """Set both optimizers' lr for train step ``step`` (before its forward: the row update
@@ -101,7 +103,7 @@ class LrSchedule:
                 f"train.schedule.warmup_steps {w:,} leaves no step of the run's {t:,} for the "
                 f"{self.decay} decay; lower warmup_steps below {t:,} or raise train.steps"
             )
-        ends = [self.factor(1)] + ([self.factor(t)] if t else [])
+        ends = [self.factor(1)] + ([self.factor(t)] if t else []) if self.rows else [1.0]
         low = min(ends) * self.rows_lr
         if not float(torch.tensor(low, dtype=torch.float32)) > 0:
             raise ConfigError(
@@ -123,7 +125,7 @@ class LrSchedule:
             parts.append(f"cosine to x{self.end_factor:g} over {left:,} steps")
         else:
             parts.append("constant")
-        return "lr schedule: " + ", then ".join(parts)
+        return "lr schedule: " + ", then ".join(parts) + ("" if self.rows else " (dense lr only)")
 
     def state_dict(self) -> dict[str, Any]:
         """Its settings (checkpoints keep them beside the step)."""
@@ -137,7 +139,7 @@ class LrSchedule:
         return [
             f"{k} {saved.get(k)!r} -> {v!r}"
             for k, v in now.items()
-            if saved.get(k) != v and k not in skip
+            if saved.get(k, True if k == "rows" else None) != v and k not in skip  # rows: newer
         ]
 
 

@@ -70,6 +70,8 @@ class _Optim(ctypes.Structure):
         ("weight_decay", ctypes.c_float),
         ("bc1", ctypes.c_float),
         ("bc2", ctypes.c_float),
+        ("clip_ratio", ctypes.c_float),
+        ("clip_bound", ctypes.c_float),
     ]
 
 
@@ -377,6 +379,8 @@ class CpuBackend:
             opt.weight_decay,
             1.0 - opt.beta1 ** max(step, 1),
             1.0 - opt.beta2 ** max(step, 1),
+            opt.clip_ratio,
+            opt.clip_bound,
         )
         emit_mask = emit_rows = emit_grads = None
         stride = 0

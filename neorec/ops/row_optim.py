@@ -10,6 +10,11 @@ Semantics (all backends must match these):
                         ``w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``
 ``g`` is the sum of every gradient of the row in the batch, accumulated in a fixed order.
 ``weight_decay`` (L2, added to ``g`` before the update) is supported by every optimizer.
+
+CowClip (Zheng et al., AAAI 2023, adaptive column-wise clipping; ``clip_ratio`` r > 0): before the
+update, the gradient of each row (L2 term included, as the authors' code clips the gradient of the
+regularized loss) is clipped to the norm ``cnt * max(r * ||w||, clip_bound)``, ``cnt`` the row's
+occurrences in the batch: ``g *= t / ||g||`` where ``||g|| > t`` (``clip_row_grads``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from neorec.ops.memory import table_zeros
 if TYPE_CHECKING:
     from neorec.config import EmbeddingConfig
 
-__all__ = ["RowOptimizer", "OPTIMIZERS", "state_shapes", "apply_rows"]
+__all__ = ["RowOptimizer", "OPTIMIZERS", "state_shapes", "apply_rows", "clip_row_grads"]
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 
@@ -49,13 +54,17 @@ class RowOptimizer:
     """Adam second-moment decay."""
     weight_decay: float = 0.0
     """L2 penalty added to the gradient of the rows a batch touches."""
+    clip_ratio: float = 0.0
+    """CowClip's r: a row's gradient is clipped to ``cnt * max(r * ||w||, clip_bound)``; 0 = off."""
+    clip_bound: float = 0.0
+    """CowClip's zeta: the clip threshold's floor per occurrence (rows near 0 still move)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or self.kind not in OPTIMIZERS:
             raise ConfigError(
                 f"unknown embedding optimizer {self.kind!r}, expected one of {OPTIMIZERS}"
             )
-        for name in ("lr", "eps", "beta1", "beta2", "weight_decay"):
+        for name in ("lr", "eps", "beta1", "beta2", "weight_decay", "clip_ratio", "clip_bound"):
             _check_number(name, getattr(self, name))
         if not self.lr > 0:
             raise ConfigError(f"embedding optimizer lr must be > 0, got {self.lr}")
@@ -72,11 +81,33 @@ class RowOptimizer:
             raise ConfigError(
                 f"embedding optimizer weight_decay must be >= 0, got {self.weight_decay}"
             )
+        if self.clip_ratio < 0 or self.clip_bound < 0:
+            raise ConfigError(
+                f"embedding optimizer CowClip ratio and bound must be >= 0, got "
+                f"{self.clip_ratio} and {self.clip_bound}"
+            )
+        if self.clip_bound and not self.clip_ratio:
+            raise ConfigError(
+                f"embedding optimizer CowClip bound {self.clip_bound} is set but its ratio is 0 "
+                "(clipping is off: the bound would be ignored)"
+            )
+
+    @property
+    def clips(self) -> bool:
+        """Whether CowClip clips the row gradients (the update then needs each row's count)."""
+        return self.clip_ratio > 0
 
     @classmethod
     def from_config(cls, emb: EmbeddingConfig) -> RowOptimizer:
         """The fused optimizer an ``[embedding]`` config section asks for."""
-        return cls(kind=emb.optimizer, lr=emb.lr, eps=emb.eps, weight_decay=emb.weight_decay)
+        return cls(
+            kind=emb.optimizer,
+            lr=emb.lr,
+            eps=emb.eps,
+            weight_decay=emb.weight_decay,
+            clip_ratio=emb.cowclip_ratio,
+            clip_bound=emb.cowclip_bound,
+        )
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -103,19 +134,38 @@ def state_shapes(kind: str, total_rows: int, total_elems: int) -> dict[str, int]
     raise ConfigError(f"unknown embedding optimizer '{kind}', expected one of {OPTIMIZERS}")
 
 
+def clip_row_grads(opt: RowOptimizer, w: Tensor, g: Tensor, counts: Tensor) -> Tensor:
+    """CowClip: each row of ``g`` [U, D] clipped to the norm ``counts * max(r ||w||, zeta)``
+    (``w`` [U, D] the rows before the update, ``counts`` [U] their occurrences in the batch)."""
+    thr = counts.to(w.dtype) * torch.clamp(opt.clip_ratio * w.norm(dim=1), min=opt.clip_bound)
+    gn = g.norm(dim=1)
+    scale = torch.where(gn > thr, thr / torch.where(gn > thr, gn, 1.0), 1.0)
+    return g * scale.unsqueeze(1)
+
+
 def apply_rows(
     opt: RowOptimizer,
     w: Tensor,
     g: Tensor,
     state: dict[str, Tensor],
     step: int,
+    counts: Tensor | None = None,
 ) -> None:
     """Update rows ``w`` [U, D] in place from summed grads ``g`` [U, D].
 
     ``state`` holds the matching slices: ``momentum1`` [U] or ``exp_avg``/``exp_avg_sq`` [U, D].
+    ``counts`` [U]: each row's occurrences in the batch (needed by CowClip only).
     """
     if opt.weight_decay:
         g = g + opt.weight_decay * w
+    if opt.clips:
+        if counts is None:
+            raise ConfigError(
+                "CowClip (embedding.cowclip_ratio > 0) needs each row's count in the batch, "
+                "which this update path does not have (supported: one process, fp32 tables, the "
+                "reference and cpu TBE backends)"
+            )
+        g = clip_row_grads(opt, w, g, counts)
     if opt.kind == "sgd":
         w.sub_(opt.lr * g)
     elif opt.kind == "rowwise_adagrad":

@@ -73,6 +73,12 @@ class ReferenceBackend:
         self, layout: TBELayout, lookup: Lookup, grad_output: Tensor
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per looked-up table: (t, sorted distinct ids [U], summed gradients [U, D])."""
+        return [(t, u, g) for t, u, g, _ in self.counted_row_grads(layout, lookup, grad_output)]
+
+    def counted_row_grads(
+        self, layout: TBELayout, lookup: Lookup, grad_output: Tensor
+    ) -> list[tuple[int, Tensor, Tensor, Tensor]]:
+        """``row_grads`` with each distinct id's occurrences in the batch (counts [U])."""
         indices, offsets = lookup.indices, lookup.offsets
         per_sample_weights, pooling = lookup.per_sample_weights, lookup.pooling
         nf = layout.num_features
@@ -97,11 +103,13 @@ class ReferenceBackend:
                 continue
             ids = torch.cat(ids_by_table[t])
             g = torch.cat(grads_by_table[t])
-            uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
+            uniq, inv, counts = torch.unique(
+                ids, sorted=True, return_inverse=True, return_counts=True
+            )
             # index_add_ on CPU accumulates sequentially in occurrence order: deterministic.
             summed = torch.zeros(uniq.numel(), g.shape[1], dtype=g.dtype, device=g.device)
             summed.index_add_(0, inv, g)
-            out.append((t, uniq, summed))
+            out.append((t, uniq, summed, counts))
         return out
 
     def backward_update(
@@ -117,9 +125,8 @@ class ReferenceBackend:
         """Sum each distinct row's gradients, then apply the optimizer to those rows."""
         self._check(layout, weights, lookup)
         check_grad_shape(grad_output, layout, lookup.offsets)
-        grads = self.row_grads(layout, lookup, grad_output)
-        for t, uniq, g in grads:
-            update_table_rows(layout, weights, state, t, uniq, g, opt, step)
+        for t, uniq, g, counts in self.counted_row_grads(layout, lookup, grad_output):
+            update_table_rows(layout, weights, state, t, uniq, g, opt, step, counts)
 
 
 def row_grads(

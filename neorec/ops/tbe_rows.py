@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from neorec.errors import ConfigError
 from neorec.ops.row_optim import RowOptimizer, apply_rows
 from neorec.ops.tbe_types import Lookup, PoolingMode, TBELayout
 
@@ -35,6 +36,12 @@ def apply_row_grads(
     Tables go in as few calls as keep the padded output gradient within twice the payload (a
     call's bags per table are its largest table's pair count).
     """
+    if opt.clips:  # a pair's gradient is already a sum: its count is not the batch's
+        raise ConfigError(
+            "CowClip (embedding.cowclip_ratio) needs each row's count in the batch, which "
+            "gradients applied as (table, ids, rows) pairs do not carry (row-wise, column-wise "
+            "and data-parallel sharding); use table-wise sharding or one process"
+        )
     for grp in group_calls(layout, [it for it in grads if it[1].numel()]):
         lay = TBELayout(
             rows=layout.rows, dims=layout.dims, feature_table=tuple(t for t, _, _ in grp)
@@ -78,12 +85,14 @@ def update_table_rows(
     grads: Tensor,
     opt: RowOptimizer,
     step: int,
+    counts: Tensor | None = None,
 ) -> None:
-    """Apply ``opt`` to distinct rows ``ids`` of table ``t`` (weights and state) in place."""
+    """Apply ``opt`` to distinct rows ``ids`` of table ``t`` (weights and state) in place
+    (``counts``: each row's occurrences in the batch, for CowClip)."""
     w_t = layout.table(weights, t)
     w = w_t[ids]
     st = _gather_state(layout, state, t, ids)
-    apply_rows(opt, w, grads.to(w.dtype), st, step)
+    apply_rows(opt, w, grads.to(w.dtype), st, step, counts)
     w_t[ids] = w  # distinct ids: no write conflicts
     _scatter_state(layout, state, t, ids, st)
 

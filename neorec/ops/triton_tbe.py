@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from neorec.errors import ConfigError
 from neorec.ops.fastpath import ran
 from neorec.ops.padded_rows import PaddedRows, pad_heads, rows_by_table, segments
 from neorec.ops.row_optim import RowOptimizer, state_shapes
@@ -370,6 +371,8 @@ class TritonBackend:
         step: int,
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
+        if opt.clips:
+            raise ConfigError("CowClip (embedding.cowclip_ratio) is not in the triton backend")
         bag = self._check(layout, weights, lookup)
         ran("triton.backward")
         if bag is None:

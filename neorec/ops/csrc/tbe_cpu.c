@@ -355,6 +355,7 @@ static void radix_sort(uint64_t **keys, uint64_t **tmp, uint64_t **vals, uint64_
 typedef struct {
     int kind;
     float lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bc1, bc2;
+    float clip_ratio, clip_bound; /* CowClip's r (0: off) and zeta */
 } optim_t;
 
 static int bits_for(uint64_t x) { /* bits to represent values in [0, x] */
@@ -428,12 +429,25 @@ static inline void adam_row(const optim_t *o, float *restrict w, const float *re
     }
 }
 
+/* CowClip (row_optim.clip_row_grads): the row's gradient g clipped to the norm
+ * cnt * max(r ||w||, zeta), cnt its occurrences in the batch. */
+static inline void cowclip_row(const optim_t *o, const float *restrict w, float *restrict g,
+                               int64_t D, int64_t cnt) {
+    const float wn = sqrtf(row_sumsq(w, D)), gn = sqrtf(row_sumsq(g, D));
+    const float thr = (float)cnt * fmaxf(o->clip_ratio * wn, o->clip_bound);
+    if (gn > thr) {
+        const float s = thr / gn;
+        for (int64_t d = 0; d < D; ++d) g[d] *= s;
+    }
+}
+
 static inline void apply_row(const optim_t *o, float *restrict w, float *restrict g, int64_t D,
-                             float *m1, float *restrict m, float *restrict v) {
+                             float *m1, float *restrict m, float *restrict v, int64_t cnt) {
     if (o->weight_decay != 0.0f) {
         const float wd = o->weight_decay;
         for (int64_t d = 0; d < D; ++d) g[d] += wd * w[d];
     }
+    if (o->clip_ratio != 0.0f) cowclip_row(o, w, g, D, cnt);
     if (o->kind == OPT_SGD) {
         const float lr = o->lr;
         for (int64_t d = 0; d < D; ++d) w[d] -= lr * g[d];
@@ -750,6 +764,7 @@ static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc
     int64_t t = 0, pf_t = 0, pf_i = beg, ahead = 0, i = beg;
     while (i < end) {
         const uint64_t row = keys[i] >> ks;
+        const int64_t first = i; /* the row's occurrences: [first, i) once summed */
         while ((uint64_t)L->row_offsets[t + 1] <= row) ++t;
         for (; ahead < PF_ROWS && pf_i < end; ++ahead) {
             const uint64_t ra = keys[pf_i] >> ks;
@@ -790,7 +805,8 @@ static void update_rows(const update_t *U, int64_t beg, int64_t end, float *gacc
             continue;
         }
         apply_row(U->opt, U->weights + eo, gacc, D, U->momentum1 ? U->momentum1 + row : NULL,
-                  U->exp_avg ? U->exp_avg + eo : NULL, U->exp_avg_sq ? U->exp_avg_sq + eo : NULL);
+                  U->exp_avg ? U->exp_avg + eo : NULL, U->exp_avg_sq ? U->exp_avg_sq + eo : NULL,
+                  i - first);
     }
 }
 
@@ -890,7 +906,7 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
     int64_t max_dim = 1;
     /* The blocked update (update_rows_blocked) for every table when all are blockable, for
      * those that are when some are (update_rows_mixed), with SGD / row-wise Adagrad only. */
-    const int block_opt = !emit_table && opt->weight_decay == 0.0f &&
+    const int block_opt = !emit_table && opt->weight_decay == 0.0f && opt->clip_ratio == 0.0f &&
                           (opt->kind == OPT_SGD || opt->kind == OPT_ROWWISE_ADAGRAD);
     int all_blk = 1, any_blk = 0;
     for (int64_t t = 0; t < L->T; ++t) {
