@@ -39,6 +39,13 @@ class Entry:
         return self.source or self.name
 
 
+def _threads(j: Json) -> str:
+    return (
+        f"neorec's default {iv(j['loaded_over_quiet'])}× its quiet time; PyTorch's default "
+        f"({j['torch_threads']} threads) {iv(j['torch_over_neorec'])}× neorec's time"
+    )
+
+
 def _op(j: Json) -> str:
     ours = f"{j['ms_per_step']:.1f} ms/step"
     if j.get("speedup_vs_fbgemm") is None:
@@ -349,6 +356,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "train_default", "default training (`make run`)", "≤ 2% NE gap", (), ("--set", "train.steps=100"),
         _train, kind="train",
+    ),
+    Entry(
+        "threads", "the Parquet example beside two busy loops: default intra-op threads, paired by "
+        "round", "≤ 1.5× the quiet time", ("threads", "--rounds", "3"),
+        ("threads", "--rounds", "1", "--train-rows", "2000", "--eval-rows", "500"), _threads,
     ),
     Entry(
         "dist_step", "sharded embedding step, 2 ranks, 8 × 100k × 64, batch 4096, fastest setting",
