@@ -174,6 +174,8 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "embedding.lr": ("float", 0, True, 3.4e38),
     "embedding.eps": ("float", 0, True, 3.4e38),
     "embedding.weight_decay": ("float", 0, False, 3.4e38),
+    "embedding.cowclip_ratio": ("float", 0, False, 3.4e38),
+    "embedding.cowclip_bound": ("float", 0, False, 3.4e38),
     "embedding.backend": ("choice", ("auto", "reference", "cpu", "cuda", "triton")),
     "embedding.init_scale": ("float", 0, False, 3.4e38),
     "embedding.precision": ("choice", ("fp32", "fp16", "bf16", "fp8")),
@@ -234,7 +236,7 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "train.pipeline": ("choice", ("overlapped", "sequential")),
     "train.device": ("choice", ("cpu", "cuda")),
     "train.schedule": ("section",),  # its own fields: tests/test_schedule.py
-    "train.lr_scaling": ("choice", ("none", "linear", "sqrt")),
+    "train.lr_scaling": ("choice", ("none", "linear", "sqrt", "cowclip")),
     "train.reference_batch": ("int", 0, 2**24),  # > 0 only with lr_scaling (not mutated here)
     "sharding.plan": ("str", False),
     "sharding.default_type": ("choice", ("", "table_wise", "row_wise", "DP", "twrw")),
@@ -279,6 +281,7 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "lowp.drift": ("float", 1, True, 1e6),
     "lowp.keep_ends": ("bool",),
     "lowp.row_scale": ("bool",),
+    "lowp.plan": ("str", False),
     "towers.count": ("int", 0),
     "towers.groups": ("tables",),  # only [] among the mutations: lists of lists of table names
     "towers.partitioner": ("choice", ("", "learned", "balanced", "random")),
@@ -375,9 +378,14 @@ def _judge(name: str, key: str, fn: Any, ok: bool) -> None:
 
 
 def _context(key: str) -> list[str]:
-    """Overrides a field needs to be read at all: the stream's fields need the stream source."""
+    """Overrides a field needs to be read at all: the stream's fields need the stream source; a
+    bound needs its ratio, a pinned plan its mode."""
     section, name = key.split(".")
-    return ["data.source='stream'"] if section == "data" and name in STREAM_ONLY else []
+    if section == "data" and name in STREAM_ONLY:
+        return ["data.source='stream'"]
+    needs = {"embedding.cowclip_bound": ["embedding.cowclip_ratio=0.1"],
+             "lowp.plan": ["lowp.mode='auto'"]}  # fmt: skip
+    return needs.get(key, [])
 
 
 def test_every_field_mutated():
@@ -407,7 +415,10 @@ def test_every_field_constructed_in_code():
     for key, spec in SPEC.items():
         section, name = key.split(".")
         cls = sections[section]
-        extra = {"source": "stream"} if _context(key) else {}
+        extra = {
+            "embedding.cowclip_bound": {"cowclip_ratio": 0.1},
+            "lowp.plan": {"mode": "auto"},
+        }.get(key, {"source": "stream"} if _context(key) else {})
         for v in values.values():
             ok = allowed(spec, v) if v is not None else False
             fn = lambda c=cls, n=name, v=v, x=extra: c(**x, **{n: v})  # noqa: E731

@@ -56,7 +56,8 @@ def test_a_slow_torch_import_is_announced() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    lines = p.stderr.splitlines()
+    assert not p.stderr  # stderr is for errors only
+    lines = p.stdout.splitlines()
     assert lines[0] == "neorec: loading PyTorch ..." and lines[1].startswith(
         "neorec: PyTorch loaded in "
     )

@@ -46,9 +46,10 @@ TORCH_COMMANDS = ("train", "eval", "predict", "export", "exfm")
 
 def load_torch(after: float | None = None) -> None:
     """Import torch; when that takes more than ``after`` seconds (``neorec.phases.QUIET_S``: a
-    busy machine, a cold disk) say so on stderr, and how long it took, instead of staying
-    silent. Measured with ``python -X importtime``: importing torch is ~90% of ``neorec train``'s
-    start-up; neorec's own modules, numpy included, under a second on 2 loaded cores."""
+    busy machine, a cold disk) say so on stdout (stderr holds errors only), and how long it
+    took, instead of staying silent. Measured with ``python -X importtime``: importing torch is
+    ~90% of ``neorec train``'s start-up; neorec's own modules, numpy included, under a second on
+    2 loaded cores."""
     if "torch" in sys.modules:
         return
     import threading
@@ -61,7 +62,7 @@ def load_torch(after: float | None = None) -> None:
 
     def note() -> None:
         shown.set()
-        print("neorec: loading PyTorch ...", file=sys.stderr, flush=True)
+        print("neorec: loading PyTorch ...", flush=True)
 
     t0 = time.monotonic()
     timer = threading.Timer(wait, note)
@@ -76,7 +77,7 @@ def load_torch(after: float | None = None) -> None:
         timer.cancel()
     if shown.is_set():
         took = fmt_duration(time.monotonic() - t0)
-        print(f"neorec: PyTorch loaded in {took}", file=sys.stderr, flush=True)
+        print(f"neorec: PyTorch loaded in {took}", flush=True)
 
 
 def command(name: str) -> ModuleType:

@@ -79,8 +79,14 @@ class TabularSource:
         self = cls.__new__(cls)
         self.schema, self.tables, self.bs = d.schema, list(tables), d.batch_size
         self.train_files, self.eval_files, self.world = [], list(files), 1
-        next(read_blocks(self.eval_files[0], self.schema, 1), None)  # columns and types, cheaply
-        self.counts = {"train": 0, "eval": sum(count_rows(p, self.schema) for p in files)}
+        self.policy = BadRowPolicy(d.bad_rows, d.max_bad_fraction)  # the run's, on these files
+        bad = BadRows(self.policy) if self.policy.skip else None
+        next(read_blocks(self.eval_files[0], self.schema, 1, bad), None)  # columns and types
+        self.bad_rows = BadRows(self.policy) if self.policy.skip else None
+        self.counts = {
+            "train": 0,
+            "eval": sum(count_rows(p, self.schema, self.bad_rows) for p in files),
+        }
         self.fitted, self.keys = fitted, [f.name for f in self.schema.sparse]
         return self
 
