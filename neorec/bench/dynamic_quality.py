@@ -183,9 +183,9 @@ def train_eval(cfg: Config, a: argparse.Namespace, kind: str, m: int, thr: int) 
                 b = data.batch("eval", i, bs)
                 ps.append(torch.sigmoid(tab.model(b.dense, tab.prep(b.sparse, False))).double())
                 ys.append(b.labels.double())
-        m = binary_metrics(torch.cat(ps), torch.cat(ys))
-        nes.append(m["ne"])
-        aucs.append(m["auc"])
+        got = binary_metrics(torch.cat(ps), torch.cat(ys))
+        nes.append(got["ne"])
+        aucs.append(got["auc"])
     return {
         "ne": statistics.mean(nes),
         "auc": statistics.mean(aucs),
