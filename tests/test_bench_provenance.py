@@ -22,9 +22,7 @@ ARGV = ("locality", "--tables", "2", "--scale", "256")
 # Rows stored before the benchmark processes recorded their provenance: re-run each (``neorec
 # bench report --only NAME``) and take it off this list. A row not on it must verify.
 WITHOUT_PROVENANCE = {
-    "cache", "costcheck", "dist_step", "distill", "dynamic",
-    "lowp_tables", "movielens", "op_uniform", "op_zipf", "planner_measured", "step_torchrec",
-    "step_torchrec_dcn", "step_torchrec_lowp",
+    "distill", "dynamic", "lowp_tables", "movielens", "step_torchrec_dcn", "step_torchrec_lowp",
 }  # fmt: skip
 
 
