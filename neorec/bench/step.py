@@ -34,6 +34,7 @@ from neorec.bench.step_compare import (
     check_compare_args,
     ours_shapes,
     run_compare,
+    step_shape,
     torchrec_shapes,
 )
 from neorec.bench.step_timing import make_batches
@@ -340,18 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ms = first["ms"]
     backend_name = first["backend"]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    t = cfg.embedding.tables
     result = {
-        "bench": "step",
-        "tables": len(t),
-        "rows": t[0].rows,
-        "dim": t[0].dim,
-        "batch": cfg.data.batch_size,
-        "pooling": t[0].pooling_factor,
-        "alpha": a.alpha,
-        "optimizer": cfg.embedding.optimizer,
-        "backend": backend_name,
-        "bf16_dense": a.bf16,
+        **step_shape(cfg, a, backend_name),
         "threads": torch.get_num_threads(),
         "ms_per_step": round(ms, 2),
         "ms_per_step_mean": round(first["ms_mean"], 2),

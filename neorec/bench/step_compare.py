@@ -142,6 +142,23 @@ def spawn_worker(argv: Sequence[str], side: str) -> Json:
     return out
 
 
+def step_shape(cfg: Any, a: argparse.Namespace, backend: str) -> Json:
+    """The head of a ``bench step`` result: the step's shape and settings (both step forms)."""
+    t = cfg.embedding.tables
+    return {
+        "bench": "step",
+        "tables": len(t),
+        "rows": t[0].rows,
+        "dim": t[0].dim,
+        "batch": cfg.data.batch_size,
+        "pooling": t[0].pooling_factor,
+        "alpha": a.alpha,
+        "optimizer": cfg.embedding.optimizer,
+        "backend": backend,
+        "bf16_dense": a.bf16,
+    }
+
+
 def run_rounds(rounds: int, spawn: Callable[[str], Json]) -> Json:
     """Every side once per round, in rotated order; the models compared after the first round.
 
@@ -192,18 +209,8 @@ def run_compare(cfg: Any, a: argparse.Namespace, argv: Sequence[str], rounds: in
     runs = run_rounds(rounds, lambda side: spawn_worker(argv, side))
     ours = runs["by_side"]["ours"]
     ms = statistics.median(r["ms"] for r in ours)
-    t = cfg.embedding.tables
     result: Json = {
-        "bench": "step",
-        "tables": len(t),
-        "rows": t[0].rows,
-        "dim": t[0].dim,
-        "batch": cfg.data.batch_size,
-        "pooling": t[0].pooling_factor,
-        "alpha": a.alpha,
-        "optimizer": cfg.embedding.optimizer,
-        "backend": ours[0]["backend"],
-        "bf16_dense": a.bf16,
+        **step_shape(cfg, a, ours[0]["backend"]),
         "threads": ours[0]["threads"],
         "ms_per_step": round(ms, 2),
         "samples_per_s": round(cfg.data.batch_size / (ms / 1000), 1),
