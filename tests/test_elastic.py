@@ -208,3 +208,23 @@ def test_bad_node_flags_refused(extra: list[str], match: str) -> None:
     r = run_cli(["train", *extra], timeout=60)
     (line,) = lines(r.stderr)
     assert r.returncode == 2 and line.startswith(f"neorec: error: {match}"), r.stderr
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--nproc", "0"], ["--max-restarts", "1"], ["--nnodes", "2"], ["--node-rank", "3"]],
+)
+def test_launcher_flags_refused_before_pytorch_loads(extra: list[str]) -> None:
+    """A wrong launcher flag is one line at once: PyTorch (seconds on a loaded machine) is never
+    imported for it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from neorec.cli import main; c = main(['train', *sys.argv[1:]]); "
+        "sys.stderr.write(f'exit {c} torch {\"torch\" in sys.modules}')"
+    )
+    r = subprocess.run([sys.executable, "-c", code, *extra], capture_output=True, text=True)
+    *errs, last = r.stderr.strip().splitlines()
+    assert len(errs) == 1 and errs[0].startswith("neorec: error: --"), r.stderr
+    assert last.endswith("exit 2 torch False"), r.stderr

@@ -60,9 +60,15 @@ def load_torch(after: float | None = None) -> None:
     wait = QUIET_S if after is None else after  # (inf: quiet, as ranks other than 0 are)
     shown = threading.Event()
 
+    def say(line: str) -> None:  # a reader that has gone is its own choice: the work goes on,
+        try:  # and the next writer (a run's Tee, main's handler) meets the closed pipe itself
+            print(line, flush=True)
+        except (BrokenPipeError, ValueError):
+            pass
+
     def note() -> None:
         shown.set()
-        print("neorec: loading PyTorch ...", flush=True)
+        say("neorec: loading PyTorch ...")
 
     t0 = time.monotonic()
     timer = threading.Timer(wait, note)
@@ -77,7 +83,7 @@ def load_torch(after: float | None = None) -> None:
         timer.cancel()
     if shown.is_set():
         took = fmt_duration(time.monotonic() - t0)
-        print(f"neorec: PyTorch loaded in {took}", flush=True)
+        say(f"neorec: PyTorch loaded in {took}")
 
 
 def command(name: str) -> ModuleType:
@@ -130,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             if code is not None:
                 return int(code)
         args = build_parser(argv[:1]).parse_args(argv)
+        check = getattr(command(argv[0]), "check", None)
+        if check is not None:  # flags that need no PyTorch: checked before it loads
+            check(args)
         if argv[0] in TORCH_COMMANDS:
             load_torch(None if os.environ.get("RANK", "0") == "0" else float("inf"))
         return int(args.func(args))

@@ -73,15 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train: one process, ``--nproc`` local ranks, or one rank of a torchrun job."""
-    from neorec.config import ConfigError, load_config
-    from neorec.launch.messages import EXIT_INTERRUPTED, interrupted_line, resume_command, step_of
-    from neorec.launch.worker import is_worker, run_worker
-    from neorec.train.resume import finished_line, locating_overrides
+def check(args: argparse.Namespace) -> None:
+    """The launcher's flags, checked before PyTorch loads (``neorec.cli.main``): a wrong flag
+    is one line at once, not after the seconds of an import."""
+    from neorec.config import ConfigError
 
-    if is_worker():  # one rank of a --nproc / torchrun job
-        return run_worker(lambda: _train_worker(args))
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
@@ -92,6 +88,18 @@ def run(args: argparse.Namespace) -> int:
             "--max-restarts restarts the ranks of a --nproc N job (N >= 2); one process: "
             "run it again with --resume latest"
         )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train: one process, ``--nproc`` local ranks, or one rank of a torchrun job."""
+    from neorec.config import load_config
+    from neorec.launch.messages import EXIT_INTERRUPTED, interrupted_line, resume_command, step_of
+    from neorec.launch.worker import is_worker, run_worker
+    from neorec.train.resume import finished_line, locating_overrides
+
+    if is_worker():  # one rank of a --nproc / torchrun job
+        return run_worker(lambda: _train_worker(args))
+    check(args)
     sets = list(args.set)
     if args.resume:  # as an override, so that --nproc passes it on to every rank
         args.set.append(f"checkpoint.resume={json.dumps(args.resume)}")

@@ -25,6 +25,8 @@ class Tee:
         self.bar: Any = None
         self.terminal_closed = False
         """The terminal side's reader went away (``... | head``): only train.log is written."""
+        self.mid_line = False
+        """The log's last text did not end a line (``print`` writes its newline separately)."""
         self.on_closed: Callable[[], None] | None = None
         """Called once when the terminal side closes (the trainer notes it in its events)."""
 
@@ -59,10 +61,17 @@ class Tee:
 
     def log_only(self, s: str) -> None:
         """Write ``s`` to train.log only (the plain progress line behind a bar)."""
+        if s:
+            self.mid_line = not s.endswith("\n")
         if self.log is None:
             self.pending.append(s)
         else:
             self.log.write(s)
+
+    def log_line(self, line: str) -> None:
+        """``line`` on a line of its own in train.log only (a note between a write and its
+        newline starts a new line)."""
+        self.log_only(("\n" if self.mid_line else "") + line + "\n")
 
     def flush(self) -> None:
         """Flush both."""
@@ -77,7 +86,7 @@ class Tee:
 
     def attach(self, log: TextIO) -> None:
         """Start writing to ``log`` (after what was printed so far)."""
-        log.write("".join(self.pending))
+        log.write("".join(self.pending))  # (mid_line already follows the pending text)
         log.flush()
         self.pending, self.log = [], log
 

@@ -296,7 +296,7 @@ class Trainer(RunSummary):
             "lines in train.log"
         )
         if self.tee is not None and log:
-            self.tee.log_only(note + "\n")
+            self.tee.log_line(note)
         if self.runlog is not None:
             self.runlog.event({"step": self.state.step, "time_utc": utc_now(), "note": note})
 
