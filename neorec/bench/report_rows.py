@@ -40,9 +40,15 @@ class Entry:
 
 
 def _threads(j: Json) -> str:
+    floor = ""
+    if "loaded_over_floor" in j:  # a result stored before the fair-share floor had none
+        floor = (
+            f" (the scheduler's floor, one thread at {j['fair_share']:.2g} of a CPU: "
+            f"{iv(j['floor_over_quiet'])}×; neorec {iv(j['loaded_over_floor'])}× the floor)"
+        )
     return (
-        f"neorec's default {iv(j['loaded_over_quiet'])}× its quiet time; PyTorch's default "
-        f"({j['torch_threads']} threads) {iv(j['torch_over_neorec'])}× neorec's time"
+        f"neorec's default {iv(j['loaded_over_quiet'])}× its quiet time{floor}; PyTorch's "
+        f"default ({j['torch_threads']} threads) {iv(j['torch_over_neorec'])}× neorec's time"
     )
 
 

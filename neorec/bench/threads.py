@@ -3,7 +3,11 @@
 busy loops running beside it, once with PyTorch's own default (``train.threads`` = the count a
 fresh ``import torch`` picks: the physical cores) and once with neorec's (``train.threads = 0``:
 ``neorec.machine.CpuShare``), in alternating order per round (paired); then once per round with
-neorec's default and no busy loop (the quiet reference). Each figure is the run's own training
+neorec's default and no busy loop (the quiet reference), and with one thread and no busy loop:
+the fair-share floor. Beside ``--busy`` loops on C CPUs the kernel's fair scheduler gives a
+one-thread run min(1, C / (busy + 1)) of a CPU (2/3 beside two loops on 2 CPUs), so no thread
+choice trains faster than its quiet one-thread time / that share (``floor_s``); the loaded run
+is reported against the quiet default run and against that floor. Each figure is the run's own training
 seconds (``metrics.json``'s ``train.seconds``: start-up and the final eval excluded). Reports the
 paired ratio PyTorch default / neorec default and loaded / quiet with 95% intervals
 (``neorec.bench.stats.paired_ratio``). A speed row: measure it on a machine where nothing else runs.
@@ -80,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     from neorec.machine import cpu_share
 
     old = torch_default_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    fair = min(1.0, (cpus or 1) / (a.busy + 1))  # of a CPU, for one thread beside the loops
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="neorec-bench-threads-") as tmp:
         data, runs = Path(tmp) / "data", Path(tmp) / "runs"
         write_example(data, train=a.train_rows, eval=a.eval_rows)
         for r in range(a.rounds):
             quiet = train_seconds(a.config, data, runs, f"quiet-{r}", None)
+            one = train_seconds(a.config, data, runs, f"quiet1-{r}", 1)
             busy = _busy(a.busy)
             try:
                 share = cpu_share()
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "round": r,
                     "quiet_s": quiet,
+                    "quiet_1_thread_s": one,
+                    "floor_s": one / fair,
                     **{f"{k}_s": v for k, v in got.items()},
                     "neorec_threads": share.threads(),
                     "why": share.why(),
@@ -106,16 +115,24 @@ def main(argv: list[str] | None = None) -> int:
             )
     ratio = paired_ratio([x["torch_s"] for x in rows], [x["neorec_s"] for x in rows])
     loaded = paired_ratio([x["neorec_s"] for x in rows], [x["quiet_s"] for x in rows])
+    floor = paired_ratio([x["floor_s"] for x in rows], [x["quiet_s"] for x in rows])
+    over_floor = paired_ratio([x["neorec_s"] for x in rows], [x["floor_s"] for x in rows])
     print(
-        f"{'round':>5} {'quiet s':>8} {'torch s':>8} {'neorec s':>9}  neorec's choice beside busy"
+        f"{'round':>5} {'quiet s':>8} {'1 thr s':>8} {'floor s':>8} {'torch s':>8} {'neorec s':>9}"
+        "  neorec's choice beside busy"
     )
     for x in rows:
         print(
-            f"{x['round']:>5} {x['quiet_s']:8.2f} {x['torch_s']:8.2f} {x['neorec_s']:9.2f}  "
+            f"{x['round']:>5} {x['quiet_s']:8.2f} {x['quiet_1_thread_s']:8.2f} {x['floor_s']:8.2f} "
+            f"{x['torch_s']:8.2f} {x['neorec_s']:9.2f}  "
             f"{x['neorec_threads']} ({x['why']})"
         )
     print(f"PyTorch default ({old} threads) / neorec default, beside {a.busy} busy loops: {ratio}")
     print(f"neorec default beside {a.busy} busy loops / quiet: {loaded}")
+    print(
+        f"the fair-share floor ({fair:.3g} of a CPU for one thread on {cpus} CPUs) / quiet: {floor}; "
+        f"neorec default / the floor: {over_floor}"
+    )
     result = {
         "bench": "threads",
         "busy": a.busy,
@@ -123,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rows,
         "torch_over_neorec": ratio.to_dict(),
         "loaded_over_quiet": loaded.to_dict(),
+        "cpus": cpus,
+        "fair_share": fair,
+        "floor_over_quiet": floor.to_dict(),
+        "loaded_over_floor": over_floor.to_dict(),
     }
     print(json.dumps(result))
     return 0
