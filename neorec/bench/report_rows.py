@@ -67,6 +67,12 @@ def _step_lowp(j: Json) -> str:
     for m, label in (("auto", "auto"), ("bf16", "bf16"), ("autocast", "plain autocast")):
         if m in lp:
             parts.append(f"{label} {iv(lp[m]['speedup_vs_off'], '.2f', '×')}")
+    r = j.get("auto_vs_autocast")
+    if r is not None:  # paired by step; < 1 within its interval: auto is slower, and why
+        why = ""
+        if r["hi"] < 1:
+            why = " (auto keeps the first and last Linears and sites under 10% faster in fp32: docs/lowp.md)"
+        parts.append(f"auto vs plain autocast {iv(r, '.2f', '×')}{why}")
     return "; ".join(parts)
 
 
