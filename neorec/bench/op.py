@@ -257,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     impls = [a.backend] + (["fbgemm"] if a.compare == "fbgemm" else [])
     res: dict[str, dict] = {}
     per_repeat: dict[str, list[float]] = {impl: [] for impl in impls}
-    for _ in range(max(a.repeats, 1)):
-        for impl in list(impls):  # alternate, so slow spells of a shared machine hit both
+    for rep in range(max(a.repeats, 1)):
+        # alternate, so slow spells of a shared machine hit both; and swap who goes first each
+        # repeat, so neither always runs on the cooler (or warmer) machine
+        for impl in list(impls) if rep % 2 == 0 else list(reversed(impls)):
             try:
                 r = _spawn(impl, argv)
             except RuntimeError as e:
