@@ -1,11 +1,12 @@
 """Dynamic batching for ``neorec serve``: a bounded queue of validated requests and one inference
 thread that runs them together.
 
-The thread takes the oldest request, then every request already queued, and waits for more until
-the batch holds ``max_batch`` rows or the oldest request has waited ``max_wait_s``; whole requests
-only (a request of more rows than ``max_batch`` runs alone). ``max_batch = 1`` turns batching off:
-one request per model call. The queue holds at most ``capacity`` requests; ``submit`` refuses the
-next one (``QueueFull``: the server answers 503) instead of growing. The model runs under
+The thread runs the oldest requests together once they hold ``max_batch`` rows, or the next one
+would not fit, or the oldest has waited ``max_wait_s``; whole requests only (a request of more
+rows than ``max_batch`` runs alone). ``max_batch = 1`` turns batching off: one request per model
+call. A request stays in the queue until its batch leaves; the queue holds at most ``capacity``
+requests and ``submit`` refuses the next one (``QueueFull``: the server answers 503) instead of
+growing. ``flush`` (SIGTERM) runs what is queued without waiting for batches to fill. The model runs under
 ``torch.inference_mode`` with the thread's own intra-op budget (``threads``).
 
 Every request was checked before it joined (``serve.http_inputs``), so a batch does not fail; if
@@ -100,6 +101,7 @@ class Batcher:
         self._q: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._hurry = False
         self._batches = 0
         self._thread = threading.Thread(target=self._run, name="neorec-serve-infer", daemon=True)
 
@@ -138,27 +140,39 @@ class Batcher:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _next(self) -> list[Job] | None:
-        """The next batch (None: stopped and empty)."""
+    def flush(self) -> None:
+        """Run what is queued now, without waiting for batches to fill (SIGTERM's drain)."""
         with self._cond:
-            while not self._q and not self._stopping:
-                self._cond.wait()
-            if not self._q:
-                return None
-            batch = [self._q.popleft()]
-            rows = batch[0].rows
-            deadline = batch[0].enqueued + self.max_wait_s
-            while rows < self.max_batch:
-                if self._q:
-                    if rows + self._q[0].rows > self.max_batch:
-                        break
-                    batch.append(self._q.popleft())
-                    rows += batch[-1].rows
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopping:
+            self._hurry = True
+            self._cond.notify_all()
+
+    def _take(self) -> tuple[int, int]:
+        """(requests, rows) of the batch the queue's head would make now."""
+        n = rows = 0
+        for j in self._q:
+            if n and rows + j.rows > self.max_batch:
+                break
+            n, rows = n + 1, rows + j.rows
+            if rows >= self.max_batch:
+                break
+        return n, rows
+
+    def _next(self) -> list[Job] | None:
+        """The next batch (None: stopped and empty). Requests stay in the queue (its depth, its
+        bound) until their batch leaves."""
+        with self._cond:
+            while True:
+                while not self._q and not self._stopping:
+                    self._cond.wait()
+                if not self._q:
+                    return None
+                n, rows = self._take()
+                left = self._q[0].enqueued + self.max_wait_s - time.monotonic()
+                full = rows >= self.max_batch or n < len(self._q)
+                if full or left <= 0 or self._hurry or self._stopping:
                     break
                 self._cond.wait(left)
+            batch = [self._q.popleft() for _ in range(n)]
         # a request whose client went away (its future cancelled) is not computed
         return [j for j in batch if j.future.set_running_or_notify_cancel()]
 

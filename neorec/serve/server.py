@@ -43,6 +43,7 @@ __all__ = ["ServeOptions", "ServeState", "build_app", "serve", "check_options"]
 PATHS = ("/predict", "/healthz", "/metrics")
 CLIENT_GONE = 499
 """Recorded (never sent) when the client went away before its answer: nginx's code."""
+BACKLOG = 2048
 DRAIN_CAP = 64
 """A body over the limit is read and dropped up to this many times the limit before the 413 (a
 client still sending when the connection closes would get a reset instead of the answer)."""
@@ -231,6 +232,9 @@ class _Server(uvicorn.Server):
     afterwards (uvicorn re-raises it: the process would die by the signal instead of exit 0)."""
 
     signalled: int | None = None
+    on_signal: Any = None
+    """Called (on a thread of its own: the handler may interrupt a lock's holder) at the first
+    signal: the batcher's flush."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -248,8 +252,11 @@ class _Server(uvicorn.Server):
     def _on_signal(self, sig: int, frame: Any) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C: stop waiting
+        first = not self.should_exit
         self.signalled = sig
         self.should_exit = True
+        if first and self.on_signal is not None:
+            threading.Thread(target=self.on_signal, name="neorec-serve-flush", daemon=True).start()
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -261,6 +268,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        sock.listen(BACKLOG)  # connections wait from now on, before uvicorn accepts them
     except OSError as e:
         raise NeorecError(
             f"neorec serve: cannot listen on {host}:{port} ({e.strerror or e})"
@@ -285,9 +293,10 @@ def serve(directory: str, opts: ServeOptions, out: TextIO | None = None) -> int:
     config = uvicorn.Config(
         build_app(state), log_level="warning", access_log=False, lifespan="off", http="h11",
         ws="none", timeout_graceful_shutdown=int(opts.drain_timeout_s), server_header=False,
-        backlog=2048,
+        backlog=BACKLOG,
     )  # fmt: skip
     server = _Server(config)
+    server.on_signal = state.batcher.flush
     state.batcher.start()
     batching = f"batches of <= {opts.max_batch} rows, wait <= {opts.max_wait_ms:g} ms"
     if opts.max_batch == 1:
