@@ -87,32 +87,11 @@ def predictor_inputs(rows: list[dict], features: list[str]) -> tuple[np.ndarray,
     return dense, sparse
 
 
-class Server:
-    """``python -m neorec serve ART --port 0 FLAGS`` as a process; its port read from stdout."""
+class Client:
+    """Plain HTTP to a server at ``host:port``."""
 
-    def __init__(self, art: Path, *flags: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        argv = [sys.executable, "-m", "neorec", "serve", str(art), "--port", "0", *flags]
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.out: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        while True:
-            line = self.lines.get(timeout=GUARD_S)
-            m = re.search(r"on http://([0-9.]+):(\d+)", line)
-            if m:
-                self.host, self.port = m.group(1), int(m.group(2))
-                return
-            assert line, f"the server ended: {self.proc.stderr.read() if self.proc.stderr else ''}"
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.out.append(line)
-            self.lines.put(line)
-        self.lines.put("")
+    host: str
+    port: int
 
     def request(
         self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
@@ -120,7 +99,7 @@ class Server:
         """(status, headers, JSON or text) of one request on a new connection."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=GUARD_S)
         try:
-            data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+            data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
             conn.request(method, path, body=data, headers=headers or {})
             resp = conn.getresponse()
             raw = resp.read()
@@ -147,6 +126,34 @@ class Server:
                 return float(line.split()[-1])
         return 0.0
 
+
+class Server(Client):
+    """``python -m neorec serve ART --port 0 FLAGS`` as a process; its port read from stdout."""
+
+    def __init__(self, art: Path, *flags: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        argv = [sys.executable, "-m", "neorec", "serve", str(art), "--port", "0", *flags]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        while True:
+            line = self.lines.get(timeout=GUARD_S)
+            m = re.search(r"on http://([0-9.]+):(\d+)", line)
+            if m:
+                self.host, self.port = m.group(1), int(m.group(2))
+                return
+            assert line, f"the server ended: {self.proc.stderr.read() if self.proc.stderr else ''}"
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.out.append(line)
+            self.lines.put(line)
+        self.lines.put("")
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the server; its exit code."""
         if self.proc.poll() is None:
@@ -157,6 +164,28 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=GUARD_S)
+
+
+class ThreadServer(Client):
+    """The server in this process (uvicorn on a thread; real HTTP on 127.0.0.1): start-up without
+    importing torch again, for cases that need their own options."""
+
+    def __init__(self, predictor: Any, **opts: Any) -> None:
+        from neorec.serve.server import ServeOptions, ServeState, make_server
+
+        self.state = ServeState(predictor, ServeOptions(port=0, **opts))
+        self.server, sock = make_server(self.state)
+        self.host, self.port = sock.getsockname()[:2]
+        self.state.batcher.start()
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(GUARD_S)
+        assert self.state.batcher.stop(GUARD_S)
 
 
 def read_response(sock: socket.socket) -> tuple[int, Any]:

@@ -38,7 +38,7 @@ from neorec.serve.batcher import Batcher, Draining, QueueFull
 from neorec.serve.http_inputs import BadRequest, ModelInputs, parse_body
 from neorec.serve.serve_metrics import CONTENT_TYPE, ServeMetrics
 
-__all__ = ["ServeOptions", "ServeState", "build_app", "serve", "check_options"]
+__all__ = ["ServeOptions", "ServeState", "build_app", "make_server", "serve", "check_options"]
 
 PATHS = ("/predict", "/healthz", "/metrics")
 CLIENT_GONE = 499
@@ -214,6 +214,14 @@ class _Counted:
             self.metrics.response(path, code, took)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404 / 405 as one JSON line like every other error."""
+    code = int(getattr(exc, "status_code", 500))
+    what = "unknown path" if code == 404 else "method not allowed"
+    msg = f"{request.method} {request.url.path}: {what} (POST /predict, GET /healthz, GET /metrics)"
+    return _error(code, msg, **dict(getattr(exc, "headers", None) or {}))
+
+
 def build_app(state: ServeState) -> Any:
     """The ASGI app of ``state``."""
     app = Starlette(
@@ -221,7 +229,8 @@ def build_app(state: ServeState) -> Any:
             Route("/predict", predict, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-        ]
+        ],
+        exception_handlers={404: _http_error, 405: _http_error},
     )
     app.state.neorec = state
     return _Counted(app, state.metrics)
@@ -277,6 +286,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def make_server(state: ServeState) -> tuple[_Server, socket.socket]:
+    """The uvicorn server of ``state`` and its listening socket (``server.run(sockets=[sock])``
+    serves; the batcher is started by the caller)."""
+    opts = state.opts
+    sock = _bind(opts.host, opts.port)
+    config = uvicorn.Config(
+        build_app(state), log_level="warning", access_log=False, lifespan="off", http="h11",
+        ws="none", timeout_graceful_shutdown=int(opts.drain_timeout_s), server_header=False,
+        backlog=BACKLOG,
+    )  # fmt: skip
+    server = _Server(config)
+    server.on_signal = state.batcher.flush
+    return server, sock
+
+
 def serve(directory: str, opts: ServeOptions, out: TextIO | None = None) -> int:
     """Load the export in ``directory`` (every file checked: a damaged folder is one
     ``NeorecError`` line before the port is bound), serve it until SIGTERM / Ctrl-C, drain,
@@ -288,15 +312,8 @@ def serve(directory: str, opts: ServeOptions, out: TextIO | None = None) -> int:
     except ValueError as e:  # ArtifactError names the file
         raise NeorecError(f"neorec serve {directory}: {str(e).splitlines()[0]}") from None
     state = ServeState(predictor, opts)
-    sock = _bind(opts.host, opts.port)
+    server, sock = make_server(state)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(
-        build_app(state), log_level="warning", access_log=False, lifespan="off", http="h11",
-        ws="none", timeout_graceful_shutdown=int(opts.drain_timeout_s), server_header=False,
-        backlog=BACKLOG,
-    )  # fmt: skip
-    server = _Server(config)
-    server.on_signal = state.batcher.flush
     state.batcher.start()
     batching = f"batches of <= {opts.max_batch} rows, wait <= {opts.max_wait_ms:g} ms"
     if opts.max_batch == 1:
