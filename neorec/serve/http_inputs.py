@@ -189,7 +189,7 @@ def _raw(body: dict[str, Any], predictor: Any) -> Job:
     except ValueError as e:
         raise BadRequest(f"raw: {str(e).splitlines()[0]}") from None
     n = len(raw)
-    bags = {
+    bags: dict[str, Bag] = {
         f: (np.asarray(b[0], np.int64), np.asarray(b[1], np.int64), None) for f, b in sparse.items()
     }
     return Job(np.asarray(dense, np.float32).reshape(n, -1), bags, n)

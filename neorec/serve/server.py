@@ -328,7 +328,8 @@ def serve(directory: str, opts: ServeOptions, out: TextIO | None = None) -> int:
         server.run(sockets=[sock])
     finally:
         drained = state.batcher.stop(opts.drain_timeout_s)
-    why = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "interrupted"}.get(server.signalled, "stopped")
+    names = {int(signal.SIGTERM): "SIGTERM", int(signal.SIGINT): "interrupted"}
+    why = names.get(server.signalled or 0, "stopped")
     n = state.metrics.count("/predict", 200)
     print(f"neorec serve: {why}: answered {n} predict requests; stopped", file=out, flush=True)
     return 0 if drained else 1
