@@ -309,3 +309,27 @@ def _main_raising(argv: list[str]) -> None:
     """``neorec ARGV`` with its ``NeorecError`` raised (``main`` prints it as one line)."""
     args = build_parser([argv[0]]).parse_args(argv)
     args.func(args)
+
+
+def test_inflight_cap_answers_503_before_the_body(model: SimpleNamespace) -> None:
+    """--max-inflight 1: while a slow client holds the one slot, the next request gets 503 with
+    Retry-After (its body unread); then both sides carry on (in-process server)."""
+    c = campaign("HTTP server")
+    ts = ThreadServer(model.predictor, max_inflight=1)
+    try:
+        body = json.dumps({"rows": [model.row]}).encode()
+        with ts.connect() as slow:
+            slow.sendall(_head(len(body)) + body[:10])
+            while ts.state.inflight < 1:  # the slow request holds the slot
+                time.sleep(0.05)
+            status, headers, out = ts.request("POST", "/predict", {"rows": [model.row]})
+            ok = status == 503 and headers.get("retry-after") == "1"
+            _judged(c, "over --max-inflight", status, out, 503, "--max-inflight")
+            assert ok, (status, headers)
+            slow.sendall(body[10:])
+            status, out = read_response(slow)
+        assert status == 200 and out["predictions"] == model.want
+        _still_serving(c, ts, model, "--max-inflight")
+    finally:
+        ts.close()
+    c.check()

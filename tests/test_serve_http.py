@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serve_http_util import Server, json_rows, predictor_inputs, trained_export
+from serve_http_util import Server, ThreadServer, json_rows, predictor_inputs, trained_export
 
 from neorec.cli import main
+from neorec.serve import standalone
 from neorec.serve.batcher import Batcher, Job, QueueFull
 
 
@@ -57,6 +58,30 @@ def test_predict_equals_the_predictor(model: SimpleNamespace, srv: Server) -> No
         want = model.predictor(*predictor_inputs(rows, model.predictor.features))
         got = np.asarray(out["predictions"], dtype=np.float32)
         assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+@pytest.mark.bitwise
+def test_quantized_tables_are_served_as_their_predictor(model: SimpleNamespace) -> None:
+    """Whatever the exporter writes, the server serves through the Predictor: int8 tables
+    (in-process server; real HTTP)."""
+    art = model.tmp / "art-int8"
+    if not art.exists():
+        assert (
+            main(["export", "--model", str(model.tmp), "--out", str(art), "--quantize", "int8"])
+            == 0
+        )
+    predictor = standalone.load(str(art))
+    ts = ThreadServer(predictor, max_batch=64)
+    try:
+        rows = _rows(model, model.lines[:5])
+        status, out = ts.predict({"rows": rows, "batch_info": True})
+        assert status == 200 and out["batch"]["requests"] == 1, out
+        want = predictor(*predictor_inputs(rows, predictor.features))
+        assert np.array_equal(np.asarray(out["predictions"], dtype=np.float32), want)
+        fp32 = model.predictor(*predictor_inputs(rows, predictor.features))
+        assert 0 < np.abs(want - fp32).max() < 2e-2  # int8 rows: near fp32, not equal
+    finally:
+        ts.close()
 
 
 def test_raw_rows_equal_neorec_predict(model: SimpleNamespace, srv: Server) -> None:

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a body not received within this gets 408 (slow clients)",
     )  # fmt: skip
     p.add_argument(
+        "--max-inflight", type=int, default=1024,
+        help="requests read, queued or running at once; the next gets 503 before its body is read",
+    )  # fmt: skip
+    p.add_argument(
         "--drain-timeout-s", type=float, default=30.0,
         help="on SIGTERM, how long requests in flight may take to be answered",
     )  # fmt: skip
@@ -66,5 +70,6 @@ def run(args: argparse.Namespace) -> int:
         max_body=args.max_body_bytes,
         read_timeout_s=args.read_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        max_inflight=args.max_inflight,
     )
     return serve(args.dir, opts)

@@ -182,8 +182,12 @@ class Batcher:
         torch.set_num_threads(self.threads)  # this thread's intra-op budget
         with torch.inference_mode():
             while (batch := self._next()) is not None:
-                if batch:
+                try:
                     self._execute(batch)
+                except BaseException as e:  # noqa: BLE001 - a defect: answer, keep the thread
+                    for j in batch:
+                        if not j.future.done():
+                            j.future.set_exception(e)
 
     def _execute(self, batch: list[Job]) -> None:
         t0 = time.monotonic()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import socket
 import sys
@@ -26,6 +27,7 @@ from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -62,6 +64,9 @@ class ServeOptions:
     max_body: int = 1 << 20
     read_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
+    max_inflight: int = 1024
+    """``POST /predict`` requests being read, checked, queued or run at once; the next gets 503
+    before its body is read (bounds the memory that bodies in flight take)."""
 
 
 def check_options(o: ServeOptions) -> None:
@@ -75,6 +80,7 @@ def check_options(o: ServeOptions) -> None:
         ("--max-body-bytes", o.max_body, o.max_body >= 1024, ">= 1024"),
         ("--read-timeout-s", o.read_timeout_s, o.read_timeout_s > 0, "> 0"),
         ("--drain-timeout-s", o.drain_timeout_s, o.drain_timeout_s > 0, "> 0"),
+        ("--max-inflight", o.max_inflight, o.max_inflight >= 1, ">= 1"),
     ]
     for flag, value, ok, want in checks:
         if not ok:
@@ -96,6 +102,8 @@ class ServeState:
             threads=opts.threads,
         )
         self.metrics = ServeMetrics(opts.max_batch, self.batcher.depth, opts.queue)
+        self.inflight = 0
+        """``POST /predict`` requests under way (the event loop's own count: no lock)."""
         self.batcher.on_batch = self.metrics.batch
 
 
@@ -130,6 +138,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def predict(request: Request) -> Response:
     """``POST /predict``."""
     st: ServeState = request.app.state.neorec
+    if st.inflight >= st.opts.max_inflight:
+        msg = f"{st.inflight} requests under way (--max-inflight); retry after 1 s"
+        return _error(503, msg, **{"Retry-After": "1", "Connection": "close"})
+    st.inflight += 1
+    try:
+        return await _predict(request, st)
+    finally:
+        st.inflight -= 1
+
+
+async def _predict(request: Request, st: ServeState) -> Response:
     try:
         body = await asyncio.wait_for(_read_body(request, st.opts.max_body), st.opts.read_timeout_s)
         job, want_info = parse_body(body, st.inputs, st.predictor)
@@ -156,6 +175,8 @@ async def predict(request: Request) -> Response:
         probs, where = await asyncio.wrap_future(future)
     except Exception as e:  # noqa: BLE001 - a validated request the model refused: a defect
         return _error(500, f"inference failed ({type(e).__name__}: {str(e)[:200]})")
+    if not np.isfinite(probs).all():
+        return _error(500, "the model gave non-finite predictions (its weights hold NaN or inf?)")
     out: dict[str, Any] = {"predictions": probs.tolist()}
     if want_info:
         out["batch"] = asdict(where)
@@ -293,7 +314,7 @@ def make_server(state: ServeState) -> tuple[_Server, socket.socket]:
     sock = _bind(opts.host, opts.port)
     config = uvicorn.Config(
         build_app(state), log_level="warning", access_log=False, lifespan="off", http="h11",
-        ws="none", timeout_graceful_shutdown=int(opts.drain_timeout_s), server_header=False,
+        ws="none", timeout_graceful_shutdown=math.ceil(opts.drain_timeout_s), server_header=False,
         backlog=BACKLOG,
     )  # fmt: skip
     server = _Server(config)
