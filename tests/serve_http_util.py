@@ -138,14 +138,18 @@ class Server(Client):
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.out: list[str] = []
+        self.err: list[str] = []  # read as it comes: a full pipe would block the server
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
         while True:
             line = self.lines.get(timeout=GUARD_S)
             m = re.search(r"on http://([0-9.]+):(\d+)", line)
             if m:
                 self.host, self.port = m.group(1), int(m.group(2))
                 return
-            assert line, f"the server ended: {self.proc.stderr.read() if self.proc.stderr else ''}"
+            if not line:
+                self.proc.wait(GUARD_S)
+                raise AssertionError(f"the server ended: {''.join(self.err)[-2000:]}")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -153,6 +157,11 @@ class Server(Client):
             self.out.append(line)
             self.lines.put(line)
         self.lines.put("")
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the server; its exit code."""

@@ -158,6 +158,11 @@ def test_bad_requests_get_one_line_naming_the_field(model: SimpleNamespace, srv:
     ):
         status, _, out = srv.request(method, path, {"rows": []})
         _judged(c, name, status, out, want, path)
+    with srv.connect() as sock:  # not HTTP at all: uvicorn's own 400, before the app
+        sock.sendall(b"GARBAGE\x00\r\n\r\n")
+        resp = sock.recv(4096)
+    ok = resp.startswith(b"HTTP/1.1 400")
+    c.record("not HTTP", "clear error" if ok else "crash", resp[:80].decode(errors="replace"))
     _still_serving(c, srv, model, "the campaign")
     assert srv.metric('neorec_serve_errors_total{code="400"}') >= 30
     c.check()
