@@ -6,10 +6,10 @@ request right after every case is answered, with the same predictions as before.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -298,10 +298,7 @@ def test_bad_model_folder_or_flags_fail_at_start(
     for flag, value in (("--max-batch", "0"), ("--queue", "0"), ("--max-wait-ms", "-1")):
         argv = ["serve", str(model.art), flag, value]
         c.expect_error(f"{flag} {value}", lambda a=argv: _main_raising(a), flag)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: None if n == "uvicorn" else real(n, *a)
-    )
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn: ImportError
     c.expect_error(
         "without the [serve] extra",
         lambda: _main_raising(["serve", str(model.art)]),

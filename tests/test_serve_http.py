@@ -228,3 +228,15 @@ def test_batcher_bounds_its_queue_and_isolates_failures() -> None:
     one.start()
     assert [f.result(60)[1].requests for f in futs] == [1, 1, 1, 1] and calls == [1, 1, 1, 1]
     assert one.stop(60)
+
+
+def test_no_batching_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-batching`` is ``--max-batch 1 --max-wait-ms 0`` (bench serve's unbatched side)."""
+    import neorec.serve.server as server
+
+    seen: list[Any] = []
+    monkeypatch.setattr(server, "serve", lambda d, opts: seen.append(opts) or 0)
+    assert main(["serve", "DIR", "--no-batching", "--max-batch", "64"]) == 0
+    assert main(["serve", "DIR", "--max-batch", "64", "--max-wait-ms", "5", "--queue", "9"]) == 0
+    assert (seen[0].max_batch, seen[0].max_wait_ms) == (1, 0.0)
+    assert (seen[1].max_batch, seen[1].max_wait_ms, seen[1].queue) == (64, 5.0, 9)

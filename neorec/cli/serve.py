@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 
 from neorec.errors import NeorecError
 
@@ -53,7 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / Ctrl-C."""
-    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    missing = []
+    for name in ("starlette", "uvicorn"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
         raise NeorecError(
             f"neorec serve needs {' and '.join(missing)}: pip install 'neorec[serve]'"

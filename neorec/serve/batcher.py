@@ -110,8 +110,8 @@ class Batcher:
         self._thread.start()
 
     def alive(self) -> bool:
-        """The inference thread runs and takes requests."""
-        return self._thread.is_alive() and not self._stopping
+        """The inference thread runs and takes requests (not draining: SIGTERM came)."""
+        return self._thread.is_alive() and not (self._stopping or self._hurry)
 
     def depth(self) -> int:
         """Requests waiting."""
