@@ -19,11 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch", type=int, default=128,
         help="rows per model call at most (whole requests; a larger request runs alone); "
-        "1: no batching",
+        "1: no batching (default %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--max-wait-ms", type=float, default=2.0,
-        help="how long the oldest queued request waits for others to join its batch",
+        help="how long the oldest queued request waits for others to join its batch "
+        "(default %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--no-batching", action="store_true",
@@ -31,23 +32,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--queue", type=int, default=512,
-        help="requests waiting at most; the next one gets 503 with Retry-After",
+        help="requests waiting at most; the next one gets 503 with Retry-After (default %(default)s)",
     )  # fmt: skip
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads of the model")
+    p.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads of the model (default %(default)s)"
+    )
     p.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)"
     )
     p.add_argument(
         "--read-timeout-s", type=float, default=30.0,
-        help="a body not received within this gets 408 (slow clients)",
+        help="a body not received within this gets 408 (slow clients; default %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--max-inflight", type=int, default=1024,
-        help="requests read, queued or running at once; the next gets 503 before its body is read",
+        help="requests read, queued or running at once; the next gets 503 before its body is read "
+        "(default %(default)s)",
     )  # fmt: skip
     p.add_argument(
         "--drain-timeout-s", type=float, default=30.0,
-        help="on SIGTERM, how long requests in flight may take to be answered",
+        help="on SIGTERM, how long requests in flight may take to be answered (default %(default)s)",
     )  # fmt: skip
 
 
