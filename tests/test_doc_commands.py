@@ -90,6 +90,10 @@ COMMANDS: dict[str, Spec] = {
     "neorec export --model runs/latest --out serving/ [--quantize none|int8|int4]": run(
         **{"serving/": "serving2/"}
     ),
+    "neorec serve serving/ --port 8000": parse("serves until stopped (tests/test_serve_http.py)"),
+    "neorec serve serving/ --port 8000 --no-batching": parse(
+        "serves until stopped (tests/test_serve_http.py)"
+    ),
     "neorec train [--config FILE.toml] [--set section.key=value ...]": skip("a synopsis"),
     # ---- training variants
     "neorec train --set lowp.mode=auto": run(*SMALL_ROWS),
