@@ -29,6 +29,7 @@ COMMANDS = (
     "eval",
     "predict",
     "export",
+    "serve",
     "exfm",
     "plan",
     "bench",
@@ -40,7 +41,7 @@ COMMANDS = (
 
 EXIT_INTERRUPTED = 130
 
-TORCH_COMMANDS = ("train", "eval", "predict", "export", "exfm")
+TORCH_COMMANDS = ("train", "eval", "predict", "export", "serve", "exfm")
 """Commands whose first work is importing PyTorch (most of their start-up: ``load_torch``)."""
 
 
