@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.bench.serve_load import Level, LoadGen, request_body
-from neorec.bench.serve_search import HOST, ServerProcess, SearchSettings, held_rate, overload
+from neorec.bench.serve_search import HOST, SearchSettings, ServerProcess, held_rate, overload
 from neorec.errors import ConfigError
 
 __all__ = ["main", "parse_args", "QUICK_MODEL"]

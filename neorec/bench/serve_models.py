@@ -165,6 +165,27 @@ def _ms(fn: Any) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def _one_batch(pred: Any, d: np.ndarray, s: dict[str, Any], b: int, repeats: int) -> dict[str, Any]:
+    """The medians of one batch size (see ``characterize``)."""
+    x = torch.from_numpy(d)
+    pooled = _lookup(pred, s, b)
+    pred.logits(d, s)  # warm-up
+    total, emb, dns = [], [], []
+    for _ in range(repeats):
+        total.append(_ms(lambda: pred.logits(d, s)))
+        emb.append(_ms(lambda: _lookup(pred, s, b)))
+        dns.append(_ms(lambda: pred.program(x, pooled)))
+    t, e, g = (statistics.median(v) for v in (total, emb, dns))
+    return {
+        "batch": b,
+        "total_ms": round(t, 4),
+        "embedding_ms": round(e, 4),
+        "dense_ms": round(g, 4),
+        "overhead_ms": round(t - e - g, 4),
+        "us_per_row": round(t * 1e3 / b, 3),
+    }
+
+
 def characterize(
     artifact: Path,
     dense: np.ndarray,
@@ -177,28 +198,5 @@ def characterize(
     from neorec.serve.standalone import load
 
     pred = load(str(artifact), verify=False)
-    out = []
     with torch.inference_mode():
-        for b in batches:
-            d, s = _first(dense, sparse, b)
-            x = torch.from_numpy(d)
-            pooled = _lookup(pred, s, b)
-            inputs = {f: (ln, ids) for f, (ln, ids) in s.items()}
-            pred.logits(d, inputs)  # warm-up
-            total, emb, dns = [], [], []
-            for _ in range(repeats):
-                total.append(_ms(lambda: pred.logits(d, inputs)))
-                emb.append(_ms(lambda: _lookup(pred, s, b)))
-                dns.append(_ms(lambda: pred.program(x, pooled)))
-            t, e, g = (statistics.median(v) for v in (total, emb, dns))
-            out.append(
-                {
-                    "batch": b,
-                    "total_ms": round(t, 4),
-                    "embedding_ms": round(e, 4),
-                    "dense_ms": round(g, 4),
-                    "overhead_ms": round(t - e - g, 4),
-                    "us_per_row": round(t * 1e3 / b, 3),
-                }
-            )
-    return out
+        return [_one_batch(pred, *_first(dense, sparse, b), b, repeats) for b in batches]
