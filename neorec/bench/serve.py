@@ -83,11 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--overload-factor", type=float, default=3.0, help="the overload level / first failing")
     a("--closed", default="1,8,32", help="closed-loop concurrencies (empty: none)")
     a("--workers", type=int, default=2, help="load generator processes")
-    a("--connections", type=int, default=32, help="keep-alive connections per worker")
+    a("--connections", type=int, default=64, help="keep-alive connections per worker")
     a("--timeout", type=float, default=2.0, help="seconds a request may take before a timeout")
     a("--batched", default="--max-batch 64 --max-wait-ms 2", help="neorec serve's batching flags")
-    a("--unbatched", default="--max-batch 1", help="neorec serve's flags without batching")
-    a("--server-args", default="", help="further neorec serve flags (both runs)")
+    a("--unbatched", default="--no-batching", help="neorec serve's flags without batching")
+    a("--server-args", default="--queue 64",
+      help="further neorec serve flags (both runs); the queue must be shorter than the load "
+      "generator's connections, or the excess waits in the client, never refused")  # fmt: skip
     a("--characterize", default="1,2,4,8,16,32,64,128,256,512,1024",
       help="batch sizes of the model-alone timing ('' = skip)")  # fmt: skip
     a("--repeats", type=int, default=20, help="characterization repeats per batch size")
@@ -110,7 +112,7 @@ def _quick(a: argparse.Namespace, argv: list[str]) -> None:
         "configs": "default", "quantize": "none", "rows_per_request": "1", "start_rate": 50.0,
         "factor": 4.0, "bisect": 1, "max_rate": 200.0, "level_seconds": 0.4,
         "level_requests": 20, "overload_factor": 2.0, "closed": "2", "workers": 1,
-        "connections": 4, "characterize": "1,4", "repeats": 3, "eval_rows": 64,
+        "connections": 8, "server_args": "--queue 2", "timeout": 10.0, "characterize": "1,4", "repeats": 3, "eval_rows": 64,
     }  # fmt: skip
     for k, v in quick.items():
         if "--" + k.replace("_", "-") not in given:

@@ -112,9 +112,8 @@ def eval_inputs(
     d = np.concatenate(dense)[:n].astype(np.float32)
     out = {}
     for f, (ls, vs) in sparse.items():
-        lengths = np.concatenate(ls).astype(np.int64)
-        ids = np.concatenate(vs).astype(np.int64)
-        out[f] = (lengths[:n], ids[: int(lengths[:n].sum())])
+        lens = np.concatenate(ls).astype(np.int64)[:n]
+        out[f] = (lens, np.concatenate(vs).astype(np.int64)[: int(lens.sum())])
     return d, out
 
 

@@ -41,7 +41,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def _get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
         conn.request("GET", path)
