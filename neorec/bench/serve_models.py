@@ -8,11 +8,12 @@ its eval split's first rows become the requests (``{"dense": [...], "sparse": {f
 ``characterize`` times the standalone ``Predictor`` (no HTTP, no queue) on the same rows for each
 batch size, splitting a call into
 
-- ``embedding``: every feature's rows gathered (dequantized for int8 / int4) and pooled
-  (``Table.rows`` and the pooling sum, the loader's specification),
+- ``embedding``: every feature's bags through the loader's own pooling (``Predictor._pool``: its
+  ids checked, rows gathered, or decoded for quantized tables, and pooled, by the fused kernel
+  when the loader uses one),
 - ``dense``: the ``torch.export`` program (bottom MLP, interaction, top MLP),
-- ``overhead``: the rest of ``Predictor.logits`` (inputs converted to arrays and tensors, shapes,
-  ids and finiteness checked, the features concatenated): the median whole call minus the
+- ``overhead``: the rest of ``Predictor.logits`` (the dense input converted and checked for
+  shape and finiteness, the features checked and concatenated, the inference mode entered): the median whole call minus the
   medians of the two parts (a difference of medians: within noise of zero it can be negative).
 
 Each is the median over ``repeats`` interleaved calls, under ``torch.inference_mode`` with the
@@ -144,18 +145,10 @@ def _first(
 
 
 def _lookup(pred: Any, sparse: dict[str, tuple[np.ndarray, np.ndarray]], b: int) -> torch.Tensor:
-    """The pooled features [b, F*D]: each table's rows gathered and pooled (no checks)."""
-    parts = []
-    for f in pred.features:
-        table = pred._table_of[f]
-        lengths, ids = sparse[f]
-        lens = torch.from_numpy(lengths)
-        seg = torch.repeat_interleave(torch.arange(b), lens)
-        pooled = torch.zeros(b, table.dim).index_add_(0, seg, table.rows(ids))
-        if pred.pooling == "mean":
-            pooled = pooled / lens.clamp(min=1).to(pooled.dtype).unsqueeze(1)
-        parts.append(pooled)
-    return torch.cat(parts, dim=1)
+    """The pooled features [b, F*D] as ``Predictor.logits`` makes them: each feature through the
+    loader's own ``_pool`` (its ids checked, rows gathered or decoded, pooled; the fused kernel
+    when the loader uses one)."""
+    return torch.cat([pred._pool(f, sparse[f], b) for f in pred.features], dim=1)
 
 
 def _ms(fn: Any) -> float:
