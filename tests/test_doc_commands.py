@@ -175,6 +175,7 @@ COMMANDS: dict[str, Spec] = {
     "neorec bench dist --nproc 2 --types mixed,table_wise --codecs "
     "fp32,fp16/bf16/bf16,fp8_e4m3/fp8_e5m2/fp8_e4m3,int8 --pipelines "
     "sequential,overlapped": parse(BENCH),
+    "neorec bench serve --configs default,dlrm_benchmark --quantize none,int8,int4": parse(BENCH),
     "neorec bench op --alpha 0 --repeats 5": parse(BENCH),
     "neorec bench op --alpha 1.05 --repeats 5": parse(BENCH),
     "neorec bench distill --windows 5 --seeds 5 --seed-base 100": parse(BENCH),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from neorec.bench.report_text import Json, iv
 from neorec.bench.report_text import seeds_text as _seeds
 
-__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens"]
+__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens", "serve"]
 
 
 def costcheck(j: Json) -> str:
@@ -119,3 +119,15 @@ def _above(users: Json, seeds: Json) -> str:
     their spread, so the t interval over seeds must agree."""
     both = all(d["lo"] is not None and d["lo"] > 0 for d in (users, seeds))
     return "**above LR beyond noise**" if both else "above LR not established"
+
+
+def serve(j: Json) -> str:
+    """``bench serve``: the rate held at p99 <= 20 ms with batching and without, their ratio, and
+    whether the server refused the excess with 503s only."""
+    m, gain = j["max_rps_p99_20ms"], j.get("batching_gain")
+    ratio = f"**{gain:.2f}×**" if gain is not None else "no ratio (unbatched held nothing)"
+    above = "503s only above it" if j.get("overload_only_503") else "**not only 503s above it**"
+    return (
+        f"{ratio}: batched {m['batched']:,.0f} requests/s vs unbatched {m['unbatched']:,.0f} "
+        f"({j['headline']}; server and load generator share {j['cores']} cores); {above}"
+    )

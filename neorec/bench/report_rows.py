@@ -435,6 +435,11 @@ ENTRIES: tuple[Entry, ...] = (
         ("cache", "--skip-hit", "--model", "dlrm", "--iters", "20"), _cache,
     ),
     Entry(
+        "serve", "`neorec serve`, default model, fp32 tables, 1 row per request: highest rate "
+        "at p99 ≤ 20 ms, batching on vs off", "≥ 4×", ("serve",), ("serve", "--quick"),
+        _render.serve,
+    ),
+    Entry(
         "ckpt", "Check-N-Run checkpoints, 16 tables", "6× fewer bytes, NE within 0.05%",
         ("ckpt", "--tables", "16", "--scale", "256"),
         ("ckpt", "--tables", "4", "--scale", "64", "--seeds", "100-102", "--quality-steps", "100",

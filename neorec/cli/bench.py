@@ -25,6 +25,7 @@ BENCHES = (
     "movielens",
     "report",
     "soak",
+    "serve",
     "threads",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
