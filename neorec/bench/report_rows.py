@@ -101,10 +101,15 @@ _LOWP_NE = ("lowp", "--modes", "off,auto,bf16,autocast", "--plan-seed", "0")
 def _lowp_tables(j: Json) -> str:
     modes = j["modes"]
     base = "fp32" if "fp32" in modes else next(iter(modes))
+    ref = j.get("reference")  # (a result stored before it had none)
+    head = [f"fp32 NE {iv(ref['ne'], '.4f')}, AUC {iv(ref['auc'], '.4f')}"] if ref else []
     return "; ".join(
-        f"{m} {r['table_mb'] / modes[base]['table_mb']:.2f}× memory, NE {pct(r['rel_vs_base'])}"
-        for m, r in modes.items()
-        if m != base
+        head
+        + [
+            f"{m} {r['table_mb'] / modes[base]['table_mb']:.2f}× memory, NE {pct(r['rel_vs_base'])}"
+            for m, r in modes.items()
+            if m != base
+        ]
     )
 
 
