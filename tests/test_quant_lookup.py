@@ -204,3 +204,23 @@ def test_artifact_bytes(exported: dict[str, Any]) -> None:
         for t in m["tables"]:
             assert t["quantization"] == kind
             assert 0 <= t["bytes"] - t["rows"] * ql.row_bytes(kind, t["dim"]) <= 128
+
+
+def test_bench_qlookup_prints_its_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from neorec.bench import qlookup
+    from neorec.bench.report_render import quant_lookup
+
+    argv = ["--shapes", "2x50x8,1x40x5", "--rounds", "2", "--iters", "1", "--warmup", "0"]
+    assert qlookup.main(argv) == 0
+    j = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(c["shape"], c["ids"]) for c in j["cases"]] == [
+        ("2x50x8", "uniform"), ("2x50x8", "zipf"), ("1x40x5", "uniform"), ("1x40x5", "zipf")
+    ]  # fmt: skip
+    case = j["cases"][0]
+    assert set(case["speedup_vs_fp32"]) == {"fp16", "int8", "int4", "int2"}
+    assert case["rel_error"]["none"] == 0 and 0 < case["rel_error"]["int2"] < 1
+    assert "2 × 50 × 8 uniform" in quant_lookup(j)
+    with pytest.raises(NeorecError, match="--shapes"):
+        qlookup.main(["--shapes", "8x10"])

@@ -1,14 +1,14 @@
 """The README rows of ``neorec bench report`` whose text states a verdict computed from the
 result: which cost model wins (``costcheck``), whether ExFM's target is met per cell
 (``distill``), the in-host reduction of table-row-wise (``twrw``), MovieLens over users and seeds
-(``movielens``)."""
+(``movielens``), the quantized lookup against fp32 (``quant_lookup``)."""
 
 from __future__ import annotations
 
 from neorec.bench.report_text import Json, iv
 from neorec.bench.report_text import seeds_text as _seeds
 
-__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens"]
+__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens", "quant_lookup"]
 
 
 def costcheck(j: Json) -> str:
@@ -119,3 +119,21 @@ def _above(users: Json, seeds: Json) -> str:
     their spread, so the t interval over seeds must agree."""
     both = all(d["lo"] is not None and d["lo"] > 0 for d in (users, seeds))
     return "**above LR beyond noise**" if both else "above LR not established"
+
+
+def quant_lookup(j: Json) -> str:
+    """Per tables and ids: fp32's time per batch and each width's speed-up over it; **bold**
+    where int4 is faster beyond noise."""
+    parts = []
+    for c in j["cases"]:
+        sp = c["speedup_vs_fp32"]
+        widths = ", ".join(
+            f"{k} {iv(v, '.2f', '×')}" if v else f"{k} (one round)" for k, v in sp.items()
+        )
+        i4 = sp.get("int4")
+        bold = "**" if i4 and i4["lo"] > 1 else ""
+        parts.append(
+            f"{bold}{c['shape'].replace('x', ' × ')} {c['ids']}{bold}: fp32 "
+            f"{c['ms_per_batch']['none']:.3f} ms/batch, {widths}"
+        )
+    return "; ".join(parts) + f" ({j['threads']} thread, batch {j['batch']} × {j['pooling']} ids)"
