@@ -97,7 +97,9 @@ def test_threads_do_not_change_the_result(tmp_path: Path) -> None:
     lens = torch.randint(0, 6, (500,), generator=g)
     ids = torch.randint(0, 300, (int(lens.sum()),), generator=g).numpy()
     offsets = np.concatenate([[0], np.cumsum(lens.numpy())])
-    assert torch.equal(ql.pooled(table, ids, offsets, threads=1), ql.pooled(table, ids, offsets, threads=2))
+    assert torch.equal(
+        ql.pooled(table, ids, offsets, threads=1), ql.pooled(table, ids, offsets, threads=2)
+    )
 
 
 def test_codes_are_the_codecs(tmp_path: Path) -> None:
@@ -113,7 +115,10 @@ def test_codes_are_the_codecs(tmp_path: Path) -> None:
             table = _table(tmp_path, w, kind)
             bits = ql.KINDS[kind]
             want = torch.cat(
-                [dequantize_rows(int_rowwise_quantize(w[lo : lo + 32], bits, bits <= 4)) for lo in (0, 32)]
+                [
+                    dequantize_rows(int_rowwise_quantize(w[lo : lo + 32], bits, bits <= 4))
+                    for lo in (0, 32)
+                ]
             )
             assert torch.equal(table.rows(np.arange(64)), want), kind
     finally:

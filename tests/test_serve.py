@@ -251,7 +251,8 @@ def test_export_quantized_within_bounds(trained: SimpleNamespace, q: str) -> Non
     assert 0 < change <= NE_BOUND[q]  # quantized: not the fp32 tables, and close to them
     assert float((got - trained.probs).abs().max()) <= PROB_BOUND[q]
     art = _export(trained, q)
-    for t in _manifest(trained, q)["tables"] if q != "fp16" else []:  # per row: dim * bits / 8 bytes + fp16 scale, offset
+    tables = _manifest(trained, q)["tables"] if q != "fp16" else []
+    for t in tables:  # per row: dim * bits / 8 bytes of codes + float16 scale, offset
         rows = np.load(art / t["files"]["rows"])
         assert rows.dtype == np.uint8 and rows.shape == (t["rows"], t["dim"] * t["bits"] // 8 + 4)
 

@@ -101,7 +101,9 @@ def quantize_rows(
     """``w`` [rows, dim] stored as ``quantization``: fp32, fp16, or ``neorec.ops.quant``'s
     row-wise codes (``adaptive_range``: Check-N-Run's range search; default at <= 4 bits)."""
     if quantization not in KINDS:
-        raise QuantLookupError(f"quantization must be one of {', '.join(KINDS)}, got {quantization!r}")
+        raise QuantLookupError(
+            f"quantization must be one of {', '.join(KINDS)}, got {quantization!r}"
+        )
     w = w.detach().float().cpu().contiguous()
     dim = int(w.shape[1])
     if quantization == "none":
