@@ -175,7 +175,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ids = torch.randint(0, 200, (int(lens.sum()),), generator=g)
         ids[-1] = 199
         sparse[f] = (lens.numpy(), ids.numpy(), torch.rand(ids.numel(), generator=g).numpy())
-    return {"arts": arts, "dense": torch.randn(b, 13, generator=g).numpy(), "sparse": sparse}
+    dense = torch.randn(b, 13, generator=g).numpy()
+    return {"root": root, "arts": arts, "dense": dense, "sparse": sparse}
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "int2", "fp16"])
@@ -229,3 +230,21 @@ def test_bench_qlookup_prints_its_json_line(capsys: pytest.CaptureFixture[str]) 
     assert "2 × 50 × 8 uniform" in quant_lookup(j)
     with pytest.raises(NeorecError, match="--shapes"):
         qlookup.main(["--shapes", "8x10"])
+
+
+def test_neorec_predict_reads_artifacts(exported: dict[str, Any], tmp_path: Path) -> None:
+    """``neorec predict --model ARTIFACT`` reads the model's eval data (its config is in the
+    manifest) through the artifact's tables: fp32 as the saved model predicts (1e-6: the
+    exported dense program), int2 off by its codes' error."""
+    from neorec.cli import main
+
+    small = ["--set", "data.eval_samples=256"]
+    got = {}
+    for name, model in (("model", exported["root"]), *exported["arts"].items()):
+        out = tmp_path / f"{name}.npy"
+        assert main(["predict", "--model", str(model), "--out", str(out), *small]) == 0
+        got[name] = np.load(out)
+    assert got["model"].shape == (256,)
+    assert np.abs(got["none"] - got["model"]).max() <= 1e-6
+    for kind in ("fp16", "int8", "int4", "int2"):
+        assert 0 < np.abs(got[kind] - got["none"]).max() <= 0.15, kind

@@ -304,6 +304,7 @@ def export_model(
             "transforms": feature_transforms(cfg),
             "output": "probabilities = sigmoid(logits); serving.load(DIR) returns them",
             "source": {"model": str(src.resolve()), "step": step},
+            "config": cfg.to_dict(),  # how its data is read (neorec predict --model DIR)
             "torch": torch.__version__,
         }
         with _writing(tmp / "serving.py"), open(tmp / "serving.py", "wb") as fh:
