@@ -77,6 +77,8 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 """Row-wise integer table kinds and their bits per code."""
+FUSED = ("fp16", *INT_BITS)
+"""Table kinds pooled by neorec's kernel when it is there (``neorec.ops.quant_lookup``)."""
 CHUNK = 16 << 20
 """Bytes read per call of the CRC pass."""
 
@@ -454,7 +456,7 @@ class Predictor:
             lengths = np.bincount(seg_all[keep], minlength=batch).astype(np.int64)
             ids = ids[keep]
             w = w[torch.from_numpy(keep)] if w is not None else None
-        if self._fused is not None and table.quantization != "none":  # fp32: as it always was
+        if self._fused is not None and table.quantization in FUSED:  # fp32: as it always was
             offsets = np.zeros(batch + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
             return self._fused(table, ids, offsets, w, self.pooling == "mean")
