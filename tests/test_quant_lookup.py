@@ -248,3 +248,8 @@ def test_neorec_predict_reads_artifacts(exported: dict[str, Any], tmp_path: Path
     assert np.abs(got["none"] - got["model"]).max() <= 1e-6
     for kind in ("fp16", "int8", "int4", "int2"):
         assert 0 < np.abs(got[kind] - got["none"]).max() <= 0.15, kind
+
+
+def test_the_loader_and_the_kernel_know_the_same_kinds() -> None:
+    assert {"none", *standalone.FUSED} == set(ql.KINDS)
+    assert {k: ql.KINDS[k] for k in ql.INT_KINDS} == standalone.INT_BITS

@@ -12,7 +12,7 @@ Integer rows are quantized over each row's [min, max] here (the range search cha
 not the work). ``rel_error`` is the largest |pooled - fp32 pooled| over the largest |fp32
 pooled| of the first batch.
 
-    neorec bench qlookup --rounds 7 --iters 50
+    neorec bench qlookup --rounds 10 --iters 50
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "quant_lookup", "serving tables' fused lookup, speed-up over fp32 rows on the same ids: "
         "default tables (8 × 10k × 16) and 4 × 1M × 64, uniform and Zipf 1.05, paired by round",
-        "int4 faster than fp32", ("qlookup", "--rounds", "7", "--iters", "50"),
+        "int4 faster than fp32", ("qlookup", "--rounds", "10", "--iters", "50"),
         ("qlookup", "--shapes", "8x10000x16,1x200000x64", "--rounds", "2", "--iters", "5"),
         _render.quant_lookup,
     ),
