@@ -225,7 +225,7 @@ def test_bench_qlookup_prints_its_json_line(capsys: pytest.CaptureFixture[str]) 
         ("2x50x8", "uniform"), ("2x50x8", "zipf"), ("1x40x5", "uniform"), ("1x40x5", "zipf")
     ]  # fmt: skip
     case = j["cases"][0]
-    assert set(case["speedup_vs_fp32"]) == {"fp16", "int8", "int4", "int2"}
+    assert set(case["speedup_vs_fp32"]) == {"fp16", "int8", "int4", "int2", "numpy"}
     assert case["rel_error"]["none"] == 0 and 0 < case["rel_error"]["int2"] < 1
     assert "2 × 50 × 8 uniform" in quant_lookup(j)
     with pytest.raises(NeorecError, match="--shapes"):

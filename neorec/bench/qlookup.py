@@ -3,7 +3,8 @@ each stored width on the same ids: time per batch, and the speed-up over the fp3
 
 Per shape ``TxRxD`` (T tables of R rows x D) and id distribution (uniform; Zipf ``--alpha``): a
 batch is ``--batch`` bags of ``--pooling`` ids per table, one ``pooled`` call per table (what the
-serving loader runs per feature: its Python wrapper included). Each round times every width once,
+serving loader runs per feature: its Python wrapper included); ``numpy`` is the loader's own fp32
+path (gather, then ``index_add_``), what serving ran before the kernel. Each round times every width once,
 in a rotated order (the median of ``--iters`` batches after ``--warmup``); the speed-up of a width
 is fp32's time over its own, the geometric mean over rounds with its 95% interval, paired by round
 (``neorec.bench.stats.paired_ratio``). The defaults: the default model's tables (8 x 10k x 16,
@@ -35,6 +36,8 @@ from neorec.ops import quant_lookup as ql
 __all__ = ["main", "parse_args", "parse_shape"]
 
 FP32 = "none"
+NUMPY = "numpy"
+"""fp32 rows pooled by the loader's NumPy path (what serving ran before the kernel)."""
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -87,6 +90,7 @@ def _tables(shape: tuple[int, int, int], kinds: list[str], seed: int) -> dict[st
         w = torch.randn(r, d, generator=g) * 0.01
         for k in kinds:
             out[k].append(ql.quantize_rows(w, k, adaptive_range=False))
+    out[NUMPY] = out[FP32]  # the same fp32 rows, the loader's NumPy path
     return out
 
 
@@ -102,17 +106,27 @@ def _batches(a: argparse.Namespace, shape: tuple[int, int, int], dist: str) -> l
     ]
 
 
-def _run(tables: list[Any], batch: list[Any], threads: int) -> list[torch.Tensor]:
+def _numpy(tab: Any, ids: np.ndarray, off: np.ndarray) -> torch.Tensor:
+    """The loader's own fp32 path (``standalone.Predictor``: gather, then ``index_add_``)."""
+    rows = torch.from_numpy(np.ascontiguousarray(tab.data[ids]))
+    lens = torch.from_numpy(np.diff(off))
+    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    return torch.zeros(lens.numel(), tab.dim).index_add_(0, seg, rows)
+
+
+def _run(kind: str, tables: list[Any], batch: list[Any], threads: int) -> list[torch.Tensor]:
+    if kind == NUMPY:
+        return [_numpy(tab, ids, off) for tab, (ids, off) in zip(tables, batch)]
     return [ql.pooled(tab, ids, off, threads=threads) for tab, (ids, off) in zip(tables, batch)]
 
 
-def _time(tables: list[Any], batches: list[Any], a: argparse.Namespace) -> float:
+def _time(kind: str, tables: list[Any], batches: list[Any], a: argparse.Namespace) -> float:
     """Median seconds per batch over ``--iters`` batches after ``--warmup``."""
     times = []
     for i in range(a.warmup + a.iters):
         b = batches[i % len(batches)]
         t0 = time.perf_counter()
-        _run(tables, b, a.threads)
+        _run(kind, tables, b, a.threads)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -120,16 +134,16 @@ def _time(tables: list[Any], batches: list[Any], a: argparse.Namespace) -> float
 
 def _case(a: argparse.Namespace, shape: tuple[int, int, int], tables: dict, dist: str) -> dict:
     batches = _batches(a, shape, dist)
-    ref = torch.cat(_run(tables[FP32], batches[0], a.threads))
+    ref = torch.cat(_run(FP32, tables[FP32], batches[0], a.threads))
     err = {
-        k: float((torch.cat(_run(tabs, batches[0], a.threads)) - ref).abs().max())
+        k: float((torch.cat(_run(k, tabs, batches[0], a.threads)) - ref).abs().max())
         / max(float(ref.abs().max()), 1e-30)
         for k, tabs in tables.items()
     }
     secs: dict[str, list[float]] = {k: [] for k in tables}
     for r in range(a.rounds):
         for k in rotated(list(tables), r):
-            secs[k].append(_time(tables[k], batches, a))
+            secs[k].append(_time(k, tables[k], batches, a))
     return {
         "shape": "x".join(map(str, shape)),
         "ids": dist,
@@ -139,13 +153,14 @@ def _case(a: argparse.Namespace, shape: tuple[int, int, int], tables: dict, dist
             for k, v in secs.items()
             if k != FP32
         },
-        "bytes_per_row": {k: ql.row_bytes(k, shape[2]) for k in tables},
+        "bytes_per_row": {k: ql.row_bytes(k, shape[2]) for k in tables if k != NUMPY},
         "rel_error": {k: float(f"{v:.3g}") for k, v in err.items()},
     }
 
 
 def _print(cases: list[dict], kinds: list[str]) -> None:
-    head = f"{'tables':<15}{'ids':<9}" + "".join(f"{k if k != FP32 else 'fp32':>26}" for k in kinds)
+    names = {FP32: "fp32", NUMPY: "fp32 numpy"}
+    head = f"{'tables':<15}{'ids':<9}" + "".join(f"{names.get(k, k):>26}" for k in kinds)
     print(head)
     for c in cases:
         cells = []
@@ -169,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         tables = _tables(shape, a.kind_list, a.seed + 10 * i)
         cases += [_case(a, shape, tables, dist) for dist in a.id_list]
         del tables
-    _print(cases, a.kind_list)
+    _print(cases, [*a.kind_list, NUMPY])
     line = {
         "bench": "qlookup",
         "cases": cases,

@@ -127,8 +127,10 @@ def quant_lookup(j: Json) -> str:
     parts = []
     for c in j["cases"]:
         sp = c["speedup_vs_fp32"]
+        names = {"numpy": "the loader's NumPy path (fp32)"}
         widths = ", ".join(
-            f"{k} {iv(v, '.2f', '×')}" if v else f"{k} (one round)" for k, v in sp.items()
+            f"{names.get(k, k)} {iv(v, '.2f', '×')}" if v else f"{k} (one round)"
+            for k, v in sp.items()
         )
         i4 = sp.get("int4")
         bold = "**" if i4 and i4["lo"] > 1 else ""
