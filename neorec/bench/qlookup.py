@@ -8,7 +8,8 @@ path (gather, then ``index_add_``), what serving ran before the kernel. Each rou
 in a rotated order (the median of ``--iters`` batches after ``--warmup``); the speed-up of a width
 is fp32's time over its own, the geometric mean over rounds with its 95% interval, paired by round
 (``neorec.bench.stats.paired_ratio``). The defaults: the default model's tables (8 x 10k x 16,
-pooling 4, batch 512: they sit in L2 at every width) and 4 x 1M x 64 (fp32 1 GiB: from DRAM).
+pooling 4, batch 512: they sit in L2 at every width) and 4 x 1M x 64 (fp32 1 GiB: its rows come
+from DRAM, as ``--batches`` distinct batches are cycled through).
 Integer rows are quantized over each row's [min, max] here (the range search changes the values,
 not the work). ``rel_error`` is the largest |pooled - fp32 pooled| over the largest |fp32
 pooled| of the first batch.
@@ -63,7 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=30, help="timed batches per width per round")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batches", type=int, default=4, help="distinct pre-generated batches")
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=64,
+        help="distinct pre-generated batches, timed in turn (64 of 4 x 2048 uniform ids on the "
+        "1M x 64 tables touch ~128 MB of fp32 rows: more than the L3, so a batch's rows come "
+        "from DRAM; a few batches would be L3 hits)",
+    )
     p.add_argument("--threads", type=int, default=1, help="kernel threads (a serving worker's)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
