@@ -87,13 +87,14 @@ COMMANDS: dict[str, Spec] = {
     "neorec predict --model runs/latest --out preds.npy": run(),
     "neorec predict --model runs/latest [--data PATH] --out p.npy": run(),
     "neorec export --model runs/latest --out serving/ --quantize int8": run(),
-    "neorec export --model runs/latest --out serving/ [--quantize none|int8|int4]": run(
+    "neorec export --model runs/latest --out serving/ [--quantize none|fp16|int8|int4|int2]": run(
         **{"serving/": "serving2/"}
     ),
     "neorec serve serving/ --port 8000": parse("serves until stopped (tests/test_serve_http.py)"),
     "neorec serve serving/ --port 8000 --no-batching": parse(
         "serves until stopped (tests/test_serve_http.py)"
     ),
+    "neorec export --model runs/latest --out serving-int4/ --quantize int4": run(),
     "neorec train [--config FILE.toml] [--set section.key=value ...]": skip("a synopsis"),
     # ---- training variants
     "neorec train --set lowp.mode=auto": run(*SMALL_ROWS),

@@ -1,14 +1,14 @@
 """The README rows of ``neorec bench report`` whose text states a verdict computed from the
 result: which cost model wins (``costcheck``), whether ExFM's target is met per cell
 (``distill``), the in-host reduction of table-row-wise (``twrw``), MovieLens over users and seeds
-(``movielens``)."""
+(``movielens``), the quantized lookup against fp32 (``quant_lookup``)."""
 
 from __future__ import annotations
 
 from neorec.bench.report_text import Json, iv
 from neorec.bench.report_text import seeds_text as _seeds
 
-__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens", "serve"]
+__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens", "serve", "quant_lookup"]
 
 
 def costcheck(j: Json) -> str:
@@ -131,3 +131,23 @@ def serve(j: Json) -> str:
         f"{ratio}: batched {m['batched']:,.0f} requests/s vs unbatched {m['unbatched']:,.0f} "
         f"({j['headline']}; server and load generator share {j['cores']} cores); {above}"
     )
+
+
+def quant_lookup(j: Json) -> str:
+    """Per tables and ids: fp32's time per batch and each width's speed-up over it; **bold**
+    where int4 is faster beyond noise."""
+    parts = []
+    for c in j["cases"]:
+        sp = c["speedup_vs_fp32"]
+        names = {"numpy": "the loader's NumPy path (fp32)"}
+        widths = ", ".join(
+            f"{names.get(k, k)} {iv(v, '.2f', '×')}" if v else f"{k} (one round)"
+            for k, v in sp.items()
+        )
+        i4 = sp.get("int4")
+        bold = "**" if i4 and i4["lo"] > 1 else ""
+        parts.append(
+            f"{bold}{c['shape'].replace('x', ' × ')} {c['ids']}{bold}: fp32 "
+            f"{c['ms_per_batch']['none']:.3f} ms/batch, {widths}"
+        )
+    return "; ".join(parts) + f" ({j['threads']} thread, batch {j['batch']} × {j['pooling']} ids)"

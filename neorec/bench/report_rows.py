@@ -371,6 +371,13 @@ ENTRIES: tuple[Entry, ...] = (
          "--set", "train.steps=50"), _lowp_tables,
     ),
     Entry(
+        "quant_lookup", "serving tables' fused lookup, speed-up over fp32 rows on the same ids: "
+        "default tables (8 × 10k × 16) and 4 × 1M × 64, uniform and Zipf 1.05, paired by round",
+        "int4 faster than fp32", ("qlookup", "--rounds", "10", "--iters", "50"),
+        ("qlookup", "--shapes", "8x10000x16,1x200000x64", "--rounds", "2", "--iters", "5"),
+        _render.quant_lookup,
+    ),
+    Entry(
         "train_default", "default training (`make run`)", "≤ 2% NE gap", (), ("--set", "train.steps=100"),
         _train, kind="train",
     ),

@@ -27,6 +27,7 @@ BENCHES = (
     "soak",
     "serve",
     "threads",
+    "qlookup",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 

@@ -14,9 +14,11 @@ DATA_HELP = (
 )
 
 
-def model_arguments(p: argparse.ArgumentParser, data_help: str = DATA_HELP) -> None:
+def model_arguments(
+    p: argparse.ArgumentParser, data_help: str = DATA_HELP, model_help: str = MODEL_HELP
+) -> None:
     """The flags ``eval`` and ``predict`` share: the model, the data and its overrides."""
-    p.add_argument("--model", required=True, metavar="RUN", help=MODEL_HELP)
+    p.add_argument("--model", required=True, metavar="RUN", help=model_help)
     p.add_argument("--data", metavar="PATH", help=data_help)
     p.add_argument(
         "--window",

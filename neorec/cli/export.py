@@ -15,9 +15,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
     p.add_argument(
         "--quantize",
-        choices=["none", "int8", "int4"],
+        choices=["none", "fp16", "int8", "int4", "int2"],
         default="none",
-        help="table rows: none (fp32), int8 or int4 row-wise codes with per-row scale and offset",
+        help="table rows: none (fp32), fp16, or int8 / int4 / int2 row-wise codes with a float16 "
+        "scale and offset per row",
     )
 
 

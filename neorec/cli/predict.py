@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from neorec.cli.eval import DATA_HELP, model_arguments
+from neorec.cli.eval import DATA_HELP, MODEL_HELP, model_arguments
 
 HELP = "batch inference: click probabilities (float32 .npy) of every sample, in data order"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``neorec predict``."""
-    model_arguments(p, DATA_HELP + "; default: the config's eval split (the trainer's eval order)")
+    model_arguments(
+        p,
+        DATA_HELP + "; default: the config's eval split (the trainer's eval order)",
+        MODEL_HELP + "; or a serving artifact (neorec export): predictions through its tables "
+        "as exported (fp16, int8, int4, int2)",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--out",

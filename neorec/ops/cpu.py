@@ -91,12 +91,13 @@ _SOURCES = (
     "csrc/exfm_losses.c",
     "csrc/row_split.c",
     "csrc/shm_sync.c",
+    "csrc/quant_lookup.c",
 )
 """Compiled together into one library: the TBE kernel, the row cache's bookkeeping, the
 dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares), an ExFM student's
 losses (``neorec.ops.exfm_losses``), the row-range split of row-split tables' ids
-(``neorec.ops.row_split``) and the shared-memory transport's sequence counters
-(``neorec.distributed.shm``)."""
+(``neorec.ops.row_split``), the shared-memory transport's sequence counters
+(``neorec.distributed.shm``) and the serving tables' pooled lookup (``neorec.ops.quant_lookup``)."""
 
 
 def _source() -> str:

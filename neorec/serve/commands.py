@@ -79,12 +79,17 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if getattr(args, "das", None):
         return _write_das(args, out)
     dest = check_out_path(args.out, "--out")
-    src, cfg, data = _prepare(args)
-    model, _ = load_model(src)
-    probs, _labels = predict_batches(
-        model, data.batches(), cfg.train.bf16_dense, "predict", data.total, data.describe
-    )
-    arr = probs.numpy().astype(np.float32, copy=False)
+    from neorec.serve.predict_artifact import is_artifact, predict_artifact
+
+    if is_artifact(args.model):  # a serving artifact: its tables as exported
+        arr, describe = predict_artifact(args)
+    else:
+        src, cfg, data = _prepare(args)
+        model, _ = load_model(src)
+        probs, _labels = predict_batches(
+            model, data.batches(), cfg.train.bf16_dense, "predict", data.total, data.describe
+        )
+        arr, describe = probs.numpy().astype(np.float32, copy=False), data.describe
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
@@ -96,7 +101,7 @@ def run_predict(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
         raise DataError(f"{dest}: cannot write the predictions ({e.strerror or e})") from None
     print(
-        f"wrote {arr.shape[0]:,} probabilities (float32) of {data.describe} to {dest}",
+        f"wrote {arr.shape[0]:,} probabilities (float32) of {describe} to {dest}",
         file=out,
         flush=True,
     )

@@ -7,8 +7,10 @@
       dense.pt2         bottom MLP + interaction + top MLP: a torch.export program
                         (dense [B, num_dense], pooled [B, F*dim]) -> logits [B]
                         (dense.ts, TorchScript, where torch.export cannot)
-      tables/<i>_<t>.npy  fp32 rows; or <i>_<t>.codes.npy (uint8), .scale.npy, .offset.npy
-                        (float32 per row) for --quantize int8 / int4 (<i>: the table's index)
+      tables/<i>_<t>.npy  fp32 rows (fp16 for --quantize fp16); or <i>_<t>.rows.npy for int8 /
+                        int4 / int2: uint8 rows of codes + float16 scale, offset in units of
+                        the spec's scale_unit / offset_unit (neorec.ops.quant_lookup; <i>: the
+                        table's index)
       serving.py        the loader (``neorec/serve/standalone.py``): load(DIR) -> predict
 
 A model trained on Criteo data also carries its feature transforms (``transforms``: the dense
@@ -23,7 +25,7 @@ checks both before it reads anything (``neorec.serve.artifact.load_artifact`` in
 
 The tables are read through ``ebc.table_weight`` (fp32 whatever the stored precision).
 Quantization is row-wise asymmetric (``neorec.ops.quant``): int8 over each row's [min, max],
-int4 with Check-N-Run's greedy range search.
+int4 and int2 with Check-N-Run's greedy range search; fp16 rounds each value to nearest.
 """
 
 from __future__ import annotations
@@ -46,16 +48,14 @@ from torch import Tensor, nn
 
 from neorec.checkpoint.format import seal_manifest
 from neorec.config import Config, ConfigError
-from neorec.errors import DataError
-from neorec.ops.quant import int_rowwise_quantize
+from neorec.errors import DataError, NeorecError
+from neorec.ops.quant_lookup import INT_KINDS, KINDS, quantize_rows
 from neorec.serve import standalone
 
 __all__ = ["QUANTIZE", "export_model", "dense_program", "feature_transforms"]
 
-QUANTIZE = {"none": 32, "int8": 8, "int4": 4}
-"""``--quantize`` choices and their bits."""
-CHUNK_ROWS = 65536
-"""Rows quantized per call (bounds the temporaries of the range search)."""
+QUANTIZE = KINDS
+"""``--quantize`` choices and their bits (none: fp32)."""
 
 
 def dense_program(model: Any, cfg: Config) -> tuple[nn.Module, int]:
@@ -130,15 +130,22 @@ def _writing(path: Path) -> Iterator[None]:
         raise ExportWriteError(f"{path.name}: cannot write ({why})") from None
 
 
-def _quantized(w: Tensor, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row-wise codes (uint8), scale and offset (float32 per row) of ``w`` [rows, dim]."""
-    codes, scale, offset = [], [], []
-    for lo in range(0, w.shape[0], CHUNK_ROWS):
-        q = int_rowwise_quantize(w[lo : lo + CHUNK_ROWS], bits, adaptive_range=bits <= 4)
-        codes.append(q.packed.numpy())
-        scale.append((q.scale.float() * q.scale_unit).numpy())
-        offset.append((q.offset.float() * q.offset_unit).numpy())
-    return np.concatenate(codes), np.concatenate(scale), np.concatenate(offset)
+def _table_spec(w: Tensor, quantize: str, base: str, out: Path, name: str) -> dict[str, Any]:
+    """The stored rows of ``w`` [rows, dim] as ``quantize`` (``neorec.ops.quant_lookup``): their
+    file written, the spec's keys for it."""
+    try:
+        q = quantize_rows(w, quantize, name=name)
+    except NeorecError as e:
+        raise DataError(f"--quantize {quantize}: {e}") from None
+    if quantize not in INT_KINDS:
+        return {"files": {"weight": f"{base}.npy"}, "bytes": _save(out / f"{base}.npy", q.data)}
+    return {
+        "bits": QUANTIZE[quantize],
+        "scale_unit": q.scale_unit,
+        "offset_unit": q.offset_unit,
+        "files": {"rows": f"{base}.rows.npy"},
+        "bytes": _save(out / f"{base}.rows.npy", q.data),
+    }
 
 
 def _save(path: Path, a: np.ndarray) -> int:
@@ -148,7 +155,7 @@ def _save(path: Path, a: np.ndarray) -> int:
 
 
 def _write_tables(
-    model: Any, bits: int, quantize: str, out: Path, progress: Any = None
+    model: Any, quantize: str, out: Path, progress: Any = None
 ) -> list[dict[str, Any]]:
     from neorec.checkpoint.dynamic import dynamic_part
 
@@ -169,17 +176,7 @@ def _write_tables(
         else:
             w = model.ebc.table_weight(t.name).detach().float().cpu()
         spec["quantization"] = quantize
-        if bits == 32:
-            spec["files"] = {"weight": f"{base}.npy"}
-            spec["bytes"] = _save(out / f"{base}.npy", w.numpy())
-        else:
-            codes, scale, offset = _quantized(w, bits)
-            spec["bits"] = bits
-            spec["files"] = {k: f"{base}.{k}.npy" for k in ("codes", "scale", "offset")}
-            spec["bytes"] = sum(
-                _save(out / f"{base}.{k}.npy", a)
-                for k, a in (("codes", codes), ("scale", scale), ("offset", offset))
-            )
+        spec.update(_table_spec(w, quantize, base, out, t.name))
         specs.append(spec)
         if progress is not None:
             progress(int(t.rows))  # the table's rows are written
@@ -292,7 +289,7 @@ def export_model(
             tmp.mkdir()
         plain, width = dense_program(model, cfg)
         dense = _export_dense(plain, cfg.model.num_dense, width, tmp)
-        tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp, progress)
+        tables = _write_tables(model, quantize, tmp, progress)
         ebc = model.ebc
         manifest = {
             "format": standalone.FORMAT,
@@ -307,6 +304,7 @@ def export_model(
             "transforms": feature_transforms(cfg),
             "output": "probabilities = sigmoid(logits); serving.load(DIR) returns them",
             "source": {"model": str(src.resolve()), "step": step},
+            "config": cfg.to_dict(),  # how its data is read (neorec predict --model DIR)
             "torch": torch.__version__,
         }
         with _writing(tmp / "serving.py"), open(tmp / "serving.py", "wb") as fh:

@@ -37,9 +37,13 @@ raises one naming why.
 
 The artifact: ``manifest.json`` (features -> tables, dims, pooling, quantization, files), the
 dense part (bottom MLP, interaction, top MLP) as a ``torch.export`` program ``dense.pt2`` (or
-TorchScript ``dense.ts``), and the tables as ``.npy``: fp32 rows, or row-wise integer codes
-(uint8; int4 packs two codes per byte, high nibble first) with float32 per-row ``scale`` and
-``offset`` (row = codes * scale + offset), decoded only for the rows a batch looks up.
+TorchScript ``dense.ts``), and the tables as ``.npy``: fp32 or fp16 rows, or row-wise integer
+codes (``int8`` / ``int4`` / ``int2``): uint8 rows of the codes (big-endian bits: int4's high nibble
+first) followed by the row's float16 scale and offset in units of the table's ``scale_unit`` /
+``offset_unit`` (row = codes * scale * scale_unit + offset * offset_unit), decoded only for the rows
+a batch looks up. With neorec installed, tables other than fp32 are pooled by its compiled kernel
+(``neorec.ops.quant_lookup``, decode and pooling in one pass; ``load(DIR, fused=False)``: this
+file's NumPy path, which is its specification).
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ FORMAT = "neorec.serving"
 FORMAT_VERSION = 2
 """2: the manifest carries its own SHA-256 and every file's size and CRC-32."""
 MANIFEST = "manifest.json"
+INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+"""Row-wise integer table kinds and their bits per code."""
+FUSED = ("fp16", *INT_BITS)
+"""Table kinds pooled by neorec's kernel when it is there (``neorec.ops.quant_lookup``)."""
 CHUNK = 16 << 20
 """Bytes read per call of the CRC pass."""
 
@@ -308,20 +316,24 @@ class Table:
             paths[id(a)] = path
             return a
 
-        if self.quantization == "none":
-            self.weight = arr("weight")
+        self.scale_unit = self.offset_unit = 1.0
+        if self.quantization in ("none", "fp16"):
+            self.weight = self.data = arr("weight")
             want: list[tuple[np.ndarray, tuple[int, ...], Any]] = [
-                (self.weight, (self.num_rows, self.dim), np.float32)
-            ]
-        elif self.quantization in ("int8", "int4"):
-            self.bits = int(spec["bits"])
-            self.codes, self.scale, self.offset = arr("codes"), arr("scale"), arr("offset")
-            nbytes = (self.dim * self.bits + 7) // 8
-            want = [
-                (self.codes, (self.num_rows, nbytes), np.uint8),
-                (self.scale, (self.num_rows,), np.float32),
-                (self.offset, (self.num_rows,), np.float32),
-            ]
+                (self.weight, (self.num_rows, self.dim), np.float32 if self.quantization == "none"
+                 else np.float16)
+            ]  # fmt: skip
+        elif self.quantization in INT_BITS:
+            if "rows" not in files:
+                raise ArtifactError(
+                    f"table '{self.name}': separate codes / scale / offset files (an older export): "
+                    "load it with its own serving.py, or export it again"
+                )
+            self.bits = INT_BITS[self.quantization]
+            self.scale_unit = float(spec["scale_unit"])
+            self.offset_unit = float(spec["offset_unit"])
+            self.data = arr("rows")  # [codes | scale, offset float16] per row
+            want = [(self.data, (self.num_rows, (self.dim * self.bits + 7) // 8 + 4), np.uint8)]
         else:
             raise ArtifactError(f"table '{self.name}': unknown quantization {self.quantization!r}")
         for a, shape, dtype in want:
@@ -344,22 +356,29 @@ class Table:
         """fp32 rows [len(ids), dim] of ``ids`` (int64, checked by the caller)."""
         if self.quantization == "none":
             return torch.from_numpy(np.ascontiguousarray(self.weight[ids]))
-        packed = torch.from_numpy(np.ascontiguousarray(self.codes[ids]))
+        if self.quantization == "fp16":
+            return torch.from_numpy(self.weight[ids].astype(np.float32))
+        raw = np.ascontiguousarray(self.data[ids])
+        nb = raw.shape[1] - 4
+        meta = raw[:, nb:].copy().view("<f2").astype(np.float32)  # [n, 2]: scale, offset
+        scale = torch.from_numpy(meta[:, 0] * np.float32(self.scale_unit))
+        offset = torch.from_numpy(meta[:, 1] * np.float32(self.offset_unit))
+        packed = torch.from_numpy(raw[:, :nb]).to(torch.int32)
         if self.bits == 8:
-            codes = packed.to(torch.int32)
-        else:  # 4 bits: high nibble first
-            codes = torch.stack([packed >> 4, packed & 15], dim=2).reshape(len(ids), -1)
-            codes = codes[:, : self.dim].to(torch.int32)
-        scale = torch.from_numpy(np.ascontiguousarray(self.scale[ids]))
-        offset = torch.from_numpy(np.ascontiguousarray(self.offset[ids]))
+            codes = packed
+        else:  # big-endian bits: int4's high nibble first, int2's top two bits first
+            shifts = torch.arange(8 - self.bits, -1, -self.bits, dtype=torch.int32)
+            codes = (packed.unsqueeze(2) >> shifts) & ((1 << self.bits) - 1)
+            codes = codes.reshape(len(ids), -1)[:, : self.dim]
         return codes.float() * scale.unsqueeze(1) + offset.unsqueeze(1)
 
 
 class Predictor:
     """``predict(dense, sparse)`` of a serving artifact (see the module docstring)."""
 
-    def __init__(self, root: str, verify: bool = True) -> None:
+    def __init__(self, root: str, verify: bool = True, fused: bool = True) -> None:
         m = read_manifest(root)
+        self._fused = _fused_kernel() if fused else None
         try:
             check_files(root, m, verify)
             self.manifest = m
@@ -437,6 +456,10 @@ class Predictor:
             lengths = np.bincount(seg_all[keep], minlength=batch).astype(np.int64)
             ids = ids[keep]
             w = w[torch.from_numpy(keep)] if w is not None else None
+        if self._fused is not None and table.quantization in FUSED:  # fp32: as it always was
+            offsets = np.zeros(batch + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            return self._fused(table, ids, offsets, w, self.pooling == "mean")
         rows = table.rows(ids)
         if w is not None:
             rows = rows * w.unsqueeze(1)
@@ -503,7 +526,19 @@ class Predictor:
         return self(*self.inputs_from_raw(rows, labels))
 
 
-def load(path: str, verify: bool = True) -> Predictor:
+def _fused_kernel() -> Any:
+    """neorec's compiled pooled lookup (``neorec.ops.quant_lookup.pooled``, the same sums as
+    ``Table.rows`` + ``index_add_``) when neorec imports and its kernel builds; else None."""
+    try:
+        from neorec.ops import quant_lookup
+
+        return quant_lookup.pooled if quant_lookup.native_lib() is not None else None
+    except (ImportError, OSError, RuntimeError):
+        return None
+
+
+def load(path: str, verify: bool = True, fused: bool = True) -> Predictor:
     """The predictor of the artifact in directory ``path``; every file is checked against the
-    manifest first (``verify=False``: sizes only, no CRC pass)."""
-    return Predictor(str(path), verify)
+    manifest first (``verify=False``: sizes only, no CRC pass; ``fused=False``: every table
+    pooled by this file's NumPy path, not neorec's kernel)."""
+    return Predictor(str(path), verify, fused)
