@@ -26,6 +26,7 @@ BENCHES = (
     "report",
     "soak",
     "threads",
+    "lowrank",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 

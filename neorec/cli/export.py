@@ -19,6 +19,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="none",
         help="table rows: none (fp32), int8 or int4 row-wise codes with per-row scale and offset",
     )
+    p.add_argument(
+        "--low-rank",
+        metavar="R",
+        help="store each table of dim > R as U [rows, R] @ V [R, dim] (fp32), factored by "
+        "alternating least squares from a random start; tables of dim <= R stay as they are",
+    )
+    p.add_argument(
+        "--low-rank-iters",
+        metavar="K",
+        help="ALS iterations of --low-rank (default 5; each is one pass over the table)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@
                         (dense [B, num_dense], pooled [B, F*dim]) -> logits [B]
                         (dense.ts, TorchScript, where torch.export cannot)
       tables/<i>_<t>.npy  fp32 rows; or <i>_<t>.codes.npy (uint8), .scale.npy, .offset.npy
-                        (float32 per row) for --quantize int8 / int4 (<i>: the table's index)
+                        (float32 per row) for --quantize int8 / int4 (<i>: the table's index);
+                        or <i>_<t>.u.npy [rows, R] and .v.npy [R, dim] (float32) for
+                        --low-rank R (``neorec.serve.lowrank``; tables of dim <= R stay fp32)
       serving.py        the loader (``neorec/serve/standalone.py``): load(DIR) -> predict
 
 A model trained on Criteo data also carries its feature transforms (``transforms``: the dense
@@ -49,6 +51,7 @@ from neorec.config import Config, ConfigError
 from neorec.errors import DataError
 from neorec.ops.quant import int_rowwise_quantize
 from neorec.serve import standalone
+from neorec.serve.lowrank import DEFAULT_ITERS, als_factor, check_low_rank
 
 __all__ = ["QUANTIZE", "export_model", "dense_program", "feature_transforms"]
 
@@ -147,8 +150,27 @@ def _save(path: Path, a: np.ndarray) -> int:
     return path.stat().st_size
 
 
+def _write_low_rank(w: Tensor, base: str, out: Path, low_rank: dict[str, int]) -> dict[str, Any]:
+    """A table's spec entries for U and V (``--low-rank``), the files written."""
+    lr = als_factor(w, low_rank["rank"], low_rank["iters"], low_rank["seed"])
+    files = {k: f"{base}.{k}.npy" for k in ("u", "v")}
+    nbytes = sum(_save(out / files[k], a.numpy()) for k, a in (("u", lr.u), ("v", lr.v)))
+    return {
+        "quantization": "lowrank",
+        "rank": low_rank["rank"],
+        "relative_error": lr.relative_error,
+        "files": files,
+        "bytes": nbytes,
+    }
+
+
 def _write_tables(
-    model: Any, bits: int, quantize: str, out: Path, progress: Any = None
+    model: Any,
+    bits: int,
+    quantize: str,
+    out: Path,
+    progress: Any = None,
+    low_rank: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     from neorec.checkpoint.dynamic import dynamic_part
 
@@ -169,7 +191,9 @@ def _write_tables(
         else:
             w = model.ebc.table_weight(t.name).detach().float().cpu()
         spec["quantization"] = quantize
-        if bits == 32:
+        if low_rank is not None and int(w.shape[1]) > low_rank["rank"]:
+            spec.update(_write_low_rank(w, base, out, low_rank))
+        elif bits == 32:
             spec["files"] = {"weight": f"{base}.npy"}
             spec["bytes"] = _save(out / f"{base}.npy", w.numpy())
         else:
@@ -271,16 +295,37 @@ def _target(out: Path) -> None:
         raise DataError(f"{out.parent}: no such directory (for --out {out}); create it first")
 
 
+def _low_rank_options(quantize: str, rank: int | None, iters: int) -> dict[str, int] | None:
+    """``--low-rank`` / ``--low-rank-iters`` checked (one line each) before any work."""
+    if rank is None:
+        return None
+    check_low_rank(rank, "--low-rank")
+    check_low_rank(iters, "--low-rank-iters")
+    if quantize != "none":
+        raise ConfigError(
+            f"--low-rank {rank} with --quantize {quantize}: low-rank factors are stored in fp32; "
+            "choose one of the two"
+        )
+    return {"rank": rank, "iters": iters, "seed": 0}
+
+
 def export_model(
-    model_path: str | Path, out_dir: str | Path, quantize: str = "none", progress: Any = None
+    model_path: str | Path,
+    out_dir: str | Path,
+    quantize: str = "none",
+    progress: Any = None,
+    low_rank: int | None = None,
+    low_rank_iters: int = DEFAULT_ITERS,
 ) -> Path:
     """Write the serving artifact of a saved model (run folder or model dir) into ``out_dir``
     (new or empty; written under a temporary name, then renamed); ``progress(rows)`` after each
-    table is written. Returns ``out_dir``."""
+    table is written; ``low_rank``: tables of dim > R stored as U @ V (``neorec.serve.lowrank``).
+    Returns ``out_dir``."""
     from neorec.serve.model import find_model_dir, load_model, read_model_info
 
     if quantize not in QUANTIZE:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    lowrank = _low_rank_options(quantize, low_rank, low_rank_iters)
     out = Path(out_dir)
     _target(out)
     src = find_model_dir(model_path)
@@ -292,7 +337,7 @@ def export_model(
             tmp.mkdir()
         plain, width = dense_program(model, cfg)
         dense = _export_dense(plain, cfg.model.num_dense, width, tmp)
-        tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp, progress)
+        tables = _write_tables(model, QUANTIZE[quantize], quantize, tmp, progress, lowrank)
         ebc = model.ebc
         manifest = {
             "format": standalone.FORMAT,
@@ -303,6 +348,7 @@ def export_model(
             "features": [{"name": f, "table": t.name} for t in ebc.tables for f in t.features],
             "tables": tables,
             "quantization": quantize,
+            **({"low_rank": lowrank} if lowrank else {}),
             "dense": dense,
             "transforms": feature_transforms(cfg),
             "output": "probabilities = sigmoid(logits); serving.load(DIR) returns them",

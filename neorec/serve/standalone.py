@@ -39,7 +39,8 @@ The artifact: ``manifest.json`` (features -> tables, dims, pooling, quantization
 dense part (bottom MLP, interaction, top MLP) as a ``torch.export`` program ``dense.pt2`` (or
 TorchScript ``dense.ts``), and the tables as ``.npy``: fp32 rows, or row-wise integer codes
 (uint8; int4 packs two codes per byte, high nibble first) with float32 per-row ``scale`` and
-``offset`` (row = codes * scale + offset), decoded only for the rows a batch looks up.
+``offset`` (row = codes * scale + offset), decoded only for the rows a batch looks up; or a
+low-rank table's float32 factors ``u`` [rows, R] and ``v`` [R, dim] (row = u[id] @ v).
 """
 
 from __future__ import annotations
@@ -322,6 +323,8 @@ class Table:
                 (self.scale, (self.num_rows,), np.float32),
                 (self.offset, (self.num_rows,), np.float32),
             ]
+        elif self.quantization == "lowrank":
+            want = self._low_rank_files(spec, arr)
         else:
             raise ArtifactError(f"table '{self.name}': unknown quantization {self.quantization!r}")
         for a, shape, dtype in want:
@@ -330,6 +333,17 @@ class Table:
                     f"{paths[id(a)]}: table '{self.name}': {a.dtype} {a.shape}, the manifest "
                     f"says {np.dtype(dtype)} {shape} (a damaged artifact)"
                 )
+
+    def _low_rank_files(
+        self, spec: dict[str, Any], arr: Any
+    ) -> list[tuple[np.ndarray, tuple[int, ...], Any]]:
+        """U [rows, R] and V [R, dim] (float32) of a low-rank table, with their wanted shapes."""
+        self.rank = int(spec["rank"])
+        self.u, self.v = arr("u"), arr("v")
+        return [
+            (self.u, (self.num_rows, self.rank), np.float32),
+            (self.v, (self.rank, self.dim), np.float32),
+        ]
 
     def row_of(self, ids: np.ndarray) -> np.ndarray:
         """Rows of raw ids of a dynamic table: their row, else the default row, else -1."""
@@ -344,6 +358,9 @@ class Table:
         """fp32 rows [len(ids), dim] of ``ids`` (int64, checked by the caller)."""
         if self.quantization == "none":
             return torch.from_numpy(np.ascontiguousarray(self.weight[ids]))
+        if self.quantization == "lowrank":  # U[ids] @ V
+            v = torch.from_numpy(np.array(self.v))  # [R, dim]: small
+            return torch.from_numpy(np.ascontiguousarray(self.u[ids])) @ v
         packed = torch.from_numpy(np.ascontiguousarray(self.codes[ids]))
         if self.bits == 8:
             codes = packed.to(torch.int32)
