@@ -125,7 +125,8 @@ def ne_vs_memory(
                     lr = als_factor(w, r, iters, seed)
                     model.ebc.set_table_weight(name, lr.u @ lr.v)
                     stored += lr.u.numel() + lr.v.numel()
-                else:
+                else:  # kept as it is (as the export keeps it)
+                    model.ebc.set_table_weight(name, w)
                     stored += w.numel()
             m = evaluate(model)
             out["ranks"][r] = {"ne": m["ne"], "auc": m["auc"], "bytes_ratio": stored / full}

@@ -134,5 +134,7 @@ def parse_low_rank(text: str | None, what: str = "--low-rank") -> int | None:
     try:
         value = int(str(text).strip(), 10)
     except ValueError:
-        raise ConfigError(f"{what} must be a positive integer, got {text!r}") from None
-    return check_low_rank(value, what)
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {text!r}")
+    return value
