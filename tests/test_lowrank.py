@@ -66,6 +66,26 @@ def test_als_error_is_above_the_svd_optimum_and_approaches_it() -> None:
     assert ratios[0] > 1.01 and ratios[-1] < 1.01  # it started away from the optimum, and got near
 
 
+def test_chunked_als_equals_plain_als() -> None:
+    """The chunked loop against textbook ALS on the whole matrix (lstsq each half-step): plain
+    (no extra columns) the same product after each iteration; with extra columns, the product
+    is the best rank-R approximation within the wider ALS's column space."""
+    w = _matrix(400, 10, None, seed=3) * torch.linspace(2.0, 0.3, 10)
+    w64 = w.double()
+    for oversample in (0, 2):
+        k = 3 + oversample
+        v = torch.randn(k, 10, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        for it in range(1, 4):
+            u = torch.linalg.lstsq(v.T, w64.T).solution.T  # argmin_U ||W - U V||
+            v = torch.linalg.lstsq(u, w64).solution  # argmin_V ||W - U V||
+            q, _ = torch.linalg.qr(u)
+            a, sv, bt = torch.linalg.svd(q.T @ w64, full_matrices=False)
+            want = q @ a[:, :3] @ torch.diag(sv[:3]) @ bt[:3]
+            got = als_factor(w, 3, it, seed=5, chunk_rows=150, oversample=oversample)
+            assert torch.allclose(got.u.double() @ got.v.double(), want, atol=1e-5)
+            assert got.sq_errors[-1] == pytest.approx(float((w64 - want).square().sum()), rel=1e-6)
+
+
 def test_als_is_deterministic_given_its_seed() -> None:
     w = _matrix(500, 8, None, seed=2)
     a, b = als_factor(w, 3, 3, seed=7), als_factor(w, 3, 3, seed=7)
