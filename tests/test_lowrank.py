@@ -156,7 +156,7 @@ def test_export_low_rank_round_trip(trained: SimpleNamespace) -> None:
     art, out = _export(trained, "art-r4", "--low-rank", "4", "--low-rank-iters", "3")
     assert "low rank 4 (3 ALS iterations): 3 tables factored" in out and "kept" not in out
     m = json.loads((art / "manifest.json").read_text())
-    assert m["low_rank"] == {"rank": 4, "iters": 3, "seed": 0}
+    assert m["low_rank"] == {"rank": 4, "iters": 3, "seed": 0, "oversample": 2}
     model = trained.trainer.model
     ref = torch.cat(predict(model, iter(trained.batches)).probs).numpy()
     saved = {t.name: model.ebc.table_weight(t.name).detach().clone() for t in model.ebc.tables}

@@ -51,7 +51,7 @@ from neorec.config import Config, ConfigError
 from neorec.errors import DataError
 from neorec.ops.quant import int_rowwise_quantize
 from neorec.serve import standalone
-from neorec.serve.lowrank import DEFAULT_ITERS, als_factor, check_low_rank
+from neorec.serve.lowrank import DEFAULT_ITERS, OVERSAMPLE, als_factor, check_low_rank
 
 __all__ = ["QUANTIZE", "export_model", "dense_program", "feature_transforms"]
 
@@ -152,7 +152,9 @@ def _save(path: Path, a: np.ndarray) -> int:
 
 def _write_low_rank(w: Tensor, base: str, out: Path, low_rank: dict[str, int]) -> dict[str, Any]:
     """A table's spec entries for U and V (``--low-rank``), the files written."""
-    lr = als_factor(w, low_rank["rank"], low_rank["iters"], low_rank["seed"])
+    lr = als_factor(
+        w, low_rank["rank"], low_rank["iters"], low_rank["seed"], oversample=low_rank["oversample"]
+    )
     files = {k: f"{base}.{k}.npy" for k in ("u", "v")}
     nbytes = sum(_save(out / files[k], a.numpy()) for k, a in (("u", lr.u), ("v", lr.v)))
     return {
@@ -306,7 +308,7 @@ def _low_rank_options(quantize: str, rank: int | None, iters: int) -> dict[str, 
             f"--low-rank {rank} with --quantize {quantize}: low-rank factors are stored in fp32; "
             "choose one of the two"
         )
-    return {"rank": rank, "iters": iters, "seed": 0}
+    return {"rank": rank, "iters": iters, "seed": 0, "oversample": OVERSAMPLE}
 
 
 def export_model(
