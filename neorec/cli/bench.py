@@ -28,6 +28,7 @@ BENCHES = (
     "serve",
     "threads",
     "qlookup",
+    "lowrank",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 

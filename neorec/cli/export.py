@@ -20,6 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="table rows: none (fp32), fp16, or int8 / int4 / int2 row-wise codes with a float16 "
         "scale and offset per row",
     )
+    p.add_argument(
+        "--low-rank",
+        metavar="R",
+        help="store each table of dim > R as U [rows, R] @ V [R, dim] (fp32), factored by "
+        "alternating least squares from a random start; tables of dim <= R stay as they are",
+    )
+    p.add_argument(
+        "--low-rank-iters",
+        metavar="K",
+        help="ALS iterations of --low-rank (default 5; each is one pass over the table)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -150,19 +150,47 @@ def _export_phase(model: str) -> Any:
 def run_export(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``neorec export``: the serving artifact of a saved model."""
     from neorec.serve.export import export_model
+    from neorec.serve.lowrank import DEFAULT_ITERS, parse_low_rank
 
     out = out or sys.stdout
+    rank = parse_low_rank(getattr(args, "low_rank", None), "--low-rank")
+    iters = parse_low_rank(getattr(args, "low_rank_iters", None), "--low-rank-iters")
+    if iters is not None and rank is None:
+        raise ConfigError("--low-rank-iters: only with --low-rank R")
+    iters = DEFAULT_ITERS if iters is None else iters
     with _export_phase(args.model) as phase:
-        dest = export_model(args.model, args.out, args.quantize, progress=phase.advance)
+        dest = export_model(
+            args.model, args.out, args.quantize, phase.advance, low_rank=rank, low_rank_iters=iters
+        )
     manifest = json.loads((dest / "manifest.json").read_text())
     table_bytes = sum(t["bytes"] for t in manifest["tables"])
     dense = manifest["dense"]
+    if rank is not None:
+        print(_low_rank_line(manifest, rank, iters), file=out, flush=True)
+    kind = args.quantize if rank is None else f"low rank {rank}"
     print(
         f"exported to {dest}: dense part as {dense['format']} ({dense['file']}), "
-        f"{len(manifest['tables'])} tables ({args.quantize}, {table_bytes / 2**20:,.2f} MiB), "
+        f"{len(manifest['tables'])} tables ({kind}, {table_bytes / 2**20:,.2f} MiB), "
         f'loader serving.py (python -c \'import sys; sys.path.insert(0, "{dest}"); '
         f'import serving; predict = serving.load("{dest}")\')',
         file=out,
         flush=True,
     )
     return 0
+
+
+def _low_rank_line(manifest: dict[str, Any], rank: int, iters: int) -> str:
+    """What ``--low-rank`` did: the factored tables' errors, the tables kept as they are."""
+    tables = manifest["tables"]
+    done = [t for t in tables if t["quantization"] == "lowrank"]
+    kept = [t["name"] for t in tables if t["quantization"] != "lowrank"]
+    line = f"low rank {rank} ({iters} ALS iterations): {len(done)} tables factored"
+    if done:
+        worst = max(done, key=lambda t: t["relative_error"])
+        line += (
+            f" (relative Frobenius error up to {worst['relative_error']:.4f}, table "
+            f"'{worst['name']}')"
+        )
+    if kept:
+        line += f"; kept as they are (dim <= {rank}): {', '.join(kept)}"
+    return line

@@ -10,7 +10,8 @@
       tables/<i>_<t>.npy  fp32 rows (fp16 for --quantize fp16); or <i>_<t>.rows.npy for int8 /
                         int4 / int2: uint8 rows of codes + float16 scale, offset in units of
                         the spec's scale_unit / offset_unit (neorec.ops.quant_lookup; <i>: the
-                        table's index)
+                        table's index); or <i>_<t>.u.npy [rows, R] and .v.npy [R, dim] (float32)
+                        for --low-rank R (``neorec.serve.lowrank``; tables of dim <= R stay fp32)
       serving.py        the loader (``neorec/serve/standalone.py``): load(DIR) -> predict
 
 A model trained on Criteo data also carries its feature transforms (``transforms``: the dense
@@ -51,6 +52,7 @@ from neorec.config import Config, ConfigError
 from neorec.errors import DataError, NeorecError
 from neorec.ops.quant_lookup import INT_KINDS, KINDS, quantize_rows
 from neorec.serve import standalone
+from neorec.serve.lowrank import DEFAULT_ITERS, OVERSAMPLE, als_factor, check_low_rank
 
 __all__ = ["QUANTIZE", "export_model", "dense_program", "feature_transforms"]
 
@@ -154,8 +156,28 @@ def _save(path: Path, a: np.ndarray) -> int:
     return path.stat().st_size
 
 
+def _write_low_rank(w: Tensor, base: str, out: Path, low_rank: dict[str, int]) -> dict[str, Any]:
+    """A table's spec entries for U and V (``--low-rank``), the files written."""
+    lr = als_factor(
+        w, low_rank["rank"], low_rank["iters"], low_rank["seed"], oversample=low_rank["oversample"]
+    )
+    files = {k: f"{base}.{k}.npy" for k in ("u", "v")}
+    nbytes = sum(_save(out / files[k], a.numpy()) for k, a in (("u", lr.u), ("v", lr.v)))
+    return {
+        "quantization": "lowrank",
+        "rank": low_rank["rank"],
+        "relative_error": lr.relative_error,
+        "files": files,
+        "bytes": nbytes,
+    }
+
+
 def _write_tables(
-    model: Any, quantize: str, out: Path, progress: Any = None
+    model: Any,
+    quantize: str,
+    out: Path,
+    progress: Any = None,
+    low_rank: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     from neorec.checkpoint.dynamic import dynamic_part
 
@@ -176,7 +198,10 @@ def _write_tables(
         else:
             w = model.ebc.table_weight(t.name).detach().float().cpu()
         spec["quantization"] = quantize
-        spec.update(_table_spec(w, quantize, base, out, t.name))
+        if low_rank is not None and int(w.shape[1]) > low_rank["rank"]:
+            spec.update(_write_low_rank(w, base, out, low_rank))
+        else:
+            spec.update(_table_spec(w, quantize, base, out, t.name))
         specs.append(spec)
         if progress is not None:
             progress(int(t.rows))  # the table's rows are written
@@ -268,16 +293,37 @@ def _target(out: Path) -> None:
         raise DataError(f"{out.parent}: no such directory (for --out {out}); create it first")
 
 
+def _low_rank_options(quantize: str, rank: int | None, iters: int) -> dict[str, int] | None:
+    """``--low-rank`` / ``--low-rank-iters`` checked (one line each) before any work."""
+    if rank is None:
+        return None
+    check_low_rank(rank, "--low-rank")
+    check_low_rank(iters, "--low-rank-iters")
+    if quantize != "none":
+        raise ConfigError(
+            f"--low-rank {rank} with --quantize {quantize}: low-rank factors are stored in fp32; "
+            "choose one of the two"
+        )
+    return {"rank": rank, "iters": iters, "seed": 0, "oversample": OVERSAMPLE}
+
+
 def export_model(
-    model_path: str | Path, out_dir: str | Path, quantize: str = "none", progress: Any = None
+    model_path: str | Path,
+    out_dir: str | Path,
+    quantize: str = "none",
+    progress: Any = None,
+    low_rank: int | None = None,
+    low_rank_iters: int = DEFAULT_ITERS,
 ) -> Path:
     """Write the serving artifact of a saved model (run folder or model dir) into ``out_dir``
     (new or empty; written under a temporary name, then renamed); ``progress(rows)`` after each
-    table is written. Returns ``out_dir``."""
+    table is written; ``low_rank``: tables of dim > R stored as U @ V (``neorec.serve.lowrank``).
+    Returns ``out_dir``."""
     from neorec.serve.model import find_model_dir, load_model, read_model_info
 
     if quantize not in QUANTIZE:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    lowrank = _low_rank_options(quantize, low_rank, low_rank_iters)
     out = Path(out_dir)
     _target(out)
     src = find_model_dir(model_path)
@@ -289,7 +335,7 @@ def export_model(
             tmp.mkdir()
         plain, width = dense_program(model, cfg)
         dense = _export_dense(plain, cfg.model.num_dense, width, tmp)
-        tables = _write_tables(model, quantize, tmp, progress)
+        tables = _write_tables(model, quantize, tmp, progress, lowrank)
         ebc = model.ebc
         manifest = {
             "format": standalone.FORMAT,
@@ -300,6 +346,7 @@ def export_model(
             "features": [{"name": f, "table": t.name} for t in ebc.tables for f in t.features],
             "tables": tables,
             "quantization": quantize,
+            **({"low_rank": lowrank} if lowrank else {}),
             "dense": dense,
             "transforms": feature_transforms(cfg),
             "output": "probabilities = sigmoid(logits); serving.load(DIR) returns them",

@@ -41,9 +41,10 @@ TorchScript ``dense.ts``), and the tables as ``.npy``: fp32 or fp16 rows, or row
 codes (``int8`` / ``int4`` / ``int2``): uint8 rows of the codes (big-endian bits: int4's high nibble
 first) followed by the row's float16 scale and offset in units of the table's ``scale_unit`` /
 ``offset_unit`` (row = codes * scale * scale_unit + offset * offset_unit), decoded only for the rows
-a batch looks up. With neorec installed, tables other than fp32 are pooled by its compiled kernel
-(``neorec.ops.quant_lookup``, decode and pooling in one pass; ``load(DIR, fused=False)``: this
-file's NumPy path, which is its specification).
+a batch looks up; or a low-rank table's float32 factors ``u`` [rows, R] and ``v`` [R, dim]
+(row = u[id] @ v). With neorec installed, fp16 and integer tables are pooled by its compiled
+kernel (``neorec.ops.quant_lookup``, decode and pooling in one pass; ``load(DIR, fused=False)``:
+this file's NumPy path, which is its specification).
 """
 
 from __future__ import annotations
@@ -334,6 +335,8 @@ class Table:
             self.offset_unit = float(spec["offset_unit"])
             self.data = arr("rows")  # [codes | scale, offset float16] per row
             want = [(self.data, (self.num_rows, (self.dim * self.bits + 7) // 8 + 4), np.uint8)]
+        elif self.quantization == "lowrank":
+            want = self._low_rank_files(spec, arr)
         else:
             raise ArtifactError(f"table '{self.name}': unknown quantization {self.quantization!r}")
         for a, shape, dtype in want:
@@ -342,6 +345,17 @@ class Table:
                     f"{paths[id(a)]}: table '{self.name}': {a.dtype} {a.shape}, the manifest "
                     f"says {np.dtype(dtype)} {shape} (a damaged artifact)"
                 )
+
+    def _low_rank_files(
+        self, spec: dict[str, Any], arr: Any
+    ) -> list[tuple[np.ndarray, tuple[int, ...], Any]]:
+        """U [rows, R] and V [R, dim] (float32) of a low-rank table, with their wanted shapes."""
+        self.rank = int(spec["rank"])
+        self.u, self.v = arr("u"), arr("v")
+        return [
+            (self.u, (self.num_rows, self.rank), np.float32),
+            (self.v, (self.rank, self.dim), np.float32),
+        ]
 
     def row_of(self, ids: np.ndarray) -> np.ndarray:
         """Rows of raw ids of a dynamic table: their row, else the default row, else -1."""
@@ -356,6 +370,9 @@ class Table:
         """fp32 rows [len(ids), dim] of ``ids`` (int64, checked by the caller)."""
         if self.quantization == "none":
             return torch.from_numpy(np.ascontiguousarray(self.weight[ids]))
+        if self.quantization == "lowrank":  # U[ids] @ V
+            v = torch.from_numpy(np.array(self.v))  # [R, dim]: small
+            return torch.from_numpy(np.ascontiguousarray(self.u[ids])) @ v
         if self.quantization == "fp16":
             return torch.from_numpy(self.weight[ids].astype(np.float32))
         raw = np.ascontiguousarray(self.data[ids])
