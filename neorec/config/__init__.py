@@ -23,6 +23,7 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.qat import QatConfig
 from neorec.config.schedule import ScheduleConfig
 from neorec.config.system import SystemConfig
 from neorec.config.towers import TOWER_MODULES, TOWER_PARTITIONERS, TowersConfig
@@ -36,6 +37,7 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "ScheduleConfig",
+    "QatConfig",
     "ShardingConfig",
     "PlannerConfig",
     "CheckpointConfig",
