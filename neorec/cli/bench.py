@@ -26,6 +26,7 @@ BENCHES = (
     "report",
     "soak",
     "threads",
+    "quant",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 

@@ -12,6 +12,7 @@ from neorec.config.core import MAX_DENSE_PARAMS, Config, check_trainable, dense_
 from neorec.config.distill import DistillConfig
 from neorec.config.load import _parse_value, apply_overrides, load_config, read_toml
 from neorec.config.model import EMBEDDING_OPTIMIZERS, EmbeddingConfig, ModelConfig, TableConfig
+from neorec.config.qat import QatConfig
 from neorec.config.run import (
     _COMM_CODECS,
     CheckpointConfig,
@@ -23,7 +24,6 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
-from neorec.config.qat import QatConfig
 from neorec.config.schedule import ScheduleConfig
 from neorec.config.system import SystemConfig
 from neorec.config.towers import TOWER_MODULES, TOWER_PARTITIONERS, TowersConfig

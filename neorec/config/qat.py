@@ -42,7 +42,9 @@ class QatConfig:
         check_fields(self, "train.qat")
         if self.bits == 0:
             changed = [
-                f.name for f in fields(self) if f.name != "bits" and getattr(self, f.name) != f.default
+                f.name
+                for f in fields(self)
+                if f.name != "bits" and getattr(self, f.name) != f.default
             ]
             if changed:
                 names = ", ".join(f"train.qat.{n}" for n in changed)
