@@ -71,10 +71,11 @@ def table_roundtrip(w: Tensor, kind: str) -> tuple[Tensor, int]:
 
 
 def quantized_metrics(
-    ebc: EmbeddingCollection, evaluate: Callable[[], dict[str, float]], kind: str
+    ebc: Any, evaluate: Callable[[], dict[str, float]], kind: str
 ) -> tuple[dict[str, float], float]:
-    """``evaluate()``'s metrics with every table of ``ebc`` stored at ``kind``, and the stored
-    bytes over the fp32 bytes; the fp32 tables are put back after."""
+    """``evaluate()``'s metrics with every table of ``ebc`` (a collection with
+    ``set_table_weight``: an ``EmbeddingBagCollection``) stored at ``kind``, and the stored bytes
+    over the fp32 bytes; the fp32 tables are put back after."""
     saved = {t.name: ebc.table_weight(t.name).detach().clone() for t in ebc.tables}
     stored = fp32 = 0
     try:

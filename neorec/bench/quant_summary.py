@@ -8,6 +8,7 @@ The JSON keeps each width at its top level (``"int4": {"bytes_ratio", "ptq": {"n
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from neorec.bench.stats import mean_interval
@@ -168,7 +169,7 @@ def print_select(r: dict[str, Any]) -> None:
     print(f"chosen: {r['chosen']}")
 
 
-def quant_row(j: dict[str, Any]) -> str:
+def quant_row(j: Mapping[str, Any]) -> str:
     """The README row of ``neorec bench quant``."""
     ref = j["reference"]
     parts = [f"fp32 NE {ref['ne']:.4f}, AUC {ref['auc']:.4f}"]
