@@ -46,9 +46,9 @@ WIDTHS = {"fp16": 16, "int8": 8, "int4": 4, "int2": 2}
 """Stored widths: fp16 (PTQ only) and the integer codes (PTQ and QAT)."""
 DEV_SEEDS = (0, 1, 2)
 """The seeds QAT's settings were chosen on (never reported)."""
-QAT_CHOSEN = {"strength": 1.0, "start_fraction": 0.25, "shape": "sin"}
+QAT_CHOSEN = {"strength": 0.03, "start_fraction": 0.25, "shape": "sin"}
 """QAT's settings chosen on ``DEV_SEEDS`` (``--select``; docs/embeddings.md)."""
-SELECT_GRID = "0.3:0.25,1:0.25,3:0.25,1:0.5"
+SELECT_GRID = "0.03:0.25,0.3:0.25,1:0.25,10:0.25,100:0.25,1000:0.25"
 """``--select``'s default grid: strength:start_fraction pairs."""
 
 
