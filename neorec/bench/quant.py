@@ -21,13 +21,16 @@ says whether they are apart. Targets (issue 53): int8 PTQ within 0.02% NE, int4 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,17 +57,40 @@ SELECT_GRID = "0.03:0.25,0.3:0.25,1:0.25,10:0.25,100:0.25,1000:0.25"
 
 def table_roundtrip(w: Tensor, kind: str) -> tuple[Tensor, int]:
     """Rows ``w`` [rows, dim] stored at ``kind`` and read back as the serving loader reads them
-    (fp32 rows), and the stored bytes. The integer widths go through the export's own codec
-    (``neorec.serve.export._quantized``: its chunking and range rule, int2 included), so this
-    benchmark and ``neorec export --quantize`` cannot disagree; fp16 is a plain cast.
-    (When export gains its own fp16 / int2 writers, point this one function at them.)"""
+    (fp32 rows), and the stored bytes: the export's own writer and the loader's own reader, so
+    this benchmark and ``neorec export --quantize`` cannot disagree (``tests/test_bench_quant.py``
+    checks it bitwise against an export)."""
+    try:  # the export's writer once it stores fp16 / int2 and fused rows (branch qkernel)
+        writer = importlib.import_module("neorec.ops.quant_lookup")
+    except ImportError:
+        return _roundtrip_arrays(w, kind)
+    from neorec.serve.standalone import Table
+
+    q = writer.quantize_rows(w, kind)
+    stored = SimpleNamespace(  # what Table.rows reads of a loaded table
+        quantization=kind,
+        weight=q.data,
+        data=q.data,
+        dim=q.dim,
+        bits=WIDTHS[kind],
+        scale_unit=q.scale_unit,
+        offset_unit=q.offset_unit,
+    )
+    rows = Table.rows(cast(Any, stored), np.arange(w.shape[0], dtype=np.int64))
+    return rows, int(q.data.nbytes)
+
+
+def _roundtrip_arrays(w: Tensor, kind: str) -> tuple[Tensor, int]:
+    """``table_roundtrip`` for the export that stores codes, scales and offsets as three arrays
+    (``neorec.serve.export._quantized``, its chunking and range rule, int2 included; fp16 a plain
+    cast). Delete once the fused-rows export is merged."""
     from neorec.ops.quant import unpack_int_codes
-    from neorec.serve.export import _quantized
+    from neorec.serve import export
 
     if kind == "fp16":
         return w.half().float(), w.numel() * 2
     bits = WIDTHS[kind]
-    codes, scale, offset = _quantized(w, bits)
+    codes, scale, offset = export._quantized(w, bits)  # type: ignore[attr-defined]
     c = unpack_int_codes(torch.from_numpy(codes), bits, w.shape[1]).float()
     rows = c * torch.from_numpy(scale).unsqueeze(1) + torch.from_numpy(offset).unsqueeze(1)
     return rows, int(codes.nbytes + scale.nbytes + offset.nbytes)
