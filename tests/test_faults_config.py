@@ -236,6 +236,7 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "train.pipeline": ("choice", ("overlapped", "sequential")),
     "train.device": ("choice", ("cpu", "cuda")),
     "train.schedule": ("section",),  # its own fields: tests/test_schedule.py
+    "train.qat": ("section",),  # its own fields: tests/test_qat.py
     "train.lr_scaling": ("choice", ("none", "linear", "sqrt", "cowclip")),
     "train.reference_batch": ("int", 0, 2**24),  # > 0 only with lr_scaling (not mutated here)
     "sharding.plan": ("str", False),

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from neorec.bench import report_render as _render
+from neorec.bench.quant_summary import quant_row
 from neorec.bench.report_text import Json, iv, pct
 from neorec.bench.report_text import seeds_text as _seeds
 
@@ -501,6 +502,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "largebatch", "large batch: default model at B = 512, 8·B and 32·B (CowClip), the same samples",
         "within 0.1% NE", ("largebatch",), ("largebatch", "--quick"), _largebatch,
+    ),
+    Entry(
+        "quant", "quantized tables: default model's eval NE at fp16 / int8 / int4 / int2 (the "
+        "export's codec), PTQ vs QAT, paired by seed", "int8 ≤ +0.02%, int4 with QAT ≤ +0.1% NE",
+        ("quant",), ("quant", "--seeds", "10,11", "--widths", "int8,int4", "--set",
+                     "train.steps=100"), quant_row,
     ),
     Entry(
         "step_breakdown", "the whole step against this machine's floors, `dlrm_benchmark.toml`, fp32",

@@ -28,7 +28,7 @@ from neorec.builder.run import (
     data_source,
     dense_optimizer,
 )
-from neorec.builder.schedule import lr_scale, lr_schedule, scaling_line
+from neorec.builder.schedule import lr_scale, lr_schedule, qat_schedule, scaling_line
 from neorec.builder.towers import build_dlrm, tower_groups, towered_model
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "dense_optimizer",
     "lr_scale",
     "lr_schedule",
+    "qat_schedule",
     "scaling_line",
     "tower_groups",
     "towered_model",

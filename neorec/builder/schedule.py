@@ -1,14 +1,23 @@
 """The run's learning rates: ``train.lr_scaling`` against ``train.reference_batch``, then the
-``[train.schedule]`` over the run's steps (``neorec.modules.schedule.LrSchedule``)."""
+``[train.schedule]`` over the run's steps (``neorec.modules.schedule.LrSchedule``); the steps
+``[train.qat]`` regularizes (``neorec.modules.qat.QatSchedule``)."""
 
 from __future__ import annotations
 
 import math
 
 from neorec.config import Config
+from neorec.modules.qat import QatSchedule
 from neorec.modules.schedule import LrSchedule
 
-__all__ = ["lr_scale", "rows_lr_scale", "row_l2_scale", "lr_schedule", "scaling_line"]
+__all__ = [
+    "lr_scale",
+    "rows_lr_scale",
+    "row_l2_scale",
+    "lr_schedule",
+    "qat_schedule",
+    "scaling_line",
+]
 
 
 def _ratio(cfg: Config) -> float:
@@ -46,6 +55,12 @@ def lr_schedule(cfg: Config, total_steps: int | None) -> LrSchedule:
     )
     s.check()
     return s
+
+
+def qat_schedule(cfg: Config, total_steps: int | None) -> QatSchedule | None:
+    """When ``[train.qat]`` regularizes the rows over a run of ``total_steps`` (None: QAT is
+    off), checked before any heavy work."""
+    return QatSchedule.of(cfg.train.qat, total_steps) if cfg.train.qat.active else None
 
 
 def scaling_line(cfg: Config) -> str | None:

@@ -12,6 +12,7 @@ from neorec.config.core import MAX_DENSE_PARAMS, Config, check_trainable, dense_
 from neorec.config.distill import DistillConfig
 from neorec.config.load import _parse_value, apply_overrides, load_config, read_toml
 from neorec.config.model import EMBEDDING_OPTIMIZERS, EmbeddingConfig, ModelConfig, TableConfig
+from neorec.config.qat import QatConfig
 from neorec.config.run import (
     _COMM_CODECS,
     CheckpointConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "ScheduleConfig",
+    "QatConfig",
     "ShardingConfig",
     "PlannerConfig",
     "CheckpointConfig",

@@ -80,6 +80,15 @@ class Config:
                 "embedding.cowclip_ratio (CowClip) runs on the CPU backends only; set "
                 f"train.device = 'cpu' (got {self.train.device!r}) or cowclip_ratio = 0"
             )
+        if self.train.qat.active and (
+            self.train.device != "cpu" or self.embedding.backend in ("cuda", "triton")
+        ):
+            raise ConfigError(
+                "train.qat (quantization-aware training) runs in the CPU backends' row update "
+                f"only; got train.device {self.train.device!r}, embedding.backend "
+                f"{self.embedding.backend!r} (set train.device = 'cpu' and backend 'auto', "
+                "'reference' or 'cpu')"
+            )
         if self.data.source == "tabular":  # the schema's features against the tables
             self.data.schema.check_tables(self.embedding.tables, self.model.num_dense)
 

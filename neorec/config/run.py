@@ -16,6 +16,7 @@ from neorec.config.checks import (
     rule,
     show,
 )
+from neorec.config.qat import QatConfig
 from neorec.config.schedule import ScheduleConfig
 from neorec.config.schema import SchemaConfig
 from neorec.errors import ConfigError
@@ -250,6 +251,8 @@ class TrainConfig:
     same device-generic step; ``cuda`` without a CUDA device is refused before any work."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """``[train.schedule]``: warmup and decay of both optimizers' lr (neorec.config.schedule)."""
+    qat: QatConfig = field(default_factory=QatConfig)
+    """``[train.qat]``: quantization-aware training of the embedding rows (neorec.config.qat)."""
     lr_scaling: str = field(
         default="none", metadata=rule(choices=("none", "linear", "sqrt", "cowclip"))
     )
@@ -267,6 +270,8 @@ class TrainConfig:
             raise ConfigError(
                 f"train.schedule must be a [train.schedule] section, got {show(self.schedule)}"
             )
+        if not isinstance(self.qat, QatConfig):
+            raise ConfigError(f"train.qat must be a [train.qat] section, got {show(self.qat)}")
         if self.lr_scaling == "none" and self.reference_batch:
             raise ConfigError(
                 f"train.reference_batch {self.reference_batch:,} is set but train.lr_scaling is "

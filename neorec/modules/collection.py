@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from neorec.config import ConfigError, TableConfig
+from neorec.ops.qat import Periodic
 from neorec.ops.row_optim import RowOptimizer, state_shapes
 from neorec.ops.tbe import PoolingMode, TBELayout
 from neorec.sparse import SparseFeatures
@@ -168,6 +169,13 @@ class EmbeddingCollection(nn.Module, metaclass=ABCMeta):
         for m in self.modules():
             if isinstance(m, EmbeddingCollection):
                 m.optimizer = replace(m.optimizer, lr=float(lr))
+
+    def set_qat(self, qat: Periodic | None) -> None:
+        """Set the fused row optimizer's QAT regularizer (None: off), in place, for the next
+        updates, as ``set_lr`` sets the lr (every rank must set the same)."""
+        for m in self.modules():
+            if isinstance(m, EmbeddingCollection):
+                m.optimizer = replace(m.optimizer, qat=qat)
 
     def fused_steps(self) -> int:
         """Fused updates applied so far (a host read): the most any of its counters has."""

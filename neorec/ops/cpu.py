@@ -72,6 +72,9 @@ class _Optim(ctypes.Structure):
         ("bc2", ctypes.c_float),
         ("clip_ratio", ctypes.c_float),
         ("clip_bound", ctypes.c_float),
+        ("qat_strength", ctypes.c_float),
+        ("qat_bits", ctypes.c_int),
+        ("qat_shape", ctypes.c_int),
     ]
 
 
@@ -382,6 +385,9 @@ class CpuBackend:
             1.0 - opt.beta2 ** max(step, 1),
             opt.clip_ratio,
             opt.clip_bound,
+            opt.qat.strength if opt.qat else 0.0,
+            opt.qat.bits if opt.qat else 0,
+            opt.qat.code if opt.qat else 0,
         )
         emit_mask = emit_rows = emit_grads = None
         stride = 0

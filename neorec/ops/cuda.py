@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from neorec.errors import ConfigError
 from neorec.ops.padded_rows import PaddedRows, pad_heads, put_valid, rows_by_table, segments
 from neorec.ops.row_optim import RowOptimizer, apply_rows, state_shapes
 from neorec.ops.tbe_checks import (
@@ -170,6 +171,8 @@ class CudaBackend:
         step: int,
     ) -> None:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
+        if opt.qat is not None:  # its padded rows would put zeros in a row's [min, max]
+            raise ConfigError("QAT (train.qat) is not in the cuda backend; run on the CPU")
         b, bag = self._check(layout, weights, lookup)
         check_grad_shape(grad_output, layout, lookup.offsets)
         for k in state_shapes(opt.kind, layout.total_rows, layout.total_elems):

@@ -15,6 +15,10 @@ CowClip (Zheng et al., AAAI 2023, adaptive column-wise clipping; ``clip_ratio`` 
 update, the gradient of each row (L2 term included, as the authors' code clips the gradient of the
 regularized loss) is clipped to the norm ``cnt * max(r * ||w||, clip_bound)``, ``cnt`` the row's
 occurrences in the batch: ``g *= t / ||g||`` where ``||g|| > t`` (``clip_row_grads``).
+
+Quantization-aware training (``qat``, Naumov et al. 2018): the gradient of a periodic penalty whose
+minima are the row's integer grid is added to ``g`` after the L2 term, before clipping
+(``neorec.ops.qat.periodic_grad``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import Tensor
 
 from neorec.errors import ConfigError
 from neorec.ops.memory import table_zeros
+from neorec.ops.qat import Periodic, periodic_grad
 
 if TYPE_CHECKING:
     from neorec.config import EmbeddingConfig
@@ -58,6 +63,8 @@ class RowOptimizer:
     """CowClip's r: a row's gradient is clipped to ``cnt * max(r * ||w||, clip_bound)``; 0 = off."""
     clip_bound: float = 0.0
     """CowClip's zeta: the clip threshold's floor per occurrence (rows near 0 still move)."""
+    qat: Periodic | None = None
+    """The periodic regularizer of quantization-aware training (None: off)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or self.kind not in OPTIMIZERS:
@@ -90,6 +97,10 @@ class RowOptimizer:
             raise ConfigError(
                 f"embedding optimizer CowClip bound {self.clip_bound} is set but its ratio is 0 "
                 "(clipping is off: the bound would be ignored)"
+            )
+        if self.qat is not None and not isinstance(self.qat, Periodic):
+            raise ConfigError(
+                f"embedding optimizer qat must be a Periodic or None, got {self.qat!r}"[:200]
             )
 
     @property
@@ -158,6 +169,8 @@ def apply_rows(
     """
     if opt.weight_decay:
         g = g + opt.weight_decay * w
+    if opt.qat is not None:
+        g = g + periodic_grad(opt.qat, w)
     if opt.clips:
         if counts is None:
             raise ConfigError(

@@ -373,6 +373,8 @@ class TritonBackend:
         """Sum each distinct row's gradients in a fixed order, then apply the optimizer."""
         if opt.clips:
             raise ConfigError("CowClip (embedding.cowclip_ratio) is not in the triton backend")
+        if opt.qat is not None:
+            raise ConfigError("QAT (train.qat) is not in the triton backend")
         bag = self._check(layout, weights, lookup)
         ran("triton.backward")
         if bag is None:

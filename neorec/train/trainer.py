@@ -25,6 +25,7 @@ from neorec.builder import (
     data_source,
     dense_optimizer,
     lr_schedule,
+    qat_schedule,
     scaling_line,
 )
 from neorec.config import Config, ConfigError
@@ -141,6 +142,7 @@ class Trainer(RunSummary):
                 f"checkpoint: set train.steps above {at}"
             )
         self.schedule = lr_schedule(cfg, total)  # checked before the tables are built
+        self.qat = qat_schedule(cfg, total)
         self.plan: Any = None
         self.tower_groups: list[list[str]] | None = None
         self.model = model if model is not None else self._build_model()
@@ -284,6 +286,7 @@ class Trainer(RunSummary):
             lines = [self._threads_line, whole_batches_line(self.cfg), scaling_line(self.cfg)]
             if self.cfg.train.schedule.active:
                 lines.append(self.schedule.describe())
+            lines.append(self.qat.describe() if self.qat is not None else None)
             for line in lines:
                 if line is not None:
                     print(line, file=self.out, flush=True)
@@ -408,6 +411,8 @@ class Trainer(RunSummary):
         hooks: list[StepHook] = []
         if cfg.train.schedule.active or cfg.train.lr_scaling != "none":
             hooks.append(self.schedule.hook(self.opt, self.model.ebc))  # both lrs, before a step
+        if self.qat is not None:
+            hooks.append(self.qat.hook(self.model.ebc))  # the regularizer, from its start step
         if self.lowp is not None:
             hooks.append(self.lowp)
         return make_pipeline(

@@ -356,6 +356,8 @@ typedef struct {
     int kind;
     float lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bc1, bc2;
     float clip_ratio, clip_bound; /* CowClip's r (0: off) and zeta */
+    float qat_strength;           /* QAT's periodic regularizer (ops/qat.py) */
+    int qat_bits, qat_shape;      /* its grid's bits (0: off); 0 sin, 1 hat */
 } optim_t;
 
 static int bits_for(uint64_t x) { /* bits to represent values in [0, x] */
@@ -441,12 +443,42 @@ static inline void cowclip_row(const optim_t *o, const float *restrict w, float 
     }
 }
 
+/* QAT (qat.periodic_grad, the specification: the same operations in its order): the gradient of
+ * the periodic penalty whose minima are the row's grid lo + k s, s = (max - min) / (2^bits - 1),
+ * added to g; f = u - round(u) (half to even, as torch.round), u = (w - lo) / s. */
+static inline void qat_row(const optim_t *o, const float *restrict w, float *restrict g,
+                           int64_t D) {
+    float lo = w[0], hi = w[0];
+    for (int64_t d = 1; d < D; ++d) {
+        lo = w[d] < lo ? w[d] : lo;
+        hi = w[d] > hi ? w[d] : hi;
+    }
+    const float s = (hi - lo) / (float)((1 << o->qat_bits) - 1);
+    if (!(s > 0.0f)) return;
+    /* 2 pi and pi^2 as doubles (Python's 2 * math.pi, math.pi ** 2), rounded to float */
+    const float two_pi = (float)6.283185307179586, pi2 = (float)9.869604401089358;
+    if (o->qat_shape == 0) {
+        const float coef = o->qat_strength * s / two_pi;
+        for (int64_t d = 0; d < D; ++d) {
+            const float u = (w[d] - lo) / s, f = u - nearbyintf(u);
+            g[d] += coef * sinf(two_pi * f);
+        }
+    } else {
+        const float coef = o->qat_strength * s / pi2;
+        for (int64_t d = 0; d < D; ++d) {
+            const float u = (w[d] - lo) / s, f = u - nearbyintf(u);
+            g[d] += coef * (float)((f > 0.0f) - (f < 0.0f));
+        }
+    }
+}
+
 static inline void apply_row(const optim_t *o, float *restrict w, float *restrict g, int64_t D,
                              float *m1, float *restrict m, float *restrict v, int64_t cnt) {
     if (o->weight_decay != 0.0f) {
         const float wd = o->weight_decay;
         for (int64_t d = 0; d < D; ++d) g[d] += wd * w[d];
     }
+    if (o->qat_bits != 0) qat_row(o, w, g, D);
     if (o->clip_ratio != 0.0f) cowclip_row(o, w, g, D, cnt);
     if (o->kind == OPT_SGD) {
         const float lr = o->lr;
@@ -907,6 +939,7 @@ int tbe_backward_update(const layout_t *L, float *weights, const int64_t *indice
     /* The blocked update (update_rows_blocked) for every table when all are blockable, for
      * those that are when some are (update_rows_mixed), with SGD / row-wise Adagrad only. */
     const int block_opt = !emit_table && opt->weight_decay == 0.0f && opt->clip_ratio == 0.0f &&
+                          opt->qat_bits == 0 &&
                           (opt->kind == OPT_SGD || opt->kind == OPT_ROWWISE_ADAGRAD);
     int all_blk = 1, any_blk = 0;
     for (int64_t t = 0; t < L->T; ++t) {
