@@ -21,7 +21,6 @@ says whether they are apart. Targets (issue 53): int8 PTQ within 0.02% NE, int4 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import tempfile
 import time
@@ -31,7 +30,6 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from neorec.bench.quant_summary import print_select, print_table, select_summary, summarize
@@ -60,13 +58,10 @@ def table_roundtrip(w: Tensor, kind: str) -> tuple[Tensor, int]:
     (fp32 rows), and the stored bytes: the export's own writer and the loader's own reader, so
     this benchmark and ``neorec export --quantize`` cannot disagree (``tests/test_bench_quant.py``
     checks it bitwise against an export)."""
-    try:  # the export's writer once it stores fp16 / int2 and fused rows (branch qkernel)
-        writer = importlib.import_module("neorec.ops.quant_lookup")
-    except ImportError:
-        return _roundtrip_arrays(w, kind)
+    from neorec.ops.quant_lookup import quantize_rows
     from neorec.serve.standalone import Table
 
-    q = writer.quantize_rows(w, kind)
+    q = quantize_rows(w, kind)
     stored = SimpleNamespace(  # what Table.rows reads of a loaded table
         quantization=kind,
         weight=q.data,
@@ -78,22 +73,6 @@ def table_roundtrip(w: Tensor, kind: str) -> tuple[Tensor, int]:
     )
     rows = Table.rows(cast(Any, stored), np.arange(w.shape[0], dtype=np.int64))
     return rows, int(q.data.nbytes)
-
-
-def _roundtrip_arrays(w: Tensor, kind: str) -> tuple[Tensor, int]:
-    """``table_roundtrip`` for the export that stores codes, scales and offsets as three arrays
-    (``neorec.serve.export._quantized``, its chunking and range rule, int2 included; fp16 a plain
-    cast). Delete once the fused-rows export is merged."""
-    from neorec.ops.quant import unpack_int_codes
-    from neorec.serve import export
-
-    if kind == "fp16":
-        return w.half().float(), w.numel() * 2
-    bits = WIDTHS[kind]
-    codes, scale, offset = export._quantized(w, bits)  # type: ignore[attr-defined]
-    c = unpack_int_codes(torch.from_numpy(codes), bits, w.shape[1]).float()
-    rows = c * torch.from_numpy(scale).unsqueeze(1) + torch.from_numpy(offset).unsqueeze(1)
-    return rows, int(codes.nbytes + scale.nbytes + offset.nbytes)
 
 
 def quantized_metrics(
@@ -180,10 +159,17 @@ def run_seed(
 ) -> dict[str, Any]:
     """One seed: the fp32 reference's metrics, PTQ at ``widths``, and QAT at the integer widths
     for each setting in ``qats`` (its own fp32 NE, its quantized NE, its grid distance)."""
+    from neorec.bench.lowrank import als_error_over_svd
+
     ref, ref_m = _train(_config(a, seed, tmp / f"fp32-{seed}", []))
     out: dict[str, Any] = {"seed": seed, "reference": ref_m, "ptq": {}, "qat": []}
     for kind in widths:
         out["ptq"][kind] = _quantized(ref, kind)
+    ebc = ref.model.ebc
+    tables = [ebc.table_weight(t.name).detach().float().cpu() for t in ebc.tables]
+    out["als"] = {  # the export's ALS (neorec export --low-rank R) on these trained tables
+        str(r): als_error_over_svd(tables, r, seed=seed) for r in a.als_ranks
+    }
     del ref
     for qat in qats:
         per: dict[str, Any] = {}
@@ -218,10 +204,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="choose QAT's settings: run --grid on --dev-seeds at --select-widths",
     )
+    p.add_argument(
+        "--als-ranks",
+        default="4,8",
+        type=lambda x: [int(v) for v in x.split(",") if v.strip()],
+        help="ranks of the ALS-vs-SVD measurement on the trained tables ('' = none)",
+    )
     p.add_argument("--dev-seeds", default="0-2", help="--select's seeds (never reported)")
     p.add_argument("--grid", default=SELECT_GRID, help="--select: strength:start_fraction,...")
     p.add_argument("--select-widths", default="int4", help="--select: the widths it compares")
     return p.parse_args(argv)
+
+
+def als_summary(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """``als_error_over_svd``: per iteration count, the export's ALS error over the SVD optimum's
+    on the trained tables (pooled over tables), the worst seed's at the largest rank measured;
+    ``als_error_over_svd_by_rank``: the same per rank."""
+    ranks = sorted({int(r) for s in per_seed for r in s.get("als", {})})
+    by_rank = {
+        str(r): {
+            it: max(s["als"][str(r)][it] for s in per_seed) for it in per_seed[0]["als"][str(r)]
+        }
+        for r in ranks
+    }
+    top = by_rank[str(ranks[-1])] if ranks else None
+    return {
+        "als_error_over_svd": top,
+        "als_rank": ranks[-1] if ranks else None,
+        "als_error_over_svd_by_rank": by_rank,
+    }
 
 
 def _widths(text: str, flag: str) -> list[str]:
@@ -280,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             held_out=not set(seeds) & set(dev),
             **common,
         )
-        # The low-rank half (issue 53 item 3): the lead adds the ALS helper's
-        # ``als_error_over_svd`` (per iteration count) here, on the same trained default tables.
-        result["als_error_over_svd"] = None
+        result.update(als_summary(per_seed))
         print_table(result)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))

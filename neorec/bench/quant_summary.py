@@ -154,6 +154,9 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"{kind:<7}{w['bytes_ratio']:>7.3f}{_cell(w['ptq']):>32}{qat:>32}{fp:>32}")
     for name, t in r["targets"].items():
         print(f"target {name}: {'met' if t['met'] else 'not met'} ({t})")
+    for rank, errs in r.get("als_error_over_svd_by_rank", {}).items():
+        cells = "  ".join(f"{it} it {v:.4f}" for it, v in errs.items())
+        print(f"ALS error / SVD optimum, rank {rank} (worst seed): {cells}")
 
 
 def print_select(r: dict[str, Any]) -> None:
@@ -180,4 +183,8 @@ def quant_row(j: Mapping[str, Any]) -> str:
             cell += f", QAT {_cell(w['qat'])}"
         parts.append(cell)
     met = ", ".join(f"{k} {'met' if t['met'] else 'not met'}" for k, t in j["targets"].items())
+    als = j.get("als_error_over_svd")
+    if als:  # per iteration count, the worst seed (a result stored before it had none)
+        its = ", ".join(f"{it} it {v:.4f}" for it, v in als.items())
+        parts.append(f"ALS error / SVD optimum at rank {j['als_rank']}: {its}")
     return "; ".join(parts) + f"; targets: {met}; seeds {j['seeds']}"
