@@ -29,6 +29,7 @@ BENCHES = (
     "threads",
     "qlookup",
     "lowrank",
+    "seqlookup",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 
