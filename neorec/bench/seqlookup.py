@@ -211,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         line[f"{peer}_ms_per_step"] = round(statistics.median(ms[peer]), 3) if peer in ms else None
         line[f"speedup_vs_{peer}"] = None
         if peer in ms:
-            iv = paired_ratio(ms[peer], ms["neorec"]) if a.rounds > 1 else None
             ratio = statistics.median(ms[peer]) / statistics.median(ms["neorec"])
-            line[f"speedup_vs_{peer}"] = iv.to_dict() if iv else {"value": ratio, "n": 1}
-            print(f"speedup vs {peer}, paired by round: {iv or round(ratio, 3)}")
+            iv = paired_ratio(ms[peer], ms["neorec"]).to_dict() if a.rounds > 1 else None
+            line[f"speedup_vs_{peer}"] = iv or {"value": ratio, "lo": None, "hi": None, "n": 1}
+            print(f"speedup vs {peer}, paired by round: {line[f'speedup_vs_{peer}']}")
     print(json.dumps({**line, "ids_per_step": ids_per_step, **vars(a)}))
     return 0
 
