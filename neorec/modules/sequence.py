@@ -139,7 +139,7 @@ class SequenceEmbeddingCollection(EmbeddingCollection):
             return self._forward(indices, offsets, fpos, psw, b)
 
         def update(grad: Tensor) -> None:
-            if indices.numel() == 0:
+            if b == 0:  # as the pooled collection: a step per batch of samples, ids or not
                 return
             check_finite_weights(psw)
             g = self._per_id_grad(grad, offsets, fpos, psw, b)
