@@ -1,8 +1,11 @@
-"""SparseFeatures: a keyed jagged batch of categorical ids, feature-major.
+"""SparseFeatures: a keyed jagged batch of categorical ids, feature-major; JaggedFeatures: the same
+batch whose ids may carry timestamps and action codes (ordered sequences: a user's history).
 
 Layout (the same as TorchRec's KeyedJaggedTensor): for F features and a batch of B samples,
 ``lengths`` has F*B entries, ``lengths[f*B + b]`` ids of feature ``f`` for sample ``b``; ``values``
-holds the ids in that order; ``weights`` (optional) one float per id.
+holds the ids in that order; ``weights`` (optional) one float per id. ``to_torchrec`` /
+``from_torchrec`` convert to and from TorchRec's ``KeyedJaggedTensor`` (torchrec is imported only
+there: neorec does not depend on it).
 """
 
 from __future__ import annotations
@@ -10,13 +13,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from neorec.errors import NeorecError
 
-__all__ = ["SparseFeatures", "SparseFeatureError"]
+__all__ = [
+    "SparseFeatures",
+    "SparseFeatureError",
+    "JaggedFeatures",
+    "to_torchrec",
+    "from_torchrec",
+]
 
 
 class SparseFeatureError(NeorecError, ValueError):
@@ -318,3 +328,243 @@ def _describe(t: object) -> str:
     if isinstance(t, Tensor):
         return f"tensor of shape {tuple(t.shape)} dtype {t.dtype}"
     return type(t).__name__
+
+
+_PER_ID = ("weights", "timestamps", "actions")
+
+
+@dataclass
+class JaggedFeatures(SparseFeatures):
+    """A ``SparseFeatures`` batch whose ids may carry ``timestamps`` and ``actions`` (int64 [N]
+    each, like ``values``): ordered sequences, oldest first. Offsets per key: ``key_offsets()``
+    (where each key's ids start) and ``offsets()`` (each sample's sequence)."""
+
+    timestamps: Tensor | None = None
+    """int64 [N]: each id's time (non-decreasing within a sequence); None: no times."""
+    actions: Tensor | None = None
+    """int64 [N]: each id's action code (>= 0: a click, a purchase, ...); None: no actions."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("timestamps", "actions"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, Tensor) or t.shape != self.values.shape:
+                raise SparseFeatureError(
+                    f"{name} must be a tensor shaped like values {tuple(self.values.shape)}, "
+                    f"got {_describe(t)}"
+                )
+            if t.dtype not in (torch.int64, torch.int32):
+                raise SparseFeatureError(f"{name} must be int64 (or int32), got dtype {t.dtype}")
+            if t.device != self.values.device:
+                raise SparseFeatureError(
+                    f"{name} on {t.device}, values on {self.values.device}: one device"
+                )
+
+    @classmethod
+    def from_sequences(
+        cls,
+        features: Mapping[str, Sequence[Sequence[int]]],
+        timestamps: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        actions: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    ) -> JaggedFeatures:
+        """Build from ``{feature: [[ids of sample 0], ...]}`` and the same shapes of times and
+        actions (tests, examples)."""
+        base = SparseFeatures.from_lists(features)
+        extra: dict[str, Tensor | None] = {"timestamps": None, "actions": None}
+        for name, given in (("timestamps", timestamps), ("actions", actions)):
+            if given is None:
+                continue
+            if set(given) != set(features):
+                raise SparseFeatureError(
+                    f"{name} are given for features {sorted(given)}, ids for {sorted(features)}"
+                )
+            flat: list[int] = []
+            for k in base.keys:
+                for i, seq in enumerate(given[k]):
+                    if i >= len(features[k]) or len(seq) != len(features[k][i]):
+                        raise SparseFeatureError(
+                            f"feature '{k}' sample {i}: {len(seq)} {name} for "
+                            f"{len(features[k][i]) if i < len(features[k]) else 0} ids"
+                        )
+                    flat.extend(_id(x, k, i) for x in seq)
+            extra[name] = torch.tensor(flat, dtype=torch.int64)
+        return cls(base.keys, base.values, base.lengths, None, **extra)
+
+    def key_offsets(self) -> list[int]:
+        """Where each key's ids start in ``values``, [F + 1] (host ints)."""
+        out = [0]
+        for n in self.lengths_per_key().tolist():
+            out.append(out[-1] + int(n))
+        return out
+
+    def sequence(self, key: str) -> dict[str, Tensor | None]:
+        """One key's ``values``, ``lengths``, ``offsets`` [B + 1] and per-id fields."""
+        f = self._index(key)
+        lo, hi = self.key_offsets()[f : f + 2]
+        b = self.batch_size
+        lengths = self.lengths[f * b : (f + 1) * b]
+        offsets = torch.zeros(b + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        out: dict[str, Tensor | None] = {"values": self.values[lo:hi], "lengths": lengths}
+        out["offsets"] = offsets
+        for name in _PER_ID:
+            t = getattr(self, name)
+            out[name] = t[lo:hi] if t is not None else None
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedFeatures:
+        """Copy to a device."""
+        return self._with(lambda t: t.to(device, non_blocking=non_blocking), None)
+
+    def select(self, keys: Sequence[str]) -> JaggedFeatures:
+        """A batch of only the features ``keys``, in that order."""
+        keys = list(keys)
+        if keys == self.keys:
+            return self
+        offs = self.key_offsets()
+        idx = [self._index(k) for k in keys]
+        b = self.batch_size
+        pos = torch.cat([torch.arange(offs[f], offs[f + 1]) for f in idx] or [torch.arange(0)])
+        lens = torch.cat([self.lengths[f * b : (f + 1) * b] for f in idx])
+        pos = pos.to(self.values.device)
+        return self._with(lambda t: t[pos], (keys, lens))
+
+    def select_samples(self, start: int, end: int) -> JaggedFeatures:
+        """Samples ``start:end`` of every feature."""
+        b = self.batch_size
+        if not 0 <= start <= end <= b:
+            raise SparseFeatureError(f"sample range [{start}, {end}) outside batch of {b}")
+        offs = self.offsets().tolist()
+        ranges = [
+            torch.arange(offs[f * b + start], offs[f * b + end]) for f in range(len(self.keys))
+        ]
+        pos = torch.cat(ranges).to(self.values.device)
+        lens = self.lengths.view(len(self.keys), b)[:, start:end].reshape(-1).clone()
+        return self._with(lambda t: t[pos], (self.keys, lens))
+
+    def _with(self, fn: Any, keys_lengths: tuple[list[str], Tensor] | None) -> JaggedFeatures:
+        """The batch with ``fn`` applied to values and per-id fields (and new keys, lengths)."""
+        keys, lengths = keys_lengths or (self.keys, fn(self.lengths))
+        per_id = {
+            k: fn(getattr(self, k)) if getattr(self, k) is not None else None for k in _PER_ID
+        }
+        return JaggedFeatures(keys, fn(self.values), lengths.to(self.values.device), **per_id)
+
+    def validate(
+        self,
+        num_rows: Mapping[str, int] | None = None,
+        table_names: Mapping[str, str] | None = None,
+        weight_dtype: torch.dtype | None = None,
+    ) -> None:
+        """``SparseFeatures.validate``, then per id: ids within their tables, timestamps
+        non-decreasing within each sequence, actions >= 0; the error names key, sample and
+        position in the sequence."""
+        super().validate(None, None, weight_dtype)
+        if num_rows is not None:
+            missing = [k for k in self.keys if k not in num_rows]
+            if missing:
+                raise SparseFeatureError(
+                    f"feature '{missing[0]}' has no table (known: {sorted(num_rows)})"
+                )
+            per_key = self.lengths_per_key()
+            rows = torch.repeat_interleave(
+                torch.tensor([int(num_rows[k]) for k in self.keys], device=per_key.device),
+                per_key,
+            )
+            bad = (self.values < 0) | (self.values >= rows)
+            if bool(bad.any()):
+                p = int(bad.nonzero()[0, 0])
+                key = self._where(p)[0]
+                tab = f" (table '{table_names[key]}')" if table_names and key in table_names else ""
+                raise SparseFeatureError(
+                    f"{self._at(p)}{tab}: id {int(self.values[p])} outside [0, {int(rows[p])})"
+                )
+        if self.timestamps is not None and self.values.numel() > 1:
+            ts = self.timestamps
+            starts = torch.zeros_like(ts, dtype=torch.bool)
+            starts[self.offsets()[:-1].clamp(max=ts.numel() - 1)] = True
+            down = (ts[1:] < ts[:-1]) & ~starts[1:]
+            if bool(down.any()):
+                p = int(down.nonzero()[0, 0]) + 1
+                raise SparseFeatureError(
+                    f"{self._at(p)}: timestamp {int(ts[p])} is before the previous one "
+                    f"{int(ts[p - 1])} (sequences are oldest first)"
+                )
+        if self.actions is not None and bool((self.actions < 0).any()):
+            p = int((self.actions < 0).nonzero()[0, 0])
+            raise SparseFeatureError(f"{self._at(p)}: action code {int(self.actions[p])} < 0")
+
+    def _where(self, p: int) -> tuple[str, int, int]:
+        """(key, sample, position in its sequence) of the id at flat position ``p``."""
+        offs = self.offsets()
+        bag = int(torch.searchsorted(offs, torch.tensor(p, device=offs.device), right=True)) - 1
+        f, s = divmod(bag, self.batch_size)
+        return self.keys[f], s, p - int(offs[bag])
+
+    def _at(self, p: int) -> str:
+        key, s, i = self._where(p)
+        return f"feature '{key}' sample {s} position {i}"
+
+
+def to_torchrec(batch: SparseFeatures, suffixes: tuple[str, str] = ("_ts", "_action")) -> Any:
+    """TorchRec's ``KeyedJaggedTensor`` of ``batch`` (needs torchrec). A ``JaggedFeatures``'
+    timestamps and actions become keys of their own, ``<key><suffix>`` with the same lengths
+    (as HSTU's inputs carry them); per-id weights of those keys are 1."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys, values, lengths = list(batch.keys), [batch.values], [batch.lengths]
+    weights = [batch.weights] if batch.weights is not None else None
+    for name, suffix in zip(("timestamps", "actions"), suffixes):
+        extra = getattr(batch, name, None)
+        if extra is None:
+            continue
+        keys += [k + suffix for k in batch.keys]
+        values.append(extra.to(batch.values.dtype))
+        lengths.append(batch.lengths)
+        if weights is not None:
+            weights.append(torch.ones_like(batch.weights))  # type: ignore[arg-type]
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        weights=torch.cat(weights) if weights is not None else None,
+    )
+
+
+def from_torchrec(kjt: Any, suffixes: tuple[str, str] = ("_ts", "_action")) -> JaggedFeatures:
+    """A ``JaggedFeatures`` of TorchRec's ``KeyedJaggedTensor`` ``kjt``: keys ``<key><suffix>``
+    whose ``<key>`` is present become its timestamps / actions (the inverse of ``to_torchrec``;
+    their lengths must match)."""
+    keys = list(kjt.keys())
+    lengths = kjt.lengths()
+    b = lengths.numel() // max(len(keys), 1)
+    offs = [0, *torch.cumsum(lengths.view(len(keys), b).sum(1), 0).tolist()]
+    ids = {k: i for i, k in enumerate(keys)}
+    extra = {k: k[: -len(sfx)] for sfx in suffixes for k in keys if k.endswith(sfx)}
+    extra = {k: base for k, base in extra.items() if base in ids}
+    main = [k for k in keys if k not in extra]
+
+    def part(t: Tensor, ks: list[str]) -> Tensor:
+        return torch.cat([t[offs[ids[k]] : offs[ids[k] + 1]] for k in ks])
+
+    per_id: dict[str, Tensor | None] = {"timestamps": None, "actions": None}
+    for name, sfx in zip(("timestamps", "actions"), suffixes):
+        ks = [k + sfx for k in main]
+        if not any(k in extra for k in ks):
+            continue
+        for k in ks:
+            if k not in extra:
+                raise SparseFeatureError(f"KeyedJaggedTensor has some {name} keys but not '{k}'")
+            if not torch.equal(
+                lengths[ids[k] * b : (ids[k] + 1) * b],
+                lengths[ids[extra[k]] * b : (ids[extra[k]] + 1) * b],
+            ):
+                raise SparseFeatureError(f"'{k}' has other lengths than '{extra[k]}'")
+        per_id[name] = part(kjt.values(), ks).to(torch.int64)
+    w = kjt.weights_or_none()
+    lens = torch.cat([lengths[ids[k] * b : (ids[k] + 1) * b] for k in main])
+    return JaggedFeatures(
+        main, part(kjt.values(), main), lens, part(w, main) if w is not None else None, **per_id
+    )

@@ -1,14 +1,25 @@
 """The README rows of ``neorec bench report`` whose text states a verdict computed from the
 result: which cost model wins (``costcheck``), whether ExFM's target is met per cell
 (``distill``), the in-host reduction of table-row-wise (``twrw``), MovieLens over users and seeds
-(``movielens``), the quantized lookup against fp32 (``quant_lookup``)."""
+(``movielens``), the quantized lookup against fp32 (``quant_lookup``), large batches' NE
+(``largebatch``), the sequence lookup's speedups (``seqlookup``)."""
 
 from __future__ import annotations
 
 from neorec.bench.report_text import Json, iv
 from neorec.bench.report_text import seeds_text as _seeds
 
-__all__ = ["costcheck", "distill", "distill_gap", "twrw", "movielens", "serve", "quant_lookup"]
+__all__ = [
+    "costcheck",
+    "distill",
+    "distill_gap",
+    "twrw",
+    "movielens",
+    "serve",
+    "quant_lookup",
+    "largebatch",
+    "seqlookup",
+]
 
 
 def costcheck(j: Json) -> str:
@@ -151,3 +162,35 @@ def quant_lookup(j: Json) -> str:
             f"{c['ms_per_batch']['none']:.3f} ms/batch, {widths}"
         )
     return "; ".join(parts) + f" ({j['threads']} thread, batch {j['batch']} × {j['pooling']} ids)"
+
+
+def largebatch(j: Json) -> str:
+    """Each large-batch arm's NE against batch B, and the verdict at 0.1%."""
+    arms, r = j["arms"], j["recipe"]
+    if "kB cowclip" not in arms:  # a result stored before CowClip
+        recipe = f"warmup {r['warmup_share']:g}, {r['decay']}, scaling {r['scaling']}"
+        return f"NE vs B: 8·B recipe ({recipe}) {iv(arms['kB recipe']['ne_vs_B_pct'], '+.2f', '%')}"
+    c = j["cowclip"]
+    ref = f"B NE {j['reference_ne']:.4f}, AUC {j['reference_auc']:.4f}"
+    if "embedding_optimizer" in j:
+        ref += f" (rows: {j['embedding_optimizer']}, lr {j['embedding_lr']:g})"
+    big = j["factor"] * j["big"]
+    parts = [
+        f"8·B recipe (warmup {r['warmup_share']:g}, {r['decay']}) "
+        + iv(arms["kB recipe"]["ne_vs_B_pct"], "+.2f", "%"),
+        f"8·B CowClip (r {c['ratio']:g}, ζ {c['bound']:g}, row lr ×{c['row_lr_multiplier']:g}, "
+        f"{c['decay']}{', ' + c['rule'] + ' lrs' if 'rule' in c else ''}) "
+        + iv(arms["kB cowclip"]["ne_vs_B_pct"], "+.2f", "%"),
+        f"{big}·B both " + iv(arms["k2B both"]["ne_vs_B_pct"], "+.2f", "%"),
+    ]
+    verdict = j["verdict"]
+    if "verdicts" in j:
+        verdict = ", ".join(f"{k.replace('kB', '8·B')} {v}" for k, v in j["verdicts"].items())
+    return f"{ref}; NE vs B: " + "; ".join(parts) + f"; 0.1%: {verdict}; seeds {_seeds(j['seeds'])}"
+
+
+def seqlookup(j: Json) -> str:
+    """Our step time and its paired speedups over torch and FBGEMM."""
+    out = f"{j['ms_per_step']:.1f} ms/step; vs torch {iv(j['speedup_vs_torch'], '.2f', '×')}"
+    fb = j.get("speedup_vs_fbgemm")
+    return out + (f"; vs FBGEMM {iv(fb, '.2f', '×')}" if fb else "; FBGEMM not run")

@@ -296,30 +296,6 @@ def _vs_torchrec(j: Json) -> str:
     )
 
 
-def _largebatch(j: Json) -> str:
-    arms, r = j["arms"], j["recipe"]
-    if "kB cowclip" not in arms:  # a result stored before CowClip
-        recipe = f"warmup {r['warmup_share']:g}, {r['decay']}, scaling {r['scaling']}"
-        return f"NE vs B: 8·B recipe ({recipe}) {iv(arms['kB recipe']['ne_vs_B_pct'], '+.2f', '%')}"
-    c = j["cowclip"]
-    ref = f"B NE {j['reference_ne']:.4f}, AUC {j['reference_auc']:.4f}"
-    if "embedding_optimizer" in j:
-        ref += f" (rows: {j['embedding_optimizer']}, lr {j['embedding_lr']:g})"
-    big = j["factor"] * j["big"]
-    parts = [
-        f"8·B recipe (warmup {r['warmup_share']:g}, {r['decay']}) "
-        + iv(arms["kB recipe"]["ne_vs_B_pct"], "+.2f", "%"),
-        f"8·B CowClip (r {c['ratio']:g}, ζ {c['bound']:g}, row lr ×{c['row_lr_multiplier']:g}, "
-        f"{c['decay']}{', ' + c['rule'] + ' lrs' if 'rule' in c else ''}) "
-        + iv(arms["kB cowclip"]["ne_vs_B_pct"], "+.2f", "%"),
-        f"{big}·B both " + iv(arms["k2B both"]["ne_vs_B_pct"], "+.2f", "%"),
-    ]
-    verdict = j["verdict"]
-    if "verdicts" in j:
-        verdict = ", ".join(f"{k.replace('kB', '8·B')} {v}" for k, v in j["verdicts"].items())
-    return f"{ref}; NE vs B: " + "; ".join(parts) + f"; 0.1%: {verdict}; seeds {_seeds(j['seeds'])}"
-
-
 ENTRIES: tuple[Entry, ...] = (
     Entry(
         "op_uniform", "fused TBE vs FBGEMM's CPU TBE, 8 × 1M × 64, batch 2048, pooling 100, uniform",
@@ -501,7 +477,15 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "largebatch", "large batch: default model at B = 512, 8·B and 32·B (CowClip), the same samples",
-        "within 0.1% NE", ("largebatch",), ("largebatch", "--quick"), _largebatch,
+        "within 0.1% NE", ("largebatch",), ("largebatch", "--quick"), _render.largebatch,
+    ),
+    Entry(
+        "seqlookup", "sequence lookup fwd + bwd + update, 2 × 1M × 64, 1,024 sequences (Zipf lengths, "
+        "mean 50, max 200), row-wise Adagrad: vs `nn.Embedding(sparse=True)` + Adagrad, vs FBGEMM's "
+        "TBE on bags of length 1, paired rounds", "≥ 3× torch, > 1× FBGEMM",
+        ("seqlookup", "--rounds", "10"),
+        ("seqlookup", "--rows", "100000", "--batch", "256", "--rounds", "2", "--steps", "2"),
+        _render.seqlookup,
     ),
     Entry(
         "quant", "quantized tables: default model's eval NE at fp16 / int8 / int4 / int2 (the "

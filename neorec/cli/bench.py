@@ -30,6 +30,7 @@ BENCHES = (
     "qlookup",
     "lowrank",
     "quant",
+    "seqlookup",
 )
 """Each is ``neorec.bench.<name>``, whose ``main(argv)`` parses its own flags."""
 

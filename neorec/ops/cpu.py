@@ -89,6 +89,7 @@ def cache_dir() -> Path:
 
 _SOURCES = (
     "csrc/tbe_cpu.c",
+    "csrc/seq_cpu.c",
     "csrc/row_cache.c",
     "csrc/id_map.c",
     "csrc/exfm_losses.c",
@@ -96,9 +97,10 @@ _SOURCES = (
     "csrc/shm_sync.c",
     "csrc/quant_lookup.c",
 )
-"""Compiled together into one library: the TBE kernel, the row cache's bookkeeping, the
-dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares), an ExFM student's
-losses (``neorec.ops.exfm_losses``), the row-range split of row-split tables' ids
+"""Compiled together into one library: the TBE kernel and its sequence (non-pooled) form
+(``neorec.ops.seq_lookup``, which reuses the TBE kernel's static functions), the row cache's
+bookkeeping, the dynamic tables' id map (whose argtypes ``neorec.ops.id_map`` declares), an ExFM
+student's losses (``neorec.ops.exfm_losses``), the row-range split of row-split tables' ids
 (``neorec.ops.row_split``), the shared-memory transport's sequence counters
 (``neorec.distributed.shm``) and the serving tables' pooled lookup (``neorec.ops.quant_lookup``)."""
 
