@@ -21,9 +21,7 @@ ARGV = ("locality", "--tables", "2", "--scale", "256")
 
 # Rows stored before the benchmark processes recorded their provenance: re-run each (``neorec
 # bench report --only NAME``) and take it off this list. A row not on it must verify.
-WITHOUT_PROVENANCE = {
-    "distill", "dynamic", "lowp_tables", "movielens", "step_torchrec_dcn", "step_torchrec_lowp",
-}  # fmt: skip
+WITHOUT_PROVENANCE = {"distill", "step_torchrec_dcn", "step_torchrec_lowp"}
 
 
 @pytest.fixture(scope="module")
