@@ -185,6 +185,8 @@ def quant_row(j: Mapping[str, Any]) -> str:
     met = ", ".join(f"{k} {'met' if t['met'] else 'not met'}" for k, t in j["targets"].items())
     als = j.get("als_error_over_svd")
     if als:  # per iteration count, the worst seed (a result stored before it had none)
-        its = ", ".join(f"{it} it {v:.4f}" for it, v in als.items())
+        its = ", ".join(
+            f"{it} it {v:.4f}" for it, v in sorted(als.items(), key=lambda kv: int(kv[0]))
+        )
         parts.append(f"ALS error / SVD optimum at rank {j['als_rank']}: {its}")
     return "; ".join(parts) + f"; targets: {met}; seeds {j['seeds']}"
