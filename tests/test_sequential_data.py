@@ -29,7 +29,10 @@ def test_time_order_ties_keep_file_order(tmp_path: Path) -> None:
     assert s.timestamps[s.offsets[1] :].tolist() == [100, 200, 200, 300]
     assert s.history(0).tolist() == [2]
     assert m["users"] == 2 and m["items"] == 4 and m["evaluable_users"] == 1
-    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["format"] == "neorec-sequential"
+    assert (
+        json.loads((tmp_path / "out" / "manifest.json").read_text())["format"]
+        == "neorec-sequential"
+    )
 
 
 def test_recbole_inter(tmp_path: Path) -> None:

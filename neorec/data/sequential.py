@@ -115,7 +115,9 @@ def read_interactions(d: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray
             continue
         for j, (c, name) in enumerate(zip(cols, names)):
             if c >= len(r):
-                raise DataError(f"{path}: row {i + 1}: no column {c + 1} ({name}); {len(r)} columns")
+                raise DataError(
+                    f"{path}: row {i + 1}: no column {c + 1} ({name}); {len(r)} columns"
+                )
             try:
                 x = float(r[c]) if j == 2 else int(r[c])
             except ValueError:
@@ -149,9 +151,7 @@ def build_sequences(users: np.ndarray, items: np.ndarray, ts: np.ndarray) -> Seq
     )  # fmt: skip
 
 
-def write_sequential(
-    inp: str | Path, out: str | Path, stdout: Any = None
-) -> dict[str, Any]:
+def write_sequential(inp: str | Path, out: str | Path, stdout: Any = None) -> dict[str, Any]:
     """Read a MovieLens folder, write its sequences into ``out``; the manifest."""
     users, items, ts, path = read_interactions(inp)
     s = build_sequences(users, items, ts)
@@ -189,7 +189,9 @@ def load_sequential(d: str | Path) -> SeqData:
         raise DataError(f"{d}: no manifest.json (write it with neorec data movielens --sequential)")
     m = json.loads(mf.read_text())
     if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise DataError(f"{mf}: format {m.get('format')!r} v{m.get('version')}, want {FORMAT} v{VERSION}")
+        raise DataError(
+            f"{mf}: format {m.get('format')!r} v{m.get('version')}, want {FORMAT} v{VERSION}"
+        )
     arr = {}
     for n in _ARRAYS:
         p = d / f"{n}.npy"

@@ -1,0 +1,113 @@
+"""Training and evaluating a sequential recommender (SASRec) on leave-one-out sequences.
+
+A small loop of its own (Adam on every parameter, the item table included): one example per user
+(:func:`neorec.data.seq_batches.train_arrays`), users shuffled each epoch, the loss over the item
+table chosen by ``loss``: ``full`` (softmax over all V items) or ``sampled`` (``negatives`` items
+drawn per batch from the train targets' popularity, logQ-corrected). Evaluation ranks every
+evaluable user's target against the full corpus (:mod:`neorec.metrics_rank`). It receives plain
+settings (:class:`SeqSettings`), never a ``Config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from neorec.data.seq_batches import EvalSet, item_counts, train_arrays
+from neorec.data.sequential import SeqData
+from neorec.metrics_rank import target_ranks
+from neorec.modules.sasrec import SASRec, full_softmax_loss, sampled_softmax_loss
+
+__all__ = ["SeqSettings", "make_model", "fit", "ranks_of", "LOSSES"]
+
+LOSSES = ("full", "sampled")
+
+
+@dataclass(frozen=True)
+class SeqSettings:
+    """What a sequential run is: the model's shape, its training and its loss."""
+
+    dim: int = 64
+    max_len: int = 50
+    blocks: int = 2
+    heads: int = 1
+    dropout: float = 0.2
+    lr: float = 1e-3
+    batch_size: int = 128
+    epochs: int = 200
+    loss: str = "full"
+    negatives: int = 256
+
+
+def make_model(num_items: int, st: SeqSettings, seed: int) -> SASRec:
+    """SASRec of ``st``'s shape, initialized from ``seed``."""
+    torch.manual_seed(seed)
+    return SASRec(num_items, st.dim, st.max_len, st.blocks, st.heads, st.dropout)
+
+
+def _log_q(data: SeqData) -> torch.Tensor:
+    """log of the sampling distribution over item indices (popularity + 1; index 0 never)."""
+    c = item_counts(data).astype(np.float64) + 1.0
+    c[0] = 0.0
+    q = c / c.sum()
+    with np.errstate(divide="ignore"):
+        return torch.from_numpy(np.log(q)).float()
+
+
+def _step_loss(model: SASRec, st: SeqSettings, x: torch.Tensor, y: torch.Tensor,
+               log_q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+    h = model(x)  # [B, L, D]
+    keep = y > 0
+    h, t = h[keep], y[keep]  # [N, D], [N]
+    table = model.items.weight
+    if st.loss == "full":
+        return full_softmax_loss(h, t, table)
+    neg = torch.multinomial(log_q.exp(), st.negatives, replacement=True, generator=gen)
+    return sampled_softmax_loss(h, t, table, neg, log_q)
+
+
+def fit(
+    data: SeqData,
+    st: SeqSettings,
+    seed: int,
+    on_epoch: Callable[[int, SASRec], None] | None = None,
+) -> SASRec:
+    """Train SASRec on ``data``'s train part for ``st.epochs``; ``on_epoch(epoch, model)`` after
+    each (1-based; the model in train mode again after it returns)."""
+    if st.loss not in LOSSES:
+        raise ValueError(f"loss {st.loss!r}: want one of {', '.join(LOSSES)}")
+    model = make_model(data.num_items, st, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=st.lr, betas=(0.9, 0.98))
+    inputs, targets = (torch.from_numpy(a) for a in train_arrays(data, st.max_len))
+    gen = torch.Generator().manual_seed(seed)
+    log_q = _log_q(data)
+    for epoch in range(1, st.epochs + 1):
+        model.train()
+        perm = torch.randperm(len(inputs), generator=gen)
+        for i in range(0, len(perm), st.batch_size):
+            idx = perm[i : i + st.batch_size]
+            loss = _step_loss(model, st, inputs[idx], targets[idx], log_q, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if on_epoch is not None:
+            on_epoch(epoch, model)
+    return model
+
+
+@torch.no_grad()
+def ranks_of(model: SASRec, ev: EvalSet, exclude_seen: bool, batch: int = 512) -> np.ndarray:
+    """0-based rank of each user's target among all items (ties pessimistic)."""
+    was = model.training
+    model.eval()
+    out = []
+    x = torch.from_numpy(ev.inputs)
+    for i in range(0, len(x), batch):
+        scores = model.scores(x[i : i + batch]).numpy()
+        seen: Sequence[np.ndarray] = ev.seen[i : i + batch]
+        out.append(target_ranks(scores, ev.targets[i : i + batch], seen, exclude_seen))
+    model.train(was)
+    return np.concatenate(out)
