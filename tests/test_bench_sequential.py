@@ -82,3 +82,20 @@ def test_logq_correction_brings_the_sampled_loss_to_the_full_one() -> None:
     fixed = sampled_softmax_loss(h, targets, table, neg, log_q)
     raw = sampled_softmax_loss(h, targets, table, neg, torch.zeros(v + 1))
     assert abs(fixed - full) < 0.05 < abs(raw - full)
+
+
+def test_neorec_train_sequential_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neorec.cli import main as cli_main
+    from neorec.data.sequential import write_sequential
+
+    write_sequential(_tiny(tmp_path / "ml"), tmp_path / "seq")
+    sets = [f"sequential.path='{tmp_path / 'seq'}'", "sequential.epochs=2", "sequential.dim=8",
+            "sequential.max_len=5", "sequential.loss='sampled'", "sequential.negatives=4",
+            f"train.run_dir='{tmp_path / 'run'}'"]  # fmt: skip
+    argv = ["train", "--config", "configs/sasrec_movielens.toml"]
+    assert cli_main(argv + [x for s in sets for x in ("--set", s)]) == 0
+    out = capsys.readouterr().out
+    assert "test: HR@10" in out and "valid: HR@10" in out
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["test"]["n"] == 12 and 0 <= m["test"]["ndcg@10"] <= 1 and m["candidates"] == 9
+    assert (tmp_path / "run" / "model.pt").is_file()

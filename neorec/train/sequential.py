@@ -10,42 +10,22 @@ settings (:class:`SeqSettings`), never a ``Config``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from neorec.builder.sequential import LOSSES, SeqSettings, make_model, seq_settings
+from neorec.config import Config, ConfigError
 from neorec.data.seq_batches import EvalSet, item_counts, train_arrays
 from neorec.data.sequential import SeqData
 from neorec.metrics_rank import target_ranks
 from neorec.modules.sasrec import SASRec, full_softmax_loss, sampled_softmax_loss
 
-__all__ = ["SeqSettings", "make_model", "fit", "ranks_of", "LOSSES"]
-
-LOSSES = ("full", "sampled")
-
-
-@dataclass(frozen=True)
-class SeqSettings:
-    """What a sequential run is: the model's shape, its training and its loss."""
-
-    dim: int = 64
-    max_len: int = 50
-    blocks: int = 2
-    heads: int = 1
-    dropout: float = 0.2
-    lr: float = 1e-3
-    batch_size: int = 128
-    epochs: int = 200
-    loss: str = "full"
-    negatives: int = 256
-
-
-def make_model(num_items: int, st: SeqSettings, seed: int) -> SASRec:
-    """SASRec of ``st``'s shape, initialized from ``seed``."""
-    torch.manual_seed(seed)
-    return SASRec(num_items, st.dim, st.max_len, st.blocks, st.heads, st.dropout)
+__all__ = ["SeqSettings", "fit", "ranks_of", "train_and_evaluate", "run_sequential"]
 
 
 def _log_q(data: SeqData) -> torch.Tensor:
@@ -111,3 +91,45 @@ def ranks_of(model: SASRec, ev: EvalSet, exclude_seen: bool, batch: int = 512) -
         out.append(target_ranks(scores, ev.targets[i : i + batch], seen, exclude_seen))
     model.train(was)
     return np.concatenate(out)
+
+
+def train_and_evaluate(
+    data: SeqData, st: SeqSettings, seed: int, exclude_seen: bool, out: Any = None
+) -> dict[str, Any]:
+    """One run: train, then the valid and test splits' metrics (``neorec train``'s sequential
+    path); a progress line per epoch to ``out``."""
+    from neorec.data.seq_batches import eval_set
+    from neorec.metrics_rank import rank_metrics
+
+    def say(epoch: int, model: SASRec) -> None:
+        if out is not None:
+            print(f"epoch {epoch}/{st.epochs}", file=out, flush=True)
+
+    model = fit(data, st, seed, say)
+    res: dict[str, Any] = {"exclude_seen": exclude_seen, "candidates": data.num_items}
+    for split in ("valid", "test"):
+        res[split] = rank_metrics(ranks_of(model, eval_set(data, split, st.max_len), exclude_seen))
+    res["model"] = model
+    return res
+
+
+def run_sequential(cfg: Config, run_dir: Path, out: Any) -> dict[str, Any]:
+    """Train and evaluate ``cfg``'s sequential model; write ``metrics.json`` and the weights
+    (``model.pt``) into ``run_dir``; the metrics."""
+    from neorec.data.sequential import load_sequential
+
+    sc = cfg.sequential
+    if not sc.enabled:
+        raise ConfigError("sequential.enabled is false: this config trains a DLRM")
+    data = load_sequential(sc.path)
+    res = train_and_evaluate(data, seq_settings(sc), cfg.train.seed, sc.exclude_seen, out)
+    model = res.pop("model")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), run_dir / "model.pt")
+    (run_dir / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+    for split in ("valid", "test"):
+        m = res[split]
+        print(f"{split}: HR@10 {m['hr@10']:.4f} NDCG@10 {m['ndcg@10']:.4f} MRR@10 {m['mrr@10']:.4f} "
+              f"HR@50 {m['hr@50']:.4f} ({int(m['n'])} users, {data.num_items} candidates, seen "
+              f"{'excluded' if sc.exclude_seen else 'kept'})", file=out, flush=True)  # fmt: skip
+    return res
