@@ -98,4 +98,9 @@ def test_neorec_train_sequential_config(tmp_path: Path, capsys: pytest.CaptureFi
     assert "test: HR@10" in out and "valid: HR@10" in out
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["test"]["n"] == 12 and 0 <= m["test"]["ndcg@10"] <= 1 and m["candidates"] == 9
-    assert (tmp_path / "run" / "model.pt").is_file()
+    assert (tmp_path / "run" / "sequential" / "model.pt").is_file()
+    assert cli_main(["eval", "--model", str(tmp_path / "run"), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["test"] == m["test"] and again["valid"] == m["valid"]  # the saved model, reloaded
+    assert cli_main(["eval", "--model", str(tmp_path / "run"), "--exclude-seen", "on"]) == 0
+    assert "seen items excluded" in capsys.readouterr().out

@@ -5,13 +5,14 @@ A small loop of its own (Adam on every parameter, the item table included): one 
 table chosen by ``loss``: ``full`` (softmax over all V items) or ``sampled`` (``negatives`` items
 drawn per batch from the train targets' popularity, logQ-corrected). Evaluation ranks every
 evaluable user's target against the full corpus (:mod:`neorec.metrics_rank`). It receives plain
-settings (:class:`SeqSettings`), never a ``Config``.
+settings (:class:`SeqSettings`); ``run_sequential`` is ``neorec train``'s sequential path (a run
+folder with ``config.toml``, ``metrics.json`` and the saved model, :mod:`neorec.serve.sequential`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,12 @@ import torch
 
 from neorec.builder.sequential import LOSSES, SeqSettings, make_model, seq_settings
 from neorec.config import Config, ConfigError
-from neorec.data.seq_batches import EvalSet, item_counts, train_arrays
+from neorec.data.seq_batches import item_counts, train_arrays
 from neorec.data.sequential import SeqData
-from neorec.metrics_rank import target_ranks
 from neorec.modules.sasrec import SASRec, full_softmax_loss, sampled_softmax_loss
+from neorec.serve.sequential import evaluate, metrics_line, ranks_of, save_model
 
-__all__ = ["SeqSettings", "fit", "ranks_of", "train_and_evaluate", "run_sequential"]
+__all__ = ["SeqSettings", "fit", "ranks_of", "run_sequential"]
 
 
 def _log_q(data: SeqData) -> torch.Tensor:
@@ -78,58 +79,28 @@ def fit(
     return model
 
 
-@torch.no_grad()
-def ranks_of(model: SASRec, ev: EvalSet, exclude_seen: bool, batch: int = 512) -> np.ndarray:
-    """0-based rank of each user's target among all items (ties pessimistic)."""
-    was = model.training
-    model.eval()
-    out = []
-    x = torch.from_numpy(ev.inputs)
-    for i in range(0, len(x), batch):
-        scores = model.scores(x[i : i + batch]).numpy()
-        seen: Sequence[np.ndarray] = ev.seen[i : i + batch]
-        out.append(target_ranks(scores, ev.targets[i : i + batch], seen, exclude_seen))
-    model.train(was)
-    return np.concatenate(out)
-
-
-def train_and_evaluate(
-    data: SeqData, st: SeqSettings, seed: int, exclude_seen: bool, out: Any = None
-) -> dict[str, Any]:
-    """One run: train, then the valid and test splits' metrics (``neorec train``'s sequential
-    path); a progress line per epoch to ``out``."""
-    from neorec.data.seq_batches import eval_set
-    from neorec.metrics_rank import rank_metrics
-
-    def say(epoch: int, model: SASRec) -> None:
-        if out is not None:
-            print(f"epoch {epoch}/{st.epochs}", file=out, flush=True)
-
-    model = fit(data, st, seed, say)
-    res: dict[str, Any] = {"exclude_seen": exclude_seen, "candidates": data.num_items}
-    for split in ("valid", "test"):
-        res[split] = rank_metrics(ranks_of(model, eval_set(data, split, st.max_len), exclude_seen))
-    res["model"] = model
-    return res
-
-
 def run_sequential(cfg: Config, run_dir: Path, out: Any) -> dict[str, Any]:
-    """Train and evaluate ``cfg``'s sequential model; write ``metrics.json`` and the weights
-    (``model.pt``) into ``run_dir``; the metrics."""
+    """Train ``cfg``'s sequential model, evaluate it (valid, test), save it and ``metrics.json``
+    into ``run_dir``; the metrics."""
     from neorec.data.sequential import load_sequential
+    from neorec.train.runs import dump_toml
 
     sc = cfg.sequential
     if not sc.enabled:
         raise ConfigError("sequential.enabled is false: this config trains a DLRM")
     data = load_sequential(sc.path)
-    res = train_and_evaluate(data, seq_settings(sc), cfg.train.seed, sc.exclude_seen, out)
-    model = res.pop("model")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), run_dir / "model.pt")
+    st = seq_settings(sc)
+
+    def say(epoch: int, model: SASRec) -> None:
+        print(f"epoch {epoch}/{st.epochs}", file=out, flush=True)
+
+    model = fit(data, st, cfg.train.seed, say)
+    res = evaluate(model, data, sc.exclude_seen)
+    save_model(run_dir, model, sc)
+    (run_dir / "config.toml").write_text(dump_toml(cfg.to_dict(), "neorec train: the run's config"))
     (run_dir / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     for split in ("valid", "test"):
-        m = res[split]
-        print(f"{split}: HR@10 {m['hr@10']:.4f} NDCG@10 {m['ndcg@10']:.4f} MRR@10 {m['mrr@10']:.4f} "
-              f"HR@50 {m['hr@50']:.4f} ({int(m['n'])} users, {data.num_items} candidates, seen "
-              f"{'excluded' if sc.exclude_seen else 'kept'})", file=out, flush=True)  # fmt: skip
+        print(
+            metrics_line(split, res[split], data.num_items, sc.exclude_seen), file=out, flush=True
+        )
     return res
