@@ -160,14 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        return _run(a)
+    finally:
+        torch.set_num_threads(threads)  # a caller's (a test's) own setting back
+
+
+def _run(a: argparse.Namespace) -> int:
+    """Selection, the reported seeds, the table and the JSON line."""
     from neorec.bench.movielens import RECBOLE, cache_dir, fetch_ml100k
     from neorec.data.seq_batches import eval_set
     from neorec.data.sequential import load_sequential, write_sequential
     from neorec.machine import cpu_model_and_flags
     from neorec.metrics_rank import per_user_metrics
     from neorec.train.sequential import fit, ranks_of
-
-    torch.set_num_threads(a.threads)
 
     def say(s: str) -> None:
         print(s, flush=True)
