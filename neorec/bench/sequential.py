@@ -33,8 +33,9 @@ from neorec.errors import ConfigError
 
 __all__ = ["main", "QUICK", "pop_ranks", "summarize"]
 
-QUICK = {"dropout": 0.2, "epochs": 40}
-"""``--quick``'s settings (no search)."""
+QUICK = {"dropout": 0.5, "epochs": 40}
+"""``--quick``'s settings (no search): those the full search chose on ML-100K (select seed 0,
+validation NDCG@10 0.0590; dropout 0.2 / 0.5 x epochs 20 / 40 / 60)."""
 METRICS = ("hr@10", "ndcg@10", "mrr@10", "hr@50", "ndcg@50", "mrr@50", "mrr")
 
 
