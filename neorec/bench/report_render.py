@@ -19,6 +19,9 @@ __all__ = [
     "quant_lookup",
     "largebatch",
     "seqlookup",
+    "dynamic_speed",
+    "distill_speed",
+    "sequential",
 ]
 
 
@@ -194,3 +197,34 @@ def seqlookup(j: Json) -> str:
     out = f"{j['ms_per_step']:.1f} ms/step; vs torch {iv(j['speedup_vs_torch'], '.2f', '×')}"
     fb = j.get("speedup_vs_fbgemm")
     return out + (f"; vs FBGEMM {iv(fb, '.2f', '×')}" if fb else "; FBGEMM not run")
+
+
+def dynamic_speed(j: Json) -> str:
+    """A dynamic table's speed against a plain table per memory budget, and the id map's rate."""
+    return (
+        "; ".join(
+            f"{100 * t['budget_fraction']:g}% memory: {iv(t['ratio_dynamic_vs_plain'], '.2f', '×')}"
+            for t in j["throughput"]
+        )
+        + f"; id map {j['map_ids_per_s'] / 1e6:.1f} M ids/s"
+    )
+
+
+def distill_speed(j: Json) -> str:
+    """A student's throughput next to its FM against alone, per k."""
+    return "; ".join(
+        f"k={k}: " + ", ".join(f"{s} {iv(v, '.2f', '×')}" for s, v in by.items())
+        for k, by in j["throughput_vs_alone"].items()
+    )
+
+
+def sequential(j: Json) -> str:
+    """SASRec and the popularity ranking on the test split, full corpus, seen items as run."""
+    p, s, pop = j["protocol"], j["sasrec"], j["pop"]
+    seen = "seen items excluded" if p["exclude_seen"] else "seen items kept"
+    return (
+        f"SASRec HR@10 {iv(s['hr@10'], '.4f')}, NDCG@10 {iv(s['ndcg@10'], '.4f')}, MRR@10 "
+        f"{iv(s['mrr@10'], '.4f')} (over seeds {_seeds(j['seeds'])}; users: HR@10 "
+        f"{iv(s['users']['hr@10'], '.4f')}); popularity HR@10 {pop['hr@10']['value']:.4f}, NDCG@10 "
+        f"{pop['ndcg@10']['value']:.4f}; {p['candidates']}, {seen}, leave-one-out test"
+    )

@@ -240,23 +240,6 @@ def _dynamic(stream: str) -> Callable[[Json], str]:
     return render
 
 
-def _dynamic_speed(j: Json) -> str:
-    return (
-        "; ".join(
-            f"{100 * t['budget_fraction']:g}% memory: {iv(t['ratio_dynamic_vs_plain'], '.2f', '×')}"
-            for t in j["throughput"]
-        )
-        + f"; id map {j['map_ids_per_s'] / 1e6:.1f} M ids/s"
-    )
-
-
-def _distill_speed(j: Json) -> str:
-    return "; ".join(
-        f"k={k}: " + ", ".join(f"{s} {iv(v, '.2f', '×')}" for s, v in by.items())
-        for k, by in j["throughput_vs_alone"].items()
-    )
-
-
 def _planner_measured(j: Json) -> str:
     return (
         f"**{iv(j['paired_ratio_by_task'], '.3f')}** over {j['paired_ratio_by_task']['n']} tasks; "
@@ -452,7 +435,7 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "distill_speed", "ExFM throughput vs the student alone, interleaved rounds", "≥ 0.9×",
-        (), (), _distill_speed, source="distill",
+        (), (), _render.distill_speed, source="distill",
     ),
     Entry(
         "dynamic", "dynamic vs hashed tables, equal memory, NE, the stream where exact ids matter",
@@ -466,7 +449,7 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "dynamic_speed", "dynamic table's speed vs a plain table, interleaved rounds", "≥ 0.7×",
-        (), (), _dynamic_speed, source="dynamic",
+        (), (), _render.dynamic_speed, source="dynamic",
     ),
     Entry(
         "data", "Criteo and Parquet / CSV preprocessing and readers", "—", ("data",), ("data", "--lines", "20000"), _data,
@@ -474,6 +457,12 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "movielens", "MovieLens-100K (real ratings, click = rating ≥ 4, time split): eval AUC",
         "above the LR baseline", ("movielens",), ("movielens", "--quick"), _render.movielens,
+    ),
+    Entry(
+        "sequential", "SASRec on MovieLens-100K sequences: next item ranked against the full corpus "
+        "(leave-one-out test; settings chosen on valid + dev seeds)", "≥ published SASRec",
+        ("sequential", "--model", "sasrec", "--seeds", "5", "--seed-base", "100"),
+        ("sequential", "--model", "sasrec", "--quick", "--seeds", "2"), _render.sequential,
     ),
     Entry(
         "largebatch", "large batch: default model at B = 512, 8·B and 32·B (CowClip), the same samples",

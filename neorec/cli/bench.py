@@ -23,6 +23,7 @@ BENCHES = (
     "distill",
     "largebatch",
     "movielens",
+    "sequential",
     "report",
     "soak",
     "serve",

@@ -242,7 +242,18 @@ def movielens_main(argv: list[str] | None = None, out: Any = None) -> int:
     p.add_argument("--input", required=True, help="the unpacked GroupLens directory")
     p.add_argument("--output", required=True, help="output directory (shards)")
     p.add_argument("--workers", type=int, default=0, help="processes (0 = one per core)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="write each user's time-ordered history instead (leave-one-out: last = test, the "
+        "one before = valid; docs/data.md), for configs/sasrec_movielens.toml",
+    )
     a = p.parse_args(argv)
+    if a.sequential:
+        from neorec.data.sequential import write_sequential
+
+        write_sequential(a.input, a.output, stdout=sys.stdout if out is None else out)
+        return 0
     from neorec.data.movielens import movielens
 
     movielens(a.input, a.output, workers=a.workers, stdout=sys.stdout if out is None else out)

@@ -47,10 +47,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``neorec eval``."""
     model_arguments(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON line too")
+    p.add_argument(
+        "--exclude-seen",
+        choices=["on", "off"],
+        help="a sequential run: remove each user's history from the candidates (default: as "
+        "the run was configured)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate; print the metrics."""
+    from neorec.serve.sequential import is_sequential_run
+
+    if is_sequential_run(args.model):
+        return _sequential(args)
     from neorec.serve.commands import run_eval
 
     return run_eval(args)
+
+
+def _sequential(args: argparse.Namespace) -> int:
+    """A ``[sequential]`` run: HR / NDCG / MRR of its validation and test targets, full corpus."""
+    import json
+
+    from neorec.serve.sequential import eval_run, metrics_line
+
+    excl = None if args.exclude_seen is None else args.exclude_seen == "on"
+    res = eval_run(args.model, args.data, excl)
+    for split in ("valid", "test"):
+        print(metrics_line(split, res[split], res["candidates"], res["exclude_seen"]), flush=True)
+    if args.json:
+        print(json.dumps(res, sort_keys=True), flush=True)
+    return 0

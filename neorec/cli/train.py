@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.set)  # checked once here, before any rank starts
     run = resolve_run(cfg)  # the run folder, chosen once (a new one is reserved now)
+    if cfg.sequential.enabled:
+        return _sequential(args, cfg, run)
     try:
         cfg, restored = _run_config(args, run, cfg.checkpoint.dir)
         done = finished_line(run, cfg) if args.resume and not run.created else None
@@ -146,6 +148,20 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         print(interrupted_line(run.apply(cfg), resume, step_of(e)), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    return 0
+
+
+def _sequential(args: argparse.Namespace, cfg: Any, run: Any) -> int:
+    """``[sequential]``: SASRec in its own loop, one process (docs/data.md)."""
+    from neorec.config import ConfigError
+    from neorec.train.sequential import run_sequential
+
+    if args.nproc > 1 or args.resume:
+        run.discard_if_empty()
+        raise ConfigError("a [sequential] run trains in one process and cannot resume yet: "
+                          "drop --nproc / --resume")  # fmt: skip
+    print(f"run folder: {run.path}", flush=True)
+    run_sequential(cfg, run.path, sys.stdout)
     return 0
 
 

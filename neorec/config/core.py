@@ -20,6 +20,7 @@ from neorec.config.run import (
     StorageConfig,
     TrainConfig,
 )
+from neorec.config.sequential import SequentialConfig
 from neorec.config.system import SystemConfig
 from neorec.config.towers import TowersConfig
 from neorec.errors import ConfigError
@@ -47,6 +48,7 @@ class Config:
     towers: TowersConfig = field(default_factory=TowersConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    sequential: SequentialConfig = field(default_factory=SequentialConfig)
 
     def describe_model(self) -> dict[str, Any]:
         """What the config says of the model's shape: tables, pooling, optimizers and the dense
