@@ -45,6 +45,20 @@ def _rows(model: SimpleNamespace, lines: list[str], weights: bool = False) -> li
     return json_rows(*model.predictor.inputs_from_raw(lines, labels=True), weights=weights)
 
 
+def _as_served(predictor: Any, rows: list[dict]) -> np.ndarray:
+    """The Predictor's answer on ``rows`` at the server's intra-op threads (``--threads``,
+    default 1): the dense program's GEMMs split rows by thread count, so another count may
+    differ in the last bit."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return np.asarray(predictor(*predictor_inputs(rows, predictor.features)))
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.bitwise
 def test_predict_equals_the_predictor(model: SimpleNamespace, srv: Server) -> None:
     status, _, health = srv.request("GET", "/healthz")
@@ -55,7 +69,7 @@ def test_predict_equals_the_predictor(model: SimpleNamespace, srv: Server) -> No
         status, out = srv.predict({"rows": rows, "batch_info": True})
         assert status == 200, out
         assert out["batch"]["rows"] == 7 and out["batch"]["offset"] == 0  # batched alone
-        want = model.predictor(*predictor_inputs(rows, model.predictor.features))
+        want = _as_served(model.predictor, rows)
         got = np.asarray(out["predictions"], dtype=np.float32)
         assert np.array_equal(got, want), np.abs(got - want).max()
 
@@ -153,7 +167,7 @@ def test_a_batch_of_requests_equals_the_predictor_on_that_batch(
     assert len({i["batch"] for i in infos}) == 1 and {i["requests"] for i in infos} == {3}
     order = sorted(range(3), key=lambda k: infos[k]["offset"])
     rows = [r for k in order for r in parts[k]]
-    want = model.predictor(*predictor_inputs(rows, model.predictor.features))
+    want = _as_served(model.predictor, rows)
     for k in range(3):
         got = np.asarray(answers[k][1]["predictions"], dtype=np.float32)
         off = infos[k]["offset"]
