@@ -343,7 +343,8 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry(
         "threads", "the Parquet example beside two busy loops: default intra-op threads, paired by "
-        "round", "≤ 1.5× the quiet time", ("threads", "--rounds", "3"),
+        "round", "≤ 1.5× the quiet time",
+        ("threads", "--rounds", "5", "--train-rows", "100000", "--eval-rows", "10000"),
         ("threads", "--rounds", "1", "--train-rows", "2000", "--eval-rows", "500"), _threads,
     ),
     Entry(
