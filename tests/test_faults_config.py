@@ -237,6 +237,20 @@ SPEC: dict[str, tuple[Any, ...]] = {
     "train.device": ("choice", ("cpu", "cuda")),
     "train.schedule": ("section",),  # its own fields: tests/test_schedule.py
     "train.qat": ("section",),  # its own fields: tests/test_qat.py
+    "sequential.enabled": ("choice", (False,)),  # true alone is refused: it needs .path
+    "sequential.path": ("str", False),
+    "sequential.model": ("choice", ("sasrec",)),
+    "sequential.dim": ("int", 1, 4096),
+    "sequential.max_len": ("int", 1, 4096),
+    "sequential.blocks": ("int", 1, 64),
+    "sequential.heads": ("int", 1, 64),
+    "sequential.dropout": ("float", 0, False, 0.99),
+    "sequential.lr": ("float", 0, True, 10),
+    "sequential.batch_size": ("int", 1, 1 << 20),
+    "sequential.epochs": ("int", 1, 100_000),
+    "sequential.loss": ("choice", ("full", "sampled")),
+    "sequential.negatives": ("int", 1, 1 << 20),
+    "sequential.exclude_seen": ("bool",),
     "train.lr_scaling": ("choice", ("none", "linear", "sqrt", "cowclip")),
     "train.reference_batch": ("int", 0, 2**24),  # > 0 only with lr_scaling (not mutated here)
     "sharding.plan": ("str", False),
