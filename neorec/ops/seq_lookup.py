@@ -325,28 +325,11 @@ def get_seq_backend(name: str, device: torch.device | str = "cpu") -> SeqBackend
     return backend
 
 
-class _SeqFunction(torch.autograd.Function):
-    """Forward: the flat lookup. Backward: hands d(out) to ``update``; no weight gradient."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, anchor: Tensor, run: Callable[[], Tensor], update: Callable[[Tensor], None]
-    ) -> Tensor:
-        ctx.update = update
-        return run()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
-        ctx.update(grad.contiguous())
-        return None, None, None
-
-
 def seq_lookup(
     anchor: Tensor, run: Callable[[], Tensor], update: Callable[[Tensor], None]
 ) -> Tensor:
     """``run()`` (the flat output) in the autograd graph through the zero-element ``anchor``
     (``requires_grad``): its backward calls ``update(grad)``, the weights get no ``.grad``."""
-    if not (torch.is_grad_enabled() and anchor.requires_grad):
-        return run()
-    out: Tensor = _SeqFunction.apply(anchor, run, update)
-    return out
+    from neorec.ops.tbe import fused_op
+
+    return fused_op(anchor, run, update)

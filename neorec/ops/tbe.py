@@ -44,6 +44,7 @@ from neorec.ops.tbe_types import Lookup, PoolingMode, TBEBackend, TBELayout
 
 __all__ = [
     "PoolingMode",
+    "fused_op",
     "TBELayout",
     "Lookup",
     "TBEBackend",
@@ -170,7 +171,7 @@ def _cpu_kernel_available() -> bool:
 
 
 class _TBEFunction(torch.autograd.Function):
-    """Forward: pooled lookup. Backward: hands d(out) to ``update``; no weight gradient."""
+    """Forward: ``run()`` (a lookup). Backward: hands d(out) to ``update``; no weight gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -207,6 +208,14 @@ def tbe_lookup(
     def run() -> Tensor:
         return backend.forward(layout, weights, lookup)
 
+    return fused_op(anchor, run, update)
+
+
+def fused_op(anchor: Tensor, run: Callable[[], Tensor], update: Callable[[Tensor], None]) -> Tensor:
+    """``run()`` in the autograd graph through the zero-element ``anchor`` (``requires_grad``):
+    its backward calls ``update(grad)`` and the weights get no ``.grad``; outside autograd (no
+    grad, or an anchor that needs none), plainly ``run()``. The pooled and the sequence lookups
+    both go through it."""
     if not (torch.is_grad_enabled() and anchor.requires_grad):
         return run()
     out: Tensor = _TBEFunction.apply(anchor, run, update)
